@@ -1,0 +1,1 @@
+"""Shared REST API pieces: pagination, error handling, the scoped viewset base, the router."""

@@ -1,0 +1,1 @@
+"""Hardware access (NVML, Triton) behind one interface with real and simulated backends."""

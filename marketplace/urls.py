@@ -1,0 +1,23 @@
+"""Root URLs: admin, REST API v1, OpenAPI schema and docs, health."""
+
+from django.contrib import admin
+from django.http import JsonResponse
+from django.urls import include, path
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+
+
+def healthz(request):
+    return JsonResponse({"status": "ok"})
+
+
+api_v1 = [
+    path("", include("tenants.api.urls")),
+]
+
+urlpatterns = [
+    path("admin/", admin.site.urls),
+    path("api/v1/", include((api_v1, "api"), namespace="api")),
+    path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
+    path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
+    path("healthz", healthz, name="healthz"),
+]

@@ -1,0 +1,1 @@
+"""Telemetry: NVML collector, Triton scraper, usage metering and rollups, energy, charts, metrics."""

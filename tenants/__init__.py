@@ -1,0 +1,1 @@
+"""Tenants: users, tenants, memberships and roles, invitations, API keys, quotas, tenant scoping."""

@@ -1,0 +1,112 @@
+from __future__ import annotations
+
+from rest_framework import serializers
+
+from ..models import ApiKey, Invitation, Membership, Tenant
+from ..roles import Role, Scope
+from ..scoping import principal_for
+
+
+class TenantSerializer(serializers.ModelSerializer):
+    member_count = serializers.IntegerField(read_only=True)
+    active_key_count = serializers.IntegerField(read_only=True)
+    owner_email = serializers.EmailField(write_only=True, required=False,
+                                         help_text="invite this person as the first owner")
+
+    class Meta:
+        model = Tenant
+        fields = [
+            "id", "name", "slug", "status", "billing_email", "currency", "created_at",
+            "suspended_at", "suspended_reason",
+            "max_slices", "max_slices_per_tier", "max_memory_gb",
+            "monthly_spend_limit", "spend_warn_ratio", "spend_block_ratio",
+            "member_count", "active_key_count", "owner_email",
+        ]
+        read_only_fields = ["id", "status", "created_at", "suspended_at", "suspended_reason"]
+        extra_kwargs = {"slug": {"validators": []}}  # uniqueness is the service's (409)
+
+    def get_fields(self):
+        fields = super().get_fields()
+        if self.instance is not None:  # slug is fixed once created
+            fields["slug"].read_only = True
+        return fields
+
+
+class SuspendSerializer(serializers.Serializer):
+    reason = serializers.CharField(max_length=500, required=False, allow_blank=True, default="")
+
+
+class UserBriefSerializer(serializers.Serializer):
+    id = serializers.IntegerField()
+    email = serializers.EmailField()
+    full_name = serializers.CharField()
+
+
+class MembershipSerializer(serializers.ModelSerializer):
+    user = UserBriefSerializer(read_only=True)
+    tenant = serializers.SlugRelatedField(slug_field="slug", read_only=True)
+
+    class Meta:
+        model = Membership
+        fields = ["id", "tenant", "user", "role", "created_at"]
+        read_only_fields = ["id", "tenant", "user", "created_at"]
+
+
+class ScopedTenantField(serializers.SlugRelatedField):
+    """A tenant, by slug, among those the caller can see (others: 'does not exist')."""
+
+    def __init__(self, **kwargs):
+        kwargs.setdefault("slug_field", "slug")
+        super().__init__(**kwargs)
+
+    def get_queryset(self):
+        request = self.context["request"]
+        return Tenant.objects.visible_to(principal_for(request))
+
+
+class InvitationSerializer(serializers.ModelSerializer):
+    tenant = ScopedTenantField()
+    status = serializers.CharField(read_only=True)
+    invited_by = serializers.EmailField(source="invited_by.email", read_only=True, default=None)
+
+    class Meta:
+        model = Invitation
+        fields = ["id", "tenant", "email", "role", "status", "invited_by", "created_at", "expires_at"]
+        read_only_fields = ["id", "status", "invited_by", "created_at", "expires_at"]
+        validators = []  # the pending-invitation uniqueness is the service's (409)
+
+
+class AcceptInvitationSerializer(serializers.Serializer):
+    token = serializers.CharField(max_length=200)
+
+
+class ApiKeySerializer(serializers.ModelSerializer):
+    tenant = ScopedTenantField(required=False, allow_null=True,
+                               help_text="tenant slug; omit for an MSP operator key (operators only)")
+    scopes = serializers.ListField(child=serializers.ChoiceField(choices=Scope.choices), allow_empty=False)
+    status = serializers.CharField(read_only=True)
+    created_by = serializers.EmailField(source="created_by.email", read_only=True, default=None)
+
+    class Meta:
+        model = ApiKey
+        fields = ["id", "tenant", "name", "prefix", "scopes", "status", "created_by", "created_at",
+                  "expires_at", "last_used_at", "revoked_at"]
+        read_only_fields = ["id", "prefix", "status", "created_by", "created_at", "last_used_at", "revoked_at"]
+
+
+class ApiKeyCreatedSerializer(ApiKeySerializer):
+    key = serializers.CharField(read_only=True, help_text="the secret; shown once, never again")
+
+    class Meta(ApiKeySerializer.Meta):
+        fields = [*ApiKeySerializer.Meta.fields, "key"]
+
+
+class MeSerializer(serializers.Serializer):
+    kind = serializers.CharField()
+    email = serializers.EmailField(allow_null=True)
+    is_operator = serializers.BooleanField()
+    memberships = serializers.ListField(child=serializers.DictField())
+    api_key = serializers.DictField(allow_null=True)
+
+
+ROLE_CHOICES = Role.choices

@@ -1,0 +1,16 @@
+from django.urls import path
+from rest_framework.routers import SimpleRouter
+
+from . import views
+
+router = SimpleRouter()
+router.register("tenants", views.TenantViewSet, basename="tenant")
+router.register("memberships", views.MembershipViewSet, basename="membership")
+router.register("invitations", views.InvitationViewSet, basename="invitation")
+router.register("api-keys", views.ApiKeyViewSet, basename="apikey")
+
+urlpatterns = [
+    path("me/", views.MeView.as_view(), name="me"),
+    path("invitations/accept/", views.AcceptInvitationView.as_view(), name="invitation-accept"),
+    *router.urls,
+]

@@ -1,0 +1,44 @@
+"""DRF permission that applies the tenant model: capabilities per action, scopes for keys.
+
+Views declare what each action needs::
+
+    capabilities = {"list": "read", "retrieve": "read", "create": "manage_keys", "destroy": "manage_keys"}
+
+Unlisted safe actions need "read"; unlisted unsafe actions need "manage_tenant". Reads are
+already filtered by ``visible_to``, so a foreign object is a 404; an object the principal can see
+but not change gives 403.
+"""
+
+from __future__ import annotations
+
+from rest_framework import permissions
+
+from .scoping import principal_for
+
+
+def required_capability(view, request) -> str:
+    action = getattr(view, "action", None) or request.method.lower()
+    caps = getattr(view, "capabilities", {})
+    if action in caps:
+        return caps[action]
+    return "read" if request.method in permissions.SAFE_METHODS else "manage_tenant"
+
+
+def object_tenant_id(obj) -> int | None:
+    path = type(obj).tenant_path
+    value = obj
+    for part in path.replace("__", ".").split("."):
+        value = getattr(value, part)
+    return value
+
+
+class TenantAccess(permissions.BasePermission):
+    message = "Your role or API-key scopes do not allow this."
+
+    def has_permission(self, request, view) -> bool:
+        if not (request.user and request.user.is_authenticated):
+            return False
+        return principal_for(request).can(required_capability(view, request))
+
+    def has_object_permission(self, request, view, obj) -> bool:
+        return principal_for(request).can(required_capability(view, request), object_tenant_id(obj))

@@ -1,0 +1,49 @@
+"""Roles and what each may do. One table; every check in the code asks `role_allows`."""
+
+from __future__ import annotations
+
+from django.db import models
+
+
+class Role(models.TextChoices):
+    OWNER = "owner", "Owner"
+    ADMIN = "admin", "Admin"
+    MEMBER = "member", "Member"
+    BILLING = "billing", "Billing"
+    VIEWER = "viewer", "Viewer"
+
+
+# Capabilities: read (see the tenant's objects), manage_tenant (edit the tenant profile),
+# manage_members (invite, change roles, remove), manage_keys (create/revoke API keys),
+# billing (invoices, usage, spend), deploy (order slices, deploy models).
+CAPABILITIES: dict[str, frozenset[str]] = {
+    Role.OWNER: frozenset({"read", "manage_tenant", "manage_members", "manage_keys", "billing", "deploy"}),
+    Role.ADMIN: frozenset({"read", "manage_tenant", "manage_members", "manage_keys", "billing", "deploy"}),
+    Role.MEMBER: frozenset({"read", "deploy"}),
+    Role.BILLING: frozenset({"read", "billing"}),
+    Role.VIEWER: frozenset({"read"}),
+}
+
+ALL_CAPABILITIES = frozenset().union(*CAPABILITIES.values())
+
+
+def role_allows(role: str, capability: str) -> bool:
+    return capability in CAPABILITIES.get(role, frozenset())
+
+
+class Scope(models.TextChoices):
+    """API-key scopes. A key may do exactly what its scopes name, on its own tenant."""
+
+    READ = "read", "Read the tenant's objects"
+    USAGE_WRITE = "usage:write", "Report usage events"
+    BILLING_READ = "billing:read", "Read usage summaries and invoices"
+    DEPLOYMENTS_WRITE = "deployments:write", "Order slices and deploy models"
+
+
+# Which capability each scope grants to a key (keys never manage members, keys or the tenant).
+SCOPE_CAPABILITY = {
+    Scope.READ: "read",
+    Scope.USAGE_WRITE: "usage",
+    Scope.BILLING_READ: "billing",
+    Scope.DEPLOYMENTS_WRITE: "deploy",
+}

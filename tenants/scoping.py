@@ -1,0 +1,123 @@
+"""The one tenant-scoping mechanism.
+
+A request is turned into a ``Principal`` once (``principal_for``). Every model that belongs to a
+tenant uses ``TenantScopedQuerySet`` and names its path to the tenant id in ``tenant_path``
+("tenant_id", "allocation__tenant_id", ...). Every view, API and selector reads through
+``Model.objects.visible_to(principal, capability)``, so objects of other tenants are simply not
+there (a foreign id gives 404, never 403 and never the data).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.db import models
+
+from .roles import CAPABILITIES, SCOPE_CAPABILITY
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is asking: a user (roles per tenant) or an API key (scopes on one tenant)."""
+
+    user: Any = None
+    api_key: Any = None
+    is_operator: bool = False
+    roles: dict[int, str] = field(default_factory=dict)  # tenant id -> role (users)
+    key_tenant_id: int | None = None
+    scopes: frozenset[str] | None = None  # None: a user, whose role decides
+    suspended: frozenset[int] = frozenset()  # tenants that may only read and see billing
+
+    @property
+    def is_authenticated(self) -> bool:
+        return self.user is not None or self.api_key is not None
+
+    def _key_allows(self, capability: str) -> bool:
+        return any(SCOPE_CAPABILITY.get(s) == capability for s in (self.scopes or ()))
+
+    def can(self, capability: str, tenant_id: int | None = None) -> bool:
+        """May this principal exercise `capability` on `tenant_id` (None: on some tenant)?"""
+        ids = self.tenant_ids(capability)
+        if ids is None:
+            return True
+        return bool(ids) if tenant_id is None else tenant_id in ids
+
+    def tenant_ids(self, capability: str = "read") -> set[int] | None:
+        """Tenant ids this principal may `capability` on; None means every tenant (operators)."""
+        if self.api_key is not None:
+            if not self._key_allows(capability):
+                return set()
+            if self.key_tenant_id is None:
+                return None if self.is_operator else set()
+            ids = {self.key_tenant_id}
+        elif self.is_operator:
+            return None
+        else:
+            ids = {t for t, r in self.roles.items() if capability in CAPABILITIES.get(r, ())}
+        if capability not in READ_ONLY_CAPS:
+            ids -= self.suspended
+        return ids
+
+    def role_in(self, tenant_id: int) -> str | None:
+        return self.roles.get(tenant_id)
+
+
+ANONYMOUS = Principal()
+READ_ONLY_CAPS = frozenset({"read", "billing"})
+
+
+class TenantScopedQuerySet(models.QuerySet):
+    def visible_to(self, principal: Principal, capability: str = "read") -> TenantScopedQuerySet:
+        ids = principal.tenant_ids(capability)
+        if ids is None:
+            return self.all()
+        if not ids:
+            return self.none()
+        return self.filter(**{f"{self.model.tenant_path}__in": ids})
+
+    def for_tenant(self, tenant_id: int) -> TenantScopedQuerySet:
+        return self.filter(**{self.model.tenant_path: tenant_id})
+
+
+def principal_for_user(user) -> Principal:
+    if user is None or not getattr(user, "is_authenticated", False) or not user.is_active:
+        return ANONYMOUS
+    from .models import Membership, Tenant
+
+    rows = Membership.objects.filter(user=user).values_list("tenant_id", "role", "tenant__status")
+    roles = {t: r for t, r, _ in rows}
+    suspended = frozenset(t for t, _, s in rows if s != Tenant.Status.ACTIVE)
+    return Principal(user=user, is_operator=user.is_operator, roles=roles, suspended=suspended)
+
+
+def principal_for_key(key) -> Principal:
+    creator = key.created_by
+    is_operator = key.tenant_id is None and creator is not None and creator.is_operator
+    suspended = frozenset()
+    if key.tenant_id is not None and key.tenant.status != key.tenant.Status.ACTIVE:
+        suspended = frozenset({key.tenant_id})
+    return Principal(
+        api_key=key,
+        is_operator=is_operator,
+        key_tenant_id=key.tenant_id,
+        scopes=frozenset(key.scopes),
+        suspended=suspended,
+    )
+
+
+def principal_for(request) -> Principal:
+    """The principal of a Django or DRF request, computed once and cached on the request."""
+    django_request = getattr(request, "_request", request)
+    cached = getattr(django_request, "_tessera_principal", None)
+    if cached is not None:
+        return cached
+    from .models import ApiKey
+
+    auth = getattr(request, "auth", None)
+    if isinstance(auth, ApiKey):
+        principal = principal_for_key(auth)
+    else:
+        principal = principal_for_user(getattr(request, "user", None))
+    django_request._tessera_principal = principal
+    return principal

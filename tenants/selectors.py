@@ -1,0 +1,27 @@
+"""Reads for tenancy, always through the principal's scope."""
+
+from __future__ import annotations
+
+from django.db.models import Count, Q
+
+from .models import ApiKey, Invitation, Membership, Tenant
+from .scoping import Principal
+
+
+def tenants(principal: Principal):
+    return Tenant.objects.visible_to(principal).annotate(
+        member_count=Count("memberships", distinct=True),
+        active_key_count=Count("api_keys", filter=Q(api_keys__revoked_at__isnull=True), distinct=True),
+    )
+
+
+def memberships(principal: Principal):
+    return Membership.objects.visible_to(principal).select_related("user", "tenant")
+
+
+def invitations(principal: Principal):
+    return Invitation.objects.visible_to(principal, "manage_members").select_related("tenant", "invited_by")
+
+
+def api_keys(principal: Principal):
+    return ApiKey.objects.visible_to(principal, "manage_keys").select_related("tenant", "created_by")

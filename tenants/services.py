@@ -1,0 +1,260 @@
+"""Writes for tenancy: tenants, memberships, invitations, API keys. Each is one transaction."""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+
+from django.conf import settings
+from django.core.mail import send_mail
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from . import keys
+from .errors import Conflict, Forbidden, ServiceError
+from .models import ApiKey, Invitation, Membership, Tenant, User
+from .roles import Role, Scope
+from .scoping import Principal
+
+log = logging.getLogger("tessera.tenants")
+
+TENANT_PROFILE_FIELDS = {"name", "billing_email", "currency"}
+TENANT_QUOTA_FIELDS = {
+    "max_slices", "max_slices_per_tier", "max_memory_gb",
+    "monthly_spend_limit", "spend_warn_ratio", "spend_block_ratio",
+}
+
+
+def _require(principal: Principal, capability: str, tenant_id: int | None) -> None:
+    if not principal.can(capability, tenant_id):
+        raise Forbidden("Your role or API-key scopes do not allow this.")
+
+
+def _check_quota_values(values: dict) -> None:
+    total = values.get("max_slices")
+    per_tier = values.get("max_slices_per_tier")
+    if total is not None and per_tier is not None and per_tier > total:
+        raise ServiceError("cannot exceed max_slices", field="max_slices_per_tier")
+    warn, block = values.get("spend_warn_ratio"), values.get("spend_block_ratio")
+    if warn is not None and block is not None and warn > block:
+        raise ServiceError("cannot exceed spend_block_ratio", field="spend_warn_ratio")
+
+
+# --- tenants ----------------------------------------------------------------------------------
+
+@transaction.atomic
+def create_tenant(principal: Principal, *, owner_email: str | None = None, **fields) -> Tenant:
+    """Operators create tenants. With owner_email, the first owner is invited (or added if known)."""
+    _require(principal, "operate", None)
+    if Tenant.objects.filter(slug=fields["slug"]).exists():
+        raise Conflict("a tenant with this slug exists", field="slug")
+    defaults = {f.name: f.get_default() for f in Tenant._meta.fields if f.name in TENANT_QUOTA_FIELDS}
+    _check_quota_values({**defaults, **fields})
+    tenant = Tenant.objects.create(**fields)
+    if owner_email:
+        invite(principal, tenant=tenant, email=owner_email, role=Role.OWNER)
+    log.info("tenant created", extra={"tenant": tenant.slug})
+    return tenant
+
+
+@transaction.atomic
+def update_tenant(principal: Principal, tenant: Tenant, **fields) -> Tenant:
+    """Tenant owners/admins edit the profile; only operators change quotas and limits."""
+    if not fields:
+        return tenant
+    quota = set(fields) & TENANT_QUOTA_FIELDS
+    _require(principal, "operate" if quota else "manage_tenant", tenant.pk)
+    unknown = set(fields) - TENANT_PROFILE_FIELDS - TENANT_QUOTA_FIELDS
+    if unknown:
+        raise ServiceError(f"cannot be changed here: {', '.join(sorted(unknown))}")
+    merged = {name: getattr(tenant, name) for name in TENANT_QUOTA_FIELDS} | fields
+    _check_quota_values(merged)
+    for name, value in fields.items():
+        setattr(tenant, name, value)
+    tenant.save(update_fields=list(fields))
+    return tenant
+
+
+@transaction.atomic
+def suspend_tenant(principal: Principal, tenant: Tenant, reason: str = "") -> Tenant:
+    _require(principal, "operate", tenant.pk)
+    tenant = Tenant.objects.select_for_update().get(pk=tenant.pk)
+    if tenant.status == Tenant.Status.SUSPENDED:
+        raise Conflict("tenant is already suspended", field="status")
+    tenant.status = Tenant.Status.SUSPENDED
+    tenant.suspended_at = timezone.now()
+    tenant.suspended_reason = reason
+    tenant.save(update_fields=["status", "suspended_at", "suspended_reason"])
+    log.info("tenant suspended", extra={"tenant": tenant.slug, "reason": reason})
+    return tenant
+
+
+@transaction.atomic
+def activate_tenant(principal: Principal, tenant: Tenant) -> Tenant:
+    _require(principal, "operate", tenant.pk)
+    tenant = Tenant.objects.select_for_update().get(pk=tenant.pk)
+    if tenant.status == Tenant.Status.ACTIVE:
+        raise Conflict("tenant is already active", field="status")
+    tenant.status = Tenant.Status.ACTIVE
+    tenant.suspended_at = None
+    tenant.suspended_reason = ""
+    tenant.save(update_fields=["status", "suspended_at", "suspended_reason"])
+    return tenant
+
+
+# --- memberships ------------------------------------------------------------------------------
+
+def _owners(tenant_id: int):
+    return Membership.objects.select_for_update().filter(tenant_id=tenant_id, role=Role.OWNER)
+
+
+def _check_role_grant(principal: Principal, tenant_id: int, role: str) -> None:
+    if role not in Role.values:
+        raise ServiceError(f"'{role}' is not a role", field="role")
+    if role == Role.OWNER and not principal.is_operator and principal.role_in(tenant_id) != Role.OWNER:
+        raise Forbidden("only an owner can grant the owner role", field="role")
+
+
+@transaction.atomic
+def change_role(principal: Principal, membership: Membership, role: str) -> Membership:
+    _require(principal, "manage_members", membership.tenant_id)
+    _check_role_grant(principal, membership.tenant_id, role)
+    membership = Membership.objects.select_for_update().get(pk=membership.pk)
+    if membership.role == Role.OWNER and role != Role.OWNER:
+        if not principal.is_operator and principal.role_in(membership.tenant_id) != Role.OWNER:
+            raise Forbidden("only an owner can change an owner's role", field="role")
+        if _owners(membership.tenant_id).count() <= 1:
+            raise ServiceError("a tenant must keep at least one owner", field="role")
+    membership.role = role
+    membership.save(update_fields=["role"])
+    return membership
+
+
+@transaction.atomic
+def remove_member(principal: Principal, membership: Membership) -> None:
+    self_removal = principal.user is not None and membership.user_id == principal.user.pk
+    if not self_removal:
+        _require(principal, "manage_members", membership.tenant_id)
+    membership = Membership.objects.select_for_update().get(pk=membership.pk)
+    if membership.role == Role.OWNER:
+        if not self_removal and not principal.is_operator and principal.role_in(membership.tenant_id) != Role.OWNER:
+            raise Forbidden("only an owner can remove an owner")
+        if _owners(membership.tenant_id).count() <= 1:
+            raise ServiceError("a tenant must keep at least one owner")
+    membership.delete()
+
+
+# --- invitations ------------------------------------------------------------------------------
+
+def invite(principal: Principal, *, tenant: Tenant, email: str, role: str = Role.MEMBER,
+           send: bool = True) -> tuple[Invitation, str]:
+    """Invite someone by e-mail. Returns the invitation and the one-time token (also e-mailed)."""
+    _require(principal, "manage_members", tenant.pk)
+    _check_role_grant(principal, tenant.pk, role)
+    email = email.strip().lower()
+    if Membership.objects.filter(tenant=tenant, user__email__iexact=email).exists():
+        raise Conflict("this person is already a member", field="email")
+    token, token_hash = keys.new_token()
+    now = timezone.now()
+    try:
+        with transaction.atomic():
+            invitation = Invitation.objects.create(
+                tenant=tenant, email=email, role=role, token_hash=token_hash,
+                invited_by=principal.user, created_at=now,
+                expires_at=now + timedelta(days=settings.TESSERA_INVITATION_TTL_DAYS),
+            )
+    except IntegrityError:
+        raise Conflict("an invitation for this e-mail is already pending", field="email") from None
+    if send:
+        transaction.on_commit(lambda: _send_invitation(invitation, token))
+    return invitation, token
+
+
+def _send_invitation(invitation: Invitation, token: str) -> None:
+    send_mail(
+        subject=f"You are invited to {invitation.tenant.name} on Tessera",
+        message=(
+            f"You have been invited to join {invitation.tenant.name} as {invitation.role}.\n"
+            f"Accept with this token (valid until {invitation.expires_at:%Y-%m-%d %H:%M} UTC):\n\n{token}\n"
+        ),
+        from_email=settings.DEFAULT_FROM_EMAIL,
+        recipient_list=[invitation.email],
+    )
+
+
+@transaction.atomic
+def accept_invitation(user: User, token: str) -> Membership:
+    invitation = (
+        Invitation.objects.select_for_update().select_related("tenant")
+        .filter(token_hash=keys.hash_key(token)).first()
+    )
+    if invitation is None:
+        raise ServiceError("unknown invitation token", field="token")
+    if invitation.status != "pending":
+        raise ServiceError(f"this invitation is {invitation.status}", field="token")
+    if invitation.email.lower() != user.email.lower():
+        raise ServiceError("this invitation was sent to another e-mail address", field="token")
+    membership, created = Membership.objects.get_or_create(
+        user=user, tenant=invitation.tenant, defaults={"role": invitation.role}
+    )
+    if not created:
+        raise Conflict("you are already a member of this tenant", field="token")
+    invitation.accepted_at = timezone.now()
+    invitation.accepted_by = user
+    invitation.save(update_fields=["accepted_at", "accepted_by"])
+    return membership
+
+
+@transaction.atomic
+def revoke_invitation(principal: Principal, invitation: Invitation) -> Invitation:
+    _require(principal, "manage_members", invitation.tenant_id)
+    invitation = Invitation.objects.select_for_update().get(pk=invitation.pk)
+    if invitation.status != "pending":
+        raise Conflict(f"this invitation is {invitation.status}")
+    invitation.revoked_at = timezone.now()
+    invitation.save(update_fields=["revoked_at"])
+    return invitation
+
+
+# --- API keys ---------------------------------------------------------------------------------
+
+@transaction.atomic
+def create_api_key(principal: Principal, *, tenant: Tenant | None, name: str, scopes: list[str],
+                   expires_at=None) -> tuple[ApiKey, str]:
+    """Create a key; returns (key, secret). The secret is not stored and cannot be shown again.
+    tenant=None makes an MSP operator key (operators only)."""
+    if principal.api_key is not None:
+        raise Forbidden("API keys cannot create API keys; sign in as a user")
+    _require(principal, "operate" if tenant is None else "manage_keys", tenant.pk if tenant else None)
+    scopes = sorted(set(scopes))
+    bad = [s for s in scopes if s not in Scope.values]
+    if not scopes:
+        raise ServiceError("name at least one scope", field="scopes")
+    if bad:
+        raise ServiceError(f"unknown scopes: {', '.join(bad)}", field="scopes")
+    if expires_at is not None and expires_at <= timezone.now():
+        raise ServiceError("must be in the future", field="expires_at")
+    if not name.strip():
+        raise ServiceError("may not be blank", field="name")
+    secret, prefix, hashed = keys.generate()
+    key = ApiKey.objects.create(
+        tenant=tenant, name=name.strip(), prefix=prefix, hashed_key=hashed, scopes=scopes,
+        created_by=principal.user, expires_at=expires_at,
+    )
+    log.info("api key created", extra={"prefix": prefix, "tenant": tenant.slug if tenant else None})
+    return key, secret
+
+
+@transaction.atomic
+def revoke_api_key(principal: Principal, key: ApiKey) -> ApiKey:
+    if principal.api_key is not None:
+        raise Forbidden("API keys cannot revoke API keys; sign in as a user")
+    _require(principal, "operate" if key.tenant_id is None else "manage_keys", key.tenant_id)
+    key = ApiKey.objects.select_for_update().get(pk=key.pk)
+    if key.revoked_at is not None:
+        raise Conflict("this key is already revoked")
+    key.revoked_at = timezone.now()
+    key.revoked_by = principal.user
+    key.save(update_fields=["revoked_at", "revoked_by"])
+    log.info("api key revoked", extra={"prefix": key.prefix})
+    return key
