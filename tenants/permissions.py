@@ -4,9 +4,9 @@ Views declare what each action needs::
 
     capabilities = {"list": "read", "retrieve": "read", "create": "manage_keys", "destroy": "manage_keys"}
 
-Unlisted safe actions need "read"; unlisted unsafe actions need "manage_tenant". Reads are
-already filtered by ``visible_to``, so a foreign object is a 404; an object the principal can see
-but not change gives 403.
+Unlisted safe actions need "read"; unlisted unsafe actions need "manage_tenant". Querysets are
+filtered by ``visible_to``, so a foreign object is a 404 for every method; an own object that the
+principal may see but not change gives 403.
 """
 
 from __future__ import annotations
@@ -38,7 +38,13 @@ class TenantAccess(permissions.BasePermission):
     def has_permission(self, request, view) -> bool:
         if not (request.user and request.user.is_authenticated):
             return False
-        return principal_for(request).can(required_capability(view, request))
+        principal = principal_for(request)
+        lookup = getattr(view, "lookup_url_kwarg", None) or getattr(view, "lookup_field", None)
+        if lookup and lookup in getattr(view, "kwargs", {}):
+            # Detail route: the object decides. A foreign object is absent from the scoped queryset
+            # (404); an own object the principal may not change is a 403 in has_object_permission.
+            return principal.can("read")
+        return principal.can(required_capability(view, request))
 
     def has_object_permission(self, request, view, obj) -> bool:
         return principal_for(request).can(required_capability(view, request), object_tenant_id(obj))

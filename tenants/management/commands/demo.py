@@ -1,0 +1,75 @@
+"""`manage.py demo`: migrate, seed a realistic MSP, run the web app with an embedded worker."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from django.conf import settings
+from django.core.management import call_command
+from django.core.management.base import BaseCommand
+
+from tenants.seed import seed_demo
+
+
+class Command(BaseCommand):
+    help = "Set up and run the Tessera demo: SQLite, embedded broker, simulated fleet, web app on localhost."
+
+    def add_arguments(self, parser):
+        parser.add_argument("--addr", default="127.0.0.1:8000", help="address:port for the web app")
+        parser.add_argument("--no-run", action="store_true", help="migrate and seed only")
+        parser.add_argument("--no-worker", action="store_true", help="do not start the embedded worker")
+        parser.add_argument("--exit-after", type=float, default=0,
+                            help="stop after this many seconds (smoke tests)")
+
+    def handle(self, *args, **opts):
+        call_command("migrate", interactive=False, verbosity=0)
+        self.stdout.write("database migrated")
+        result = seed_demo()
+        self._print_logins(result, opts["addr"])
+        if opts["no_run"]:
+            return
+        worker = None if opts["no_worker"] else self._start_worker()
+        if opts["exit_after"]:
+            def stop():
+                time.sleep(opts["exit_after"])
+                os.kill(os.getpid(), signal.SIGINT)
+            threading.Thread(target=stop, daemon=True).start()
+        try:
+            call_command("runserver", opts["addr"], use_reloader=False)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            if worker is not None:
+                worker.terminate()
+                try:
+                    worker.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    worker.kill()
+            self.stdout.write("demo stopped")
+
+    def _start_worker(self):
+        queues = ",".join(getattr(settings, "TESSERA_DEMO_QUEUES", ["control"]))
+        cmd = [sys.executable, "-m", "celery", "-A", "marketplace", "worker", "-B", "-P", "solo",
+               "-Q", queues, "--loglevel", "WARNING", "-n", "demo@%h"]
+        self.stdout.write(f"embedded worker: {' '.join(cmd[2:])}")
+        return subprocess.Popen(cmd, env=os.environ.copy())
+
+    def _print_logins(self, result, addr):
+        w = self.stdout.write
+        w("")
+        w(self.style.SUCCESS("Tessera demo"))
+        w(f"  web app        http://{addr}/")
+        w(f"  admin console  http://{addr}/admin/")
+        w(f"  API docs       http://{addr}/api/docs/")
+        w(f"  operator login {result.operator_email} / {result.operator_password}")
+        w(f"  tenant users   owner@acme.example, ml@acme.example, ops@borealis.example ... / {result.user_password}")
+        for slug, secret in result.keys.items():
+            w(f"  API key {slug:14s} {secret}")
+        if not result.keys:
+            w("  API keys were created on the first run and are not shown again; create more in the API.")
+        w("")

@@ -1,0 +1,77 @@
+from __future__ import annotations
+
+import pytest
+from rest_framework.test import APIClient
+
+from tenants.roles import Role
+from tests.factories import MembershipFactory, OperatorFactory, TenantFactory, UserFactory, make_key
+
+ROLES = [Role.OWNER, Role.ADMIN, Role.MEMBER, Role.BILLING, Role.VIEWER]
+
+
+@pytest.fixture
+def api():
+    return APIClient()
+
+
+@pytest.fixture
+def operator(db):
+    return OperatorFactory(email="op@msp.example")
+
+
+@pytest.fixture
+def tenant_a(db):
+    return TenantFactory(slug="alpha", name="Alpha")
+
+
+@pytest.fixture
+def tenant_b(db):
+    return TenantFactory(slug="bravo", name="Bravo")
+
+
+@pytest.fixture
+def members_a(tenant_a):
+    """One user of each role in tenant A: {role: user}."""
+    return {r: MembershipFactory(tenant=tenant_a, role=r, user=UserFactory(email=f"{r}@alpha.example")).user
+            for r in ROLES}
+
+
+@pytest.fixture
+def world(tenant_a, tenant_b, members_a, operator):
+    """Two tenants with members, keys and an invitation each."""
+    from tenants import services
+    from tenants.scoping import principal_for_user
+
+    owner_b = MembershipFactory(tenant=tenant_b, role=Role.OWNER, user=UserFactory(email="owner@bravo.example")).user
+    op = principal_for_user(operator)
+    inv_a, _ = services.invite(op, tenant=tenant_a, email="new@alpha.example", send=False)
+    inv_b, _ = services.invite(op, tenant=tenant_b, email="new@bravo.example", send=False)
+    key_a, secret_a = make_key(tenant_a, ["read", "billing:read", "usage:write", "deployments:write"])
+    key_b, secret_b = make_key(tenant_b, ["read"])
+    return {
+        "a": tenant_a, "b": tenant_b, "owner_b": owner_b, "inv_a": inv_a, "inv_b": inv_b,
+        "key_a": key_a, "secret_a": secret_a, "key_b": key_b, "secret_b": secret_b,
+    }
+
+
+@pytest.fixture
+def as_user(api):
+    def login(user):
+        api.credentials()
+        api.force_login(user)
+        return api
+    return login
+
+
+@pytest.fixture
+def as_key(api):
+    def use(secret):
+        api.logout()
+        api.credentials(HTTP_AUTHORIZATION=f"Bearer {secret}")
+        return api
+    return use
+
+
+@pytest.fixture(autouse=True)
+def _fast_password_hasher(settings):
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
