@@ -13,6 +13,7 @@ def healthz(request):
 
 api_v1 = [
     path("", include("tenants.api.urls")),
+    path("", include("marketplace.api.urls")),
 ]
 
 urlpatterns = [
