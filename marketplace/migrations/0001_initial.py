@@ -70,6 +70,7 @@ class Migration(migrations.Migration):
                 ('uuid', models.CharField(max_length=64, unique=True)),
                 ('mig_mode', models.BooleanField(default=True, help_text='MIG enabled (slices); off = sold whole')),
                 ('state', models.CharField(choices=[('ok', 'OK'), ('faulted', 'Faulted'), ('maintenance', 'Maintenance')], default='ok', max_length=16)),
+                ('dedicated_sticky', models.BooleanField(default=False, help_text="an operator's reservation: stays dedicated when the GPU is empty")),
                 ('dedicated_tenant', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, related_name='dedicated_gpus', to='tenants.tenant')),
                 ('gpu_model', models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name='gpus', to='marketplace.gpumodel')),
                 ('node', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='gpus', to='marketplace.node')),

@@ -55,6 +55,8 @@ class Gpu(models.Model):
     state = models.CharField(max_length=16, choices=State.choices, default=State.OK)
     dedicated_tenant = models.ForeignKey("tenants.Tenant", null=True, blank=True, on_delete=models.SET_NULL,
                                          related_name="dedicated_gpus")
+    dedicated_sticky = models.BooleanField(
+        default=False, help_text="an operator's reservation: stays dedicated when the GPU is empty")
 
     class Meta:
         ordering = ["node__hostname", "index"]

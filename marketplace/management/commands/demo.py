@@ -13,6 +13,7 @@ from django.conf import settings
 from django.core.management import call_command
 from django.core.management.base import BaseCommand
 
+from marketplace.seed import seed_fleet
 from tenants.seed import seed_demo
 
 
@@ -30,6 +31,8 @@ class Command(BaseCommand):
         call_command("migrate", interactive=False, verbosity=0)
         self.stdout.write("database migrated")
         result = seed_demo()
+        counts = seed_fleet()
+        self.stdout.write(f"simulated fleet: {counts['nodes']} nodes, {counts['instances']} GPU instances placed")
         self._print_logins(result, opts["addr"])
         if opts["no_run"]:
             return

@@ -1,0 +1,173 @@
+"""Writes for the fleet: register nodes from what NVML reports, place and release GPU instances.
+
+Placement reads the candidate GPUs, asks the placement engine (marketplace.placement) for a GPU
+and start, then reserves the slots in one transaction with the GPU row locked. The per-slot
+unique constraint is the last line: if another writer got there first the insert fails, nothing
+is kept, and the engine is asked again with fresh state.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from marketplace import placement as engine
+from marketplace.models import Gpu, GpuInstance, GpuModel, GpuSlot, MigPlacement, MigProfile, Node, ServerPlatform
+from tenants.errors import Conflict, ServiceError
+from tenants.models import Tenant
+
+log = logging.getLogger("tessera.fleet")
+
+PLACEMENT_ATTEMPTS = 5
+
+
+class NoCapacityError(Conflict):
+    """No GPU can host the request now (the message says why)."""
+
+
+@dataclass(frozen=True)
+class DiscoveredGpu:
+    index: int
+    uuid: str
+    name: str
+    mig_mode: bool
+
+
+def discover(client) -> list[DiscoveredGpu]:
+    """What a node's NVML reports (client: marketplace.hardware.nvml.NvmlClient, opened)."""
+    return [DiscoveredGpu(g.index, g.uuid, g.name, bool(g.mig_current)) for g in client.gpus()]
+
+
+@transaction.atomic
+def register_node(hostname: str, platform: ServerPlatform, gpus: list[DiscoveredGpu]) -> Node:
+    """Create or update a node and its GPUs from discovery. GPU models are matched on the NVML
+    name; a GPU that does not match the platform's model is refused (nothing stored)."""
+    hostname = hostname.strip().lower()
+    if not hostname:
+        raise ServiceError("may not be blank", field="hostname")
+    models_by_name = {m.nvml_name: m for m in GpuModel.objects.all()}
+    for g in gpus:
+        model = models_by_name.get(g.name)
+        if model is None:
+            raise ServiceError(f"GPU {g.index} is a '{g.name}', which the catalog does not sell", field="gpus")
+        if model.pk != platform.gpu_model_id:
+            raise ServiceError(f"GPU {g.index} is a '{g.name}' but {platform.key} has {platform.gpu_model.name}",
+                               field="gpus")
+    if len(gpus) != platform.gpu_count:
+        raise ServiceError(f"{platform.key} has {platform.gpu_count} GPUs; the node reports {len(gpus)}",
+                           field="gpus")
+    node, _ = Node.objects.update_or_create(
+        hostname=hostname,
+        defaults={"platform": platform, "queue": Node.queue_for(hostname), "last_heartbeat": timezone.now()},
+    )
+    for g in gpus:
+        Gpu.objects.update_or_create(
+            node=node, index=g.index,
+            defaults={"uuid": g.uuid, "gpu_model": platform.gpu_model, "mig_mode": g.mig_mode},
+        )
+    Gpu.objects.filter(node=node).exclude(index__in=[g.index for g in gpus]).delete()
+    log.info("node registered", extra={"node": hostname, "gpus": len(gpus)})
+    return node
+
+
+def _gpu_states(gpus) -> list[engine.GpuState]:
+    states = []
+    for gpu in gpus:
+        states.append(engine.GpuState(
+            gpu_id=gpu.pk, geometry=gpu.gpu_model.key, node_id=gpu.node_id,
+            instances=[(i.placement.profile.profile_id if i.placement_id else None, i.start, i.tenant_id)
+                       for i in gpu.instances.all()],
+            dedicated_tenant_id=gpu.dedicated_tenant_id, dedication_sticky=gpu.dedicated_sticky,
+        ))
+    return states
+
+
+def candidate_gpus(gpu_model: GpuModel, whole_gpu: bool):
+    """GPUs that may take new work: healthy, on a ready node, in the right MIG mode."""
+    return (
+        Gpu.objects.filter(gpu_model=gpu_model, state=Gpu.State.OK, node__state=Node.State.READY,
+                           mig_mode=not whole_gpu)
+        .select_related("gpu_model")
+        .prefetch_related("instances__placement__profile")
+    )
+
+
+def place_instance(tenant: Tenant, gpu_model: GpuModel, profile: MigProfile | None, *, dedicated: bool = False,
+                   policy: str = engine.BEST_FIT) -> GpuInstance:
+    """Reserve slots for a new GPU instance (profile None: a whole GPU). Raises NoCapacityError."""
+    if profile is not None and profile.gpu_model_id != gpu_model.pk:
+        raise ServiceError(f"{profile.name} is not a {gpu_model.name} profile", field="profile")
+    request = engine.Request(
+        geometry=gpu_model.key, tenant_id=tenant.pk,
+        profile_id=profile.profile_id if profile else None, whole_gpu=profile is None, dedicated=dedicated,
+    )
+    last_reason = ""
+    for _attempt in range(PLACEMENT_ATTEMPTS):
+        fleet = engine.Fleet(_gpu_states(candidate_gpus(gpu_model, profile is None)), policy=policy)
+        decision = fleet.choose(request)
+        if not decision:
+            raise NoCapacityError(decision.reason, field="profile")
+        try:
+            return _reserve(tenant, profile, decision)
+        except (IntegrityError, _StaleState) as exc:  # another writer took it first: re-plan
+            last_reason = str(exc)
+            log.info("placement raced, re-planning", extra={"gpu": decision.gpu_id, "why": last_reason})
+    raise NoCapacityError(f"the fleet changed under {PLACEMENT_ATTEMPTS} attempts; try again ({last_reason})")
+
+
+class _StaleState(Exception):
+    pass
+
+
+@transaction.atomic
+def _reserve(tenant: Tenant, profile: MigProfile | None, d: engine.Decision) -> GpuInstance:
+    gpu = Gpu.objects.select_for_update().select_related("gpu_model").get(pk=d.gpu_id)
+    # Re-check under the lock with what is committed now.
+    current = [(i.placement.profile.profile_id if i.placement_id else None, i.start)
+               for i in GpuInstance.objects.filter(gpu=gpu).select_related("placement__profile")]
+    pid = profile.profile_id if profile else None
+    problems = engine.layout_problems(gpu.gpu_model.key, [*current, (pid, d.start)])
+    if problems:
+        raise _StaleState("; ".join(problems))
+    if gpu.dedicated_tenant_id not in (None, tenant.pk):
+        raise _StaleState("GPU was dedicated to another tenant meanwhile")
+    placement = None
+    if profile is not None:
+        placement = MigPlacement.objects.get(profile=profile, start=d.start)
+    with transaction.atomic():  # savepoint: a lost race leaves nothing behind
+        inst = GpuInstance.objects.create(
+            gpu=gpu, placement=placement, tenant=tenant, start=d.start, size=d.size,
+            media_extensions=bool(profile and profile.media_extensions), reason=d.reason[:500],
+        )
+        GpuSlot.objects.bulk_create([GpuSlot(gpu=gpu, slot=s, instance=inst) for s in inst.slot_range])
+    if d.newly_dedicated and gpu.dedicated_tenant_id is None:
+        gpu.dedicated_tenant = tenant
+        gpu.dedicated_sticky = False
+        gpu.save(update_fields=["dedicated_tenant", "dedicated_sticky"])
+    log.info("instance placed", extra={"gpu": gpu.pk, "start": d.start, "size": d.size, "tenant": tenant.slug})
+    return inst
+
+
+@transaction.atomic
+def release_instance(instance: GpuInstance) -> None:
+    """Free the instance's slots (the GPU-side destroy is the provisioning task's job)."""
+    gpu = Gpu.objects.select_for_update().get(pk=instance.gpu_id)
+    GpuInstance.objects.filter(pk=instance.pk).delete()  # slots cascade
+    if gpu.dedicated_tenant_id and not gpu.dedicated_sticky and not gpu.instances.exists():
+        gpu.dedicated_tenant = None
+        gpu.save(update_fields=["dedicated_tenant"])
+
+
+@transaction.atomic
+def dedicate_gpu(gpu: Gpu, tenant: Tenant | None) -> Gpu:
+    """An operator reserves a GPU for one tenant (sticky) or returns it to the shared pool."""
+    gpu = Gpu.objects.select_for_update().get(pk=gpu.pk)
+    if tenant is not None and gpu.instances.exclude(tenant=tenant).exists():
+        raise Conflict("the GPU hosts other tenants' instances", field="dedicated_tenant")
+    gpu.dedicated_tenant = tenant
+    gpu.dedicated_sticky = tenant is not None
+    gpu.save(update_fields=["dedicated_tenant", "dedicated_sticky"])
+    return gpu
