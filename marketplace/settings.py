@@ -162,7 +162,8 @@ if CELERY_BROKER_URL.startswith("filesystem://"):
         "store_processed": False,
     }
 else:
-    CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": 3600}
+    # acks_late: a task whose worker died is delivered again after this many seconds.
+    CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": int(os.environ.get("CELERY_VISIBILITY_TIMEOUT", "3600"))}
 CELERY_RESULT_BACKEND = os.environ.get("CELERY_RESULT_BACKEND") or REDIS_URL or "django-db"
 CELERY_RESULT_EXTENDED = True
 CELERY_TASK_ACKS_LATE = True
@@ -174,6 +175,13 @@ CELERY_TASK_SOFT_TIME_LIMIT = 240
 CELERY_TIMEZONE = "UTC"
 CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_BEAT_SCHEDULE = {
+    "reconcile-fleet": {
+        "task": "tessera.reconcile_fleet",
+        "schedule": float(os.environ.get("TESSERA_RECONCILE_INTERVAL_S", "60")),
+        "options": {"queue": "control"},
+    },
+}
 
 # --- REST API --------------------------------------------------------------------------------
 REST_FRAMEWORK = {
@@ -212,6 +220,9 @@ SPECTACULAR_SETTINGS = {
 # --- Tessera ---------------------------------------------------------------------------------
 TESSERA_NVML_BACKEND = os.environ.get("TESSERA_NVML_BACKEND", "sim")
 TESSERA_TRITON_BACKEND = os.environ.get("TESSERA_TRITON_BACKEND", "sim")
+TESSERA_NODE_HOSTNAME = os.environ.get("TESSERA_NODE_HOSTNAME", "")  # set on a real GPU node's worker
+TESSERA_PROVISION_STUCK_AFTER_S = int(os.environ.get("TESSERA_PROVISION_STUCK_AFTER_S", "300"))
+TESSERA_RECONCILE_INTERVAL_S = int(os.environ.get("TESSERA_RECONCILE_INTERVAL_S", "60"))
 TESSERA_API_KEY_LAST_USED_RESOLUTION_S = 60  # write last_used_at at most once a minute per key
 TESSERA_INVITATION_TTL_DAYS = 7
 

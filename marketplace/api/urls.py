@@ -1,6 +1,6 @@
 from rest_framework.routers import SimpleRouter
 
-from . import catalog
+from . import catalog, orders
 
 router = SimpleRouter()
 router.register("catalog/gpu-models", catalog.GpuModelViewSet, basename="gpumodel")
@@ -9,5 +9,11 @@ router.register("catalog/platforms", catalog.ServerPlatformViewSet, basename="pl
 router.register("fleet/nodes", catalog.NodeViewSet, basename="node")
 router.register("fleet/gpus", catalog.GpuViewSet, basename="gpu")
 router.register("fleet/instances", catalog.GpuInstanceViewSet, basename="gpuinstance")
+
+router.register("fleet/drift", orders.DriftEventViewSet, basename="drift")
+router.register("tiers", orders.TierViewSet, basename="tier")
+router.register("price-plans", orders.PricePlanViewSet, basename="priceplan")
+router.register("orders", orders.OrderViewSet, basename="order")
+router.register("allocations", orders.AllocationViewSet, basename="allocation")
 
 urlpatterns = router.urls

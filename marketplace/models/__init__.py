@@ -1,4 +1,7 @@
 from .catalog import GpuModel, MigPlacement, MigProfile, ServerPlatform
 from .fleet import Gpu, GpuInstance, GpuSlot, Node
+from .offers import PricePlan, Tier
+from .orders import Allocation, AllocationEvent, DriftEvent, Order
 
-__all__ = ["GpuModel", "MigProfile", "MigPlacement", "ServerPlatform", "Node", "Gpu", "GpuInstance", "GpuSlot"]
+__all__ = ["GpuModel", "MigProfile", "MigPlacement", "ServerPlatform", "Node", "Gpu", "GpuInstance", "GpuSlot",
+           "Tier", "PricePlan", "Order", "Allocation", "AllocationEvent", "DriftEvent"]

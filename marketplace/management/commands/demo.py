@@ -9,7 +9,6 @@ import sys
 import threading
 import time
 
-from django.conf import settings
 from django.core.management import call_command
 from django.core.management.base import BaseCommand
 
@@ -32,7 +31,7 @@ class Command(BaseCommand):
         self.stdout.write("database migrated")
         result = seed_demo()
         counts = seed_fleet()
-        self.stdout.write(f"simulated fleet: {counts['nodes']} nodes, {counts['instances']} GPU instances placed")
+        self.stdout.write(f"simulated fleet: {counts['nodes']} nodes, {counts['allocations']} allocations ordered")
         self._print_logins(result, opts["addr"])
         if opts["no_run"]:
             return
@@ -56,7 +55,10 @@ class Command(BaseCommand):
             self.stdout.write("demo stopped")
 
     def _start_worker(self):
-        queues = ",".join(getattr(settings, "TESSERA_DEMO_QUEUES", ["control"]))
+        from marketplace.models import Node
+
+        # One embedded worker plays the control worker and every simulated node's worker.
+        queues = ",".join(["control", *Node.objects.values_list("queue", flat=True)])
         cmd = [sys.executable, "-m", "celery", "-A", "marketplace", "worker", "-B", "-P", "solo",
                "-Q", queues, "--loglevel", "WARNING", "-n", "demo@%h"]
         self.stdout.write(f"embedded worker: {' '.join(cmd[2:])}")

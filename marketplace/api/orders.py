@@ -1,0 +1,245 @@
+"""Tiers and price plans (operators write, everyone signed in reads), orders and allocations
+(tenant-scoped), drift (operators)."""
+
+from __future__ import annotations
+
+import django_filters
+from drf_spectacular.utils import extend_schema
+from rest_framework import mixins, permissions, serializers, status, viewsets
+from rest_framework.decorators import action
+from rest_framework.response import Response
+
+from marketplace.models import Allocation, AllocationEvent, DriftEvent, GpuModel, MigProfile, Order, PricePlan, Tier
+from marketplace.selectors import orders as selectors
+from marketplace.services import offers, orders
+from tenants.api.serializers import ScopedTenantField
+from tenants.scoping import principal_for
+
+from .viewsets import ScopedViewSetMixin
+
+
+class PricePlanSerializer(serializers.ModelSerializer):
+    tier = serializers.SlugRelatedField(slug_field="key", queryset=Tier.objects.all())
+    effective_from = serializers.DateTimeField(required=False)
+
+    class Meta:
+        model = PricePlan
+        fields = ["id", "tier", "kind", "currency", "price_per_slice_hour", "price_per_1m_input_tokens",
+                  "price_per_1m_output_tokens", "monthly_commit", "effective_from", "created_at"]
+        read_only_fields = ["id", "created_at"]
+        validators = []
+
+
+class TierSerializer(serializers.ModelSerializer):
+    gpu_model = serializers.SlugRelatedField(slug_field="key", queryset=GpuModel.objects.all())
+    profile = serializers.CharField(required=False, allow_null=True, help_text="MIG profile name; null: whole GPU")
+    memory_gb = serializers.IntegerField(read_only=True)
+    current_prices = serializers.SerializerMethodField()
+
+    class Meta:
+        model = Tier
+        fields = ["id", "key", "name", "gpu_model", "profile", "dedicated", "description", "active", "memory_gb",
+                  "current_prices", "created_at"]
+        read_only_fields = ["id", "created_at"]
+        extra_kwargs = {"key": {"validators": []}}
+
+    def to_representation(self, obj):
+        data = super().to_representation(obj)
+        data["profile"] = obj.profile.name if obj.profile_id else None
+        return data
+
+    def validate(self, attrs):
+        name = attrs.get("profile")
+        if name is not None and "gpu_model" in attrs:
+            profile = MigProfile.objects.filter(gpu_model=attrs["gpu_model"], name=name).first()
+            if profile is None:
+                raise serializers.ValidationError({"profile": [f"{attrs['gpu_model'].name} has no profile {name}"]})
+            attrs["profile"] = profile
+        return attrs
+
+    def get_current_prices(self, obj) -> list[dict]:
+        from django.utils import timezone
+
+        now, seen, out = timezone.now(), set(), []
+        for p in obj.plans.all():  # newest first (prefetched)
+            if p.effective_from <= now and (p.kind, p.currency) not in seen:
+                seen.add((p.kind, p.currency))
+                out.append({"kind": p.kind, "currency": p.currency, "per_slice_hour": str(p.price_per_slice_hour),
+                            "per_1m_input_tokens": str(p.price_per_1m_input_tokens),
+                            "per_1m_output_tokens": str(p.price_per_1m_output_tokens),
+                            "monthly_commit": None if p.monthly_commit is None else str(p.monthly_commit),
+                            "since": p.effective_from})
+        return out
+
+
+class OperatorWritesMixin:
+    def get_permissions(self):
+        if self.request.method in permissions.SAFE_METHODS:
+            return [permissions.IsAuthenticated()]
+        return super().get_permissions()
+
+    @property
+    def principal(self):
+        return principal_for(self.request)
+
+
+class TierViewSet(OperatorWritesMixin, viewsets.ModelViewSet):
+    """What the MSP sells, with the prices in force now."""
+
+    queryset = selectors.tiers()
+    serializer_class = TierSerializer
+    lookup_field = "key"
+    filterset_fields = ["active", "dedicated"]
+    search_fields = ["key", "name"]
+    ordering_fields = ["key", "name", "created_at"]
+    http_method_names = ["get", "post", "patch", "head", "options"]
+    capabilities = {"create": "operate", "partial_update": "operate"}
+
+    def perform_create(self, serializer):
+        serializer.instance = offers.create_tier(self.principal, **serializer.validated_data)
+
+    def perform_update(self, serializer):
+        serializer.instance = offers.update_tier(self.principal, serializer.instance, **serializer.validated_data)
+
+
+class PricePlanFilter(django_filters.FilterSet):
+    tier = django_filters.CharFilter(field_name="tier__key")
+
+    class Meta:
+        model = PricePlan
+        fields = ["tier", "kind", "currency"]
+
+
+class PricePlanViewSet(OperatorWritesMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin,
+                       mixins.CreateModelMixin, mixins.DestroyModelMixin, viewsets.GenericViewSet):
+    """Price plans. A new price is a new plan; plans in force are never edited (DELETE: future only)."""
+
+    queryset = selectors.price_plans()
+    serializer_class = PricePlanSerializer
+    filterset_class = PricePlanFilter
+    ordering_fields = ["effective_from"]
+    ordering = ["tier__key", "-effective_from"]
+    capabilities = {"create": "operate", "destroy": "operate"}
+
+    def perform_create(self, serializer):
+        serializer.instance = offers.add_price_plan(self.principal, **serializer.validated_data)
+
+    def perform_destroy(self, instance):
+        offers.withdraw_price_plan(self.principal, instance)
+
+
+class AllocationEventSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = AllocationEvent
+        fields = ["from_state", "to_state", "actor", "reason", "at"]
+
+
+class AllocationSerializer(serializers.ModelSerializer):
+    tenant = serializers.SlugRelatedField(slug_field="slug", read_only=True)
+    tier = serializers.SlugRelatedField(slug_field="key", read_only=True)
+    node = serializers.SlugRelatedField(slug_field="hostname", read_only=True)
+    events = AllocationEventSerializer(many=True, read_only=True)
+
+    class Meta:
+        model = Allocation
+        fields = ["id", "order", "tenant", "tier", "state", "node", "gpu_uuid", "mig_uuid", "start", "size",
+                  "placement_reason", "failure_reason", "attempts", "created_at", "updated_at", "activated_at",
+                  "released_at", "events"]
+
+
+class OrderSerializer(serializers.ModelSerializer):
+    tenant = ScopedTenantField(required=False, help_text="tenant slug (API keys: their own tenant)")
+    tier = serializers.SlugRelatedField(slug_field="key", queryset=Tier.objects.filter(active=True))
+    quantity = serializers.IntegerField(min_value=1, max_value=64, default=1)
+    allocations = AllocationSerializer(many=True, read_only=True)
+
+    class Meta:
+        model = Order
+        fields = ["id", "tenant", "tier", "plan_kind", "quantity", "idempotency_key", "created_at", "allocations"]
+        read_only_fields = ["id", "created_at"]
+        validators = []
+
+    def validate(self, attrs):
+        principal = principal_for(self.context["request"])
+        if "tenant" not in attrs:
+            if principal.key_tenant_id is None:
+                raise serializers.ValidationError({"tenant": ["This field is required."]})
+            attrs["tenant"] = principal.api_key.tenant
+        return attrs
+
+
+class OrderViewSet(ScopedViewSetMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.CreateModelMixin,
+                   viewsets.GenericViewSet):
+    """Orders. Creating one places every allocation at once (or nothing, with the reason)."""
+
+    queryset_model = Order
+    selector = selectors.orders
+    serializer_class = OrderSerializer
+    filterset_fields = ["plan_kind"]
+    ordering_fields = ["created_at"]
+    ordering = ["-created_at"]
+    capabilities = {"create": "deploy"}
+
+    def perform_create(self, serializer):
+        serializer.instance = orders.create_order(self.principal, **serializer.validated_data)
+
+    def create(self, request, *args, **kwargs):
+        serializer = self.get_serializer(data=request.data)
+        serializer.is_valid(raise_exception=True)
+        self.perform_create(serializer)
+        order = self.get_queryset().get(pk=serializer.instance.pk)
+        return Response(self.get_serializer(order).data, status=status.HTTP_201_CREATED)
+
+
+class AllocationFilter(django_filters.FilterSet):
+    tenant = django_filters.CharFilter(field_name="tenant__slug")
+    tier = django_filters.CharFilter(field_name="tier__key")
+    node = django_filters.CharFilter(field_name="node__hostname")
+
+    class Meta:
+        model = Allocation
+        fields = ["tenant", "tier", "node", "state", "order"]
+
+
+class AllocationViewSet(ScopedViewSetMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin,
+                        viewsets.GenericViewSet):
+    """Allocations with their state history; release (tenant) and retry (operators)."""
+
+    queryset_model = Allocation
+    selector = selectors.allocations
+    serializer_class = AllocationSerializer
+    filterset_class = AllocationFilter
+    ordering_fields = ["created_at", "updated_at", "state"]
+    ordering = ["-created_at"]
+    capabilities = {"release": "deploy", "retry": "operate"}
+
+    @extend_schema(request=None, responses=AllocationSerializer)
+    @action(detail=True, methods=["post"])
+    def release(self, request, pk=None):
+        a = orders.release(self.principal, self.get_object())
+        return Response(self.get_serializer(self.get_queryset().get(pk=a.pk)).data, status=status.HTTP_202_ACCEPTED)
+
+    @extend_schema(request=None, responses=AllocationSerializer)
+    @action(detail=True, methods=["post"])
+    def retry(self, request, pk=None):
+        a = orders.retry(self.principal, self.get_object())
+        return Response(self.get_serializer(self.get_queryset().get(pk=a.pk)).data, status=status.HTTP_202_ACCEPTED)
+
+
+class DriftEventSerializer(serializers.ModelSerializer):
+    node = serializers.SlugRelatedField(slug_field="hostname", read_only=True)
+
+    class Meta:
+        model = DriftEvent
+        fields = ["id", "node", "gpu_index", "kind", "detail", "allocation", "resolved", "at"]
+
+
+class DriftEventViewSet(ScopedViewSetMixin, mixins.ListModelMixin, viewsets.GenericViewSet):
+    """What reconcile found different between the database and the GPUs (operators)."""
+
+    queryset_model = DriftEvent
+    selector = selectors.drift_events
+    serializer_class = DriftEventSerializer
+    filterset_fields = ["kind", "resolved"]
+    ordering = ["-at"]
+    capabilities = {"list": "operate"}

@@ -1,0 +1,77 @@
+"""What the MSP sells: tiers (GPU model + MIG profile, or a whole GPU) and their price plans.
+
+A plan is in force from `effective_from` until the next plan of the same tier, kind and currency
+starts. A price change is a new plan row; rows whose time has come are never edited, so rating
+an old hour always finds the price of that hour.
+"""
+
+from __future__ import annotations
+
+from django.core.validators import MinValueValidator
+from django.db import models
+from django.utils import timezone
+
+from tenants.models import CURRENCIES
+
+from .catalog import GpuModel, MigProfile
+
+ZERO = 0
+
+
+class Tier(models.Model):
+    key = models.SlugField(max_length=60, unique=True)
+    name = models.CharField(max_length=120, help_text='e.g. "H200 premium 3g.71gb"')
+    gpu_model = models.ForeignKey(GpuModel, on_delete=models.PROTECT, related_name="tiers")
+    profile = models.ForeignKey(MigProfile, null=True, blank=True, on_delete=models.PROTECT, related_name="tiers",
+                                help_text="empty: the whole GPU (MIG off)")
+    dedicated = models.BooleanField(default=False, help_text="slices of this tier never share a GPU with others")
+    description = models.TextField(blank=True)
+    active = models.BooleanField(default=True)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["gpu_model__memory_gb", "key"]
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def memory_gb(self) -> int:
+        return self.profile.memory_gb if self.profile_id else self.gpu_model.memory_gb
+
+    @property
+    def is_whole_gpu(self) -> bool:
+        return self.profile_id is None
+
+
+class PricePlan(models.Model):
+    class Kind(models.TextChoices):
+        ON_DEMAND = "on_demand", "On demand"
+        RESERVED = "reserved", "Reserved (monthly commit)"
+
+    tier = models.ForeignKey(Tier, on_delete=models.PROTECT, related_name="plans")
+    kind = models.CharField(max_length=16, choices=Kind.choices, default=Kind.ON_DEMAND)
+    currency = models.CharField(max_length=3, choices=CURRENCIES, default="USD")
+    price_per_slice_hour = models.DecimalField(max_digits=12, decimal_places=4, validators=[MinValueValidator(0)])
+    price_per_1m_input_tokens = models.DecimalField(max_digits=12, decimal_places=4,
+                                                    validators=[MinValueValidator(0)])
+    price_per_1m_output_tokens = models.DecimalField(max_digits=12, decimal_places=4,
+                                                     validators=[MinValueValidator(0)])
+    monthly_commit = models.DecimalField(max_digits=14, decimal_places=2, null=True, blank=True,
+                                         validators=[MinValueValidator(0)],
+                                         help_text="reserved plans: minimum billed per month")
+    effective_from = models.DateTimeField()
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["tier", "kind", "currency", "-effective_from"]
+        constraints = [
+            models.UniqueConstraint(fields=["tier", "kind", "currency", "effective_from"], name="plan_unique_start"),
+            models.CheckConstraint(
+                condition=models.Q(kind="on_demand", monthly_commit__isnull=True)
+                | models.Q(kind="reserved", monthly_commit__isnull=False),
+                name="plan_commit_only_when_reserved"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.tier.key} {self.kind} {self.currency} from {self.effective_from:%Y-%m-%d}"

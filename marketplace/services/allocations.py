@@ -1,0 +1,85 @@
+"""The allocation lifecycle as explicit transitions: one function each, illegal ones refused,
+every change written to the allocation's event history (who/what, when, why)."""
+
+from __future__ import annotations
+
+import logging
+
+from django.db import transaction
+from django.utils import timezone
+
+from marketplace.models import Allocation, AllocationEvent
+from tenants.errors import Conflict
+
+log = logging.getLogger("tessera.allocations")
+S = Allocation.State
+
+TRANSITIONS: dict[str, frozenset[str]] = {
+    S.REQUESTED: frozenset({S.PLACED, S.FAILED}),
+    S.PLACED: frozenset({S.PROVISIONING, S.RELEASING, S.FAILED}),
+    S.PROVISIONING: frozenset({S.READY, S.RELEASING, S.FAILED}),
+    S.READY: frozenset({S.ACTIVE, S.RELEASING, S.FAILED}),
+    S.ACTIVE: frozenset({S.RELEASING, S.FAILED}),
+    S.RELEASING: frozenset({S.RELEASED, S.FAILED}),
+    # from failed: retry (re-place or re-provision) or release what is left
+    S.FAILED: frozenset({S.PLACED, S.PROVISIONING, S.RELEASING, S.RELEASED}),
+    S.RELEASED: frozenset(),
+}
+
+
+class IllegalTransition(Conflict):
+    pass
+
+
+def _move(allocation: Allocation, to: str, actor: str, reason: str = "", **fields) -> Allocation:
+    """Lock the row, check the transition against the current state, apply it, record the event."""
+    with transaction.atomic():
+        current = Allocation.objects.select_for_update().get(pk=allocation.pk)
+        if to not in TRANSITIONS[current.state]:
+            raise IllegalTransition(f"an allocation cannot go from {current.state} to {to}", field="state")
+        now = timezone.now()
+        AllocationEvent.objects.create(allocation=current, from_state=current.state, to_state=to,
+                                       actor=actor[:200], reason=reason[:1000], at=now)
+        current.state = to
+        current.updated_at = now
+        for name, value in fields.items():
+            setattr(current, name, value)
+        current.save()
+    log.info("allocation transition", extra={"allocation": current.pk, "to": to, "actor": actor})
+    allocation.__dict__.update(current.__dict__)
+    return allocation
+
+
+def record_created(allocation: Allocation, actor: str) -> AllocationEvent:
+    """The first event: the allocation exists in state requested."""
+    return AllocationEvent.objects.create(allocation=allocation, from_state="", to_state=S.REQUESTED, actor=actor)
+
+
+def place(allocation: Allocation, instance, actor: str) -> Allocation:
+    return _move(allocation, S.PLACED, actor, instance.reason, instance=instance, node_id=instance.gpu.node_id,
+                 gpu_uuid=instance.gpu.uuid, start=instance.start, size=instance.size,
+                 placement_reason=instance.reason, failure_reason="")
+
+
+def begin_provisioning(allocation: Allocation, actor: str, reason: str = "") -> Allocation:
+    return _move(allocation, S.PROVISIONING, actor, reason, attempts=allocation.attempts + 1)
+
+
+def mark_ready(allocation: Allocation, actor: str, mig_uuid: str, reason: str = "") -> Allocation:
+    return _move(allocation, S.READY, actor, reason, mig_uuid=mig_uuid)
+
+
+def activate(allocation: Allocation, actor: str) -> Allocation:
+    return _move(allocation, S.ACTIVE, actor, "billing clock started", activated_at=timezone.now())
+
+
+def begin_release(allocation: Allocation, actor: str, reason: str = "") -> Allocation:
+    return _move(allocation, S.RELEASING, actor, reason)
+
+
+def mark_released(allocation: Allocation, actor: str, reason: str = "") -> Allocation:
+    return _move(allocation, S.RELEASED, actor, reason, released_at=timezone.now(), instance=None)
+
+
+def fail(allocation: Allocation, actor: str, reason: str) -> Allocation:
+    return _move(allocation, S.FAILED, actor, reason, failure_reason=reason[:1000])

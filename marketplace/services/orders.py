@@ -1,0 +1,134 @@
+"""Orders: quota checks, placement of every allocation in one transaction, provisioning enqueued
+on commit. A refused order (quota, price, capacity) reserves nothing."""
+
+from __future__ import annotations
+
+import logging
+
+from django.db import transaction
+from django.db.models import Sum
+from django.utils import timezone
+
+from marketplace.models import Allocation, Order, PricePlan, Tier
+from marketplace.models.orders import LIVE_STATES
+from marketplace.services import allocations, fleet
+from tenants.errors import Conflict, Forbidden, ServiceError
+from tenants.models import Tenant
+from tenants.scoping import Principal
+
+log = logging.getLogger("tessera.orders")
+
+
+class QuotaExceeded(ServiceError):
+    status_code = 409
+
+
+def actor_of(principal: Principal) -> str:
+    if principal.api_key is not None:
+        return f"key:{principal.api_key.prefix}"
+    if principal.user is not None:
+        return f"user:{principal.user.email}"
+    return "system"
+
+
+def plan_in_force(tier: Tier, currency: str, kind: str, at=None) -> PricePlan | None:
+    at = at or timezone.now()
+    return (PricePlan.objects.filter(tier=tier, currency=currency, kind=kind, effective_from__lte=at)
+            .order_by("-effective_from").first())
+
+
+def check_quota(tenant: Tenant, tier: Tier, quantity: int) -> None:
+    live = Allocation.objects.filter(tenant=tenant, state__in=LIVE_STATES)
+    total = live.count()
+    if total + quantity > tenant.max_slices:
+        raise QuotaExceeded(f"quota: {total} of {tenant.max_slices} slices in use; {quantity} more would exceed it",
+                            field="quantity", code="quota")
+    same_tier = live.filter(tier=tier).count()
+    if same_tier + quantity > tenant.max_slices_per_tier:
+        raise QuotaExceeded(f"quota: {same_tier} of {tenant.max_slices_per_tier} slices of {tier.name} in use",
+                            field="quantity", code="quota")
+    mem_profile = live.filter(tier__profile__isnull=False).aggregate(m=Sum("tier__profile__memory_gb"))["m"] or 0
+    mem_whole = live.filter(tier__profile__isnull=True).aggregate(m=Sum("tier__gpu_model__memory_gb"))["m"] or 0
+    used = mem_profile + mem_whole
+    wanted = tier.memory_gb * quantity
+    if used + wanted > tenant.max_memory_gb:
+        raise QuotaExceeded(f"quota: {used} GB of {tenant.max_memory_gb} GB GPU memory in use; "
+                            f"{wanted} GB more would exceed it", field="quantity", code="quota")
+
+
+def create_order(principal: Principal, *, tenant: Tenant, tier: Tier, quantity: int = 1,
+                 plan_kind: str = PricePlan.Kind.ON_DEMAND, idempotency_key: str = "") -> Order:
+    if not principal.can("deploy", tenant.pk):
+        raise Forbidden("Your role or API-key scopes do not allow ordering for this tenant.")
+    if idempotency_key:
+        existing = Order.objects.filter(tenant=tenant, idempotency_key=idempotency_key).first()
+        if existing is not None:
+            if existing.tier_id != tier.pk or existing.quantity != quantity:
+                raise Conflict("this idempotency key was used for a different order", field="idempotency_key")
+            return existing
+    if not tier.active:
+        raise ServiceError(f"{tier.name} is not on sale", field="tier")
+    if quantity < 1 or quantity > 64:
+        raise ServiceError("must be between 1 and 64", field="quantity")
+    if plan_in_force(tier, tenant.currency, plan_kind) is None:
+        raise ServiceError(f"{tier.name} has no {plan_kind} price in {tenant.currency}", field="plan_kind")
+    actor = actor_of(principal)
+    with transaction.atomic():
+        tenant = Tenant.objects.select_for_update().get(pk=tenant.pk)  # one order at a time per tenant
+        if not tenant.is_active:
+            raise Forbidden("the tenant is suspended", field="tenant")
+        check_quota(tenant, tier, quantity)
+        order = Order.objects.create(
+            tenant=tenant, tier=tier, quantity=quantity, plan_kind=plan_kind, idempotency_key=idempotency_key,
+            created_by=principal.user, api_key=principal.api_key,
+        )
+        placed = []
+        for _ in range(quantity):
+            alloc = Allocation.objects.create(order=order, tenant=tenant, tier=tier)
+            allocations.record_created(alloc, actor)
+            instance = fleet.place_instance(tenant, tier.gpu_model, tier.profile, dedicated=tier.dedicated)
+            placed.append(allocations.place(alloc, instance, "placement-engine"))
+        for alloc in placed:
+            transaction.on_commit(lambda a=alloc: enqueue_provision(a))
+    log.info("order placed", extra={"order": order.pk, "tenant": tenant.slug, "tier": tier.key, "n": quantity})
+    return order
+
+
+def enqueue_provision(allocation: Allocation) -> None:
+    from marketplace import tasks  # noqa: PLC0415
+
+    tasks.provision_allocation.apply_async(args=[allocation.pk], queue=allocation.node.queue)
+
+
+def enqueue_release(allocation: Allocation) -> None:
+    from marketplace import tasks  # noqa: PLC0415
+
+    tasks.release_allocation.apply_async(args=[allocation.pk], queue=allocation.node.queue)
+
+
+def release(principal: Principal, allocation: Allocation, reason: str = "released by the tenant") -> Allocation:
+    if not principal.can("deploy", allocation.tenant_id):
+        raise Forbidden("Your role or API-key scopes do not allow releasing this allocation.")
+    with transaction.atomic():
+        allocation = Allocation.objects.select_for_update().get(pk=allocation.pk)
+        if allocation.state == Allocation.State.FAILED and allocation.instance_id is None:
+            return allocations.mark_released(allocation, actor_of(principal), "nothing was left on the GPU")
+        allocations.begin_release(allocation, actor_of(principal), reason)
+        transaction.on_commit(lambda: enqueue_release(allocation))
+    return allocation
+
+
+def retry(principal: Principal, allocation: Allocation) -> Allocation:
+    """Operators retry a failed allocation: re-provision its reservation, or re-place it."""
+    if not principal.can("operate"):
+        raise Forbidden("only operators retry allocations")
+    with transaction.atomic():
+        allocation = Allocation.objects.select_for_update().select_related("tier", "tenant").get(pk=allocation.pk)
+        if allocation.state != Allocation.State.FAILED:
+            raise Conflict(f"only failed allocations are retried (this one is {allocation.state})", field="state")
+        if allocation.instance_id is None:
+            t = allocation.tier
+            instance = fleet.place_instance(allocation.tenant, t.gpu_model, t.profile, dedicated=t.dedicated)
+            allocations.place(allocation, instance, actor_of(principal))
+        transaction.on_commit(lambda: enqueue_provision(allocation))
+    return allocation

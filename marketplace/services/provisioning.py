@@ -1,0 +1,100 @@
+"""What a node worker does for an allocation: create the slice on the GPU, prepare it, activate;
+and on release destroy it and return the slots. Every step is idempotent: running it twice (a
+replayed task, a worker killed half-way and restarted) leaves one GPU instance and the same state.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from django.db import transaction
+from pynvml import NVMLError, NVMLError_InsufficientResources, NVMLError_InUse
+
+from marketplace.models import Allocation, GpuInstance
+from marketplace.services import allocations, fleet, nodes
+
+log = logging.getLogger("tessera.provisioning")
+S = Allocation.State
+ACTOR = "task:provision"
+
+
+class TransientProvisioningError(Exception):
+    """Worth retrying with backoff (the GPU is busy, an orphan holds the placement...)."""
+
+
+def _load(allocation_id: int) -> Allocation:
+    return Allocation.objects.select_related(
+        "node__platform__gpu_model", "instance__gpu", "instance__placement__profile", "tier"
+    ).get(pk=allocation_id)
+
+
+def provision(allocation_id: int, *, final_attempt: bool = False) -> str:
+    a = _load(allocation_id)
+    if a.state in (S.READY, S.ACTIVE, S.RELEASING, S.RELEASED):
+        if a.state == S.READY:
+            allocations.activate(a, ACTOR)
+            return "activated"
+        return f"nothing to do ({a.state})"
+    if a.state == S.REQUESTED:
+        return "not placed yet"
+    if a.state in (S.PLACED, S.FAILED):
+        if a.instance_id is None:
+            return "no reservation (failed before placement)"
+        allocations.begin_provisioning(a, ACTOR)
+    inst = a.instance
+    try:
+        mig_uuid = _create_on_gpu(a, inst)
+    except (NVMLError_InsufficientResources, NVMLError_InUse) as exc:
+        if final_attempt:
+            _fail_and_return_slots(a, f"GPU refused the slice: {exc.__class__.__name__}")
+            return "failed"
+        raise TransientProvisioningError(f"{exc.__class__.__name__} creating {inst}") from exc
+    except NVMLError as exc:
+        _fail_and_return_slots(a, f"NVML error: {exc.__class__.__name__}: {exc}")
+        return "failed"
+    allocations.mark_ready(_load(a.pk), ACTOR, mig_uuid, "slice created; serving environment ready")
+    allocations.activate(_load(a.pk), ACTOR)
+    return "activated"
+
+
+def _create_on_gpu(a: Allocation, inst: GpuInstance) -> str:
+    gpu = inst.gpu
+    if inst.placement_id is None:  # a whole GPU: MIG is off, nothing to carve
+        GpuInstance.objects.filter(pk=inst.pk).update(state=GpuInstance.State.CREATED, mig_uuid=gpu.uuid)
+        return gpu.uuid
+    with nodes.nvml_client(a.node) as client:
+        # create_slice adopts a GPU instance already at this placement with this profile, so a
+        # replayed or restarted task finds what the first run made instead of making another.
+        s = client.create_slice(gpu.index, inst.placement.profile.profile_id, inst.start)
+    GpuInstance.objects.filter(pk=inst.pk).update(
+        state=GpuInstance.State.CREATED, gi_id=s.gi_id, ci_id=s.ci_id, mig_uuid=s.mig_uuid)
+    return s.mig_uuid
+
+
+def _fail_and_return_slots(a: Allocation, reason: str) -> None:
+    """Nothing was created on the GPU: give the slots back so the capacity is not lost."""
+    with transaction.atomic():
+        a = _load(a.pk)
+        inst = a.instance
+        allocations.fail(a, ACTOR, reason)
+        if inst is not None and inst.state == GpuInstance.State.RESERVED:
+            fleet.release_instance(inst)
+    log.warning("provisioning failed", extra={"allocation": a.pk, "reason": reason})
+
+
+def release(allocation_id: int) -> str:
+    a = _load(allocation_id)
+    if a.state == S.RELEASED:
+        return "already released"
+    if a.state != S.RELEASING:
+        return f"not releasing ({a.state})"
+    inst = a.instance
+    if inst is not None:
+        if inst.placement_id is not None:
+            with nodes.nvml_client(a.node) as client:
+                for s in client.slices(inst.gpu.index):
+                    if s.start == inst.start and s.profile_id == inst.placement.profile.profile_id:
+                        client.destroy_slice(inst.gpu.index, s.gi_id)  # NotFound: already gone
+        fleet.release_instance(inst)
+    allocations.mark_released(_load(a.pk), "task:release", "slice destroyed, slots returned")
+    return "released"

@@ -1,0 +1,97 @@
+"""Reconcile a node: what the database wants (GPU instances) against what the node's NVML has.
+
+- a GPU instance on the GPU that no database instance explains is an orphan: destroyed;
+- a database instance that was created but is gone from the GPU is re-created at its placement;
+- an allocation stuck in placed/provisioning/releasing past the threshold is re-queued.
+Every finding is a DriftEvent the console shows.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+
+from django.conf import settings
+from django.utils import timezone
+from pynvml import NVMLError
+
+from marketplace.models import Allocation, DriftEvent, GpuInstance, Node
+from marketplace.services import nodes
+
+log = logging.getLogger("tessera.reconcile")
+S = Allocation.State
+
+
+def fan_out() -> int:
+    from marketplace import tasks  # noqa: PLC0415
+
+    n = 0
+    for node in Node.objects.filter(state__in=[Node.State.READY, Node.State.DRAINING]):
+        tasks.reconcile_node.apply_async(args=[node.pk], queue=node.queue)
+        n += 1
+    return n
+
+
+def reconcile_node(node_id: int) -> dict:
+    node = Node.objects.select_related("platform__gpu_model").get(pk=node_id)
+    found = {"orphans_destroyed": 0, "recreated": 0, "requeued": 0, "errors": 0}
+    desired = {}
+    for inst in (GpuInstance.objects.filter(gpu__node=node, placement__isnull=False)
+                 .select_related("gpu", "placement__profile")):
+        desired[(inst.gpu.index, inst.start)] = inst
+    try:
+        with nodes.nvml_client(node) as client:
+            for gpu in node.gpus.filter(mig_mode=True).order_by("index"):
+                try:
+                    _reconcile_gpu(node, gpu, client, desired, found)
+                except NVMLError as exc:
+                    found["errors"] += 1
+                    DriftEvent.objects.create(node=node, gpu_index=gpu.index, kind=DriftEvent.Kind.ERROR,
+                                              detail=f"{exc.__class__.__name__}: {exc}", resolved=False)
+    except NVMLError as exc:
+        DriftEvent.objects.create(node=node, kind=DriftEvent.Kind.UNREACHABLE, detail=str(exc), resolved=False)
+        return {**found, "errors": found["errors"] + 1}
+    found["requeued"] = _requeue_stuck(node)
+    Node.objects.filter(pk=node.pk).update(last_heartbeat=timezone.now())
+    if any(found.values()):
+        log.info("reconciled with drift", extra={"node": node.hostname, **found})
+    return found
+
+
+def _reconcile_gpu(node, gpu, client, desired, found) -> None:
+    actual = {s.start: s for s in client.slices(gpu.index)}
+    for start, s in actual.items():
+        inst = desired.get((gpu.index, start))
+        if inst is not None and inst.placement.profile.profile_id == s.profile_id:
+            continue
+        client.destroy_slice(gpu.index, s.gi_id)
+        found["orphans_destroyed"] += 1
+        DriftEvent.objects.create(node=node, gpu_index=gpu.index, kind=DriftEvent.Kind.ORPHAN_DESTROYED,
+                                  detail=f"GI {s.gi_id} (profile {s.profile_id}) at {s.start}:{s.size} had no "
+                                         f"allocation; destroyed")
+    for (index, start), inst in desired.items():
+        if index != gpu.index or start in actual or inst.state != GpuInstance.State.CREATED:
+            continue
+        s = client.create_slice(gpu.index, inst.placement.profile.profile_id, inst.start)
+        GpuInstance.objects.filter(pk=inst.pk).update(gi_id=s.gi_id, ci_id=s.ci_id, mig_uuid=s.mig_uuid)
+        Allocation.objects.filter(instance=inst).update(mig_uuid=s.mig_uuid)
+        found["recreated"] += 1
+        alloc = Allocation.objects.filter(instance=inst).first()
+        DriftEvent.objects.create(node=node, gpu_index=gpu.index, kind=DriftEvent.Kind.MISSING_RECREATED,
+                                  allocation=alloc, detail=f"{inst} was missing on the GPU; re-created as GI "
+                                                           f"{s.gi_id} ({s.mig_uuid})")
+
+
+def _requeue_stuck(node: Node) -> int:
+    from marketplace.services.orders import enqueue_provision, enqueue_release  # noqa: PLC0415
+
+    cutoff = timezone.now() - timedelta(seconds=settings.TESSERA_PROVISION_STUCK_AFTER_S)
+    n = 0
+    stuck = Allocation.objects.filter(node=node, updated_at__lt=cutoff,
+                                      state__in=[S.PLACED, S.PROVISIONING, S.READY, S.RELEASING])
+    for a in stuck.select_related("node"):
+        (enqueue_release if a.state == S.RELEASING else enqueue_provision)(a)
+        DriftEvent.objects.create(node=node, kind=DriftEvent.Kind.STUCK_REQUEUED, allocation=a,
+                                  detail=f"allocation {a.pk} was {a.state} since {a.updated_at:%H:%M:%S}; re-queued")
+        n += 1
+    return n
