@@ -21,17 +21,6 @@ from tests.factories import TenantFactory
 pytestmark = pytest.mark.django_db
 
 
-@pytest.fixture
-def catalog(db):
-    sync_catalog()
-
-
-@pytest.fixture
-def h100_node(catalog):
-    platform = ServerPlatform.objects.get(key="hgx-h100-8")
-    return fleet.register_node("node-a", platform, sim_discovery("node-a", platform))
-
-
 def profile(model_key, name):
     return MigProfile.objects.get(gpu_model__key=model_key, name=name)
 
