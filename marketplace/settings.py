@@ -109,6 +109,8 @@ DATABASES = {
     )
 }
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    # A file, not memory, for the test database: the real-worker tests run Celery in another process.
+    DATABASES["default"]["TEST"] = {"NAME": str(VAR_DIR / "test.sqlite3")}
     # Several processes (web + embedded worker) share the file in the demo.
     DATABASES["default"]["OPTIONS"] = {"timeout": 20, "transaction_mode": "IMMEDIATE"}
     DATABASES["default"]["CONN_MAX_AGE"] = 0
@@ -220,6 +222,7 @@ SPECTACULAR_SETTINGS = {
 # --- Tessera ---------------------------------------------------------------------------------
 TESSERA_NVML_BACKEND = os.environ.get("TESSERA_NVML_BACKEND", "sim")
 TESSERA_TRITON_BACKEND = os.environ.get("TESSERA_TRITON_BACKEND", "sim")
+TESSERA_SIM_DIR = Path(os.environ.get("TESSERA_SIM_DIR", VAR_DIR / "sim"))  # simulated GPUs' state
 TESSERA_NODE_HOSTNAME = os.environ.get("TESSERA_NODE_HOSTNAME", "")  # set on a real GPU node's worker
 TESSERA_PROVISION_STUCK_AFTER_S = int(os.environ.get("TESSERA_PROVISION_STUCK_AFTER_S", "300"))
 TESSERA_RECONCILE_INTERVAL_S = int(os.environ.get("TESSERA_RECONCILE_INTERVAL_S", "60"))

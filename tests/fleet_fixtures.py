@@ -17,7 +17,7 @@ from marketplace.services.catalog import sync_catalog
 @pytest.fixture
 def sim_dir(settings, tmp_path):
     """Simulated NVML state for this test only."""
-    settings.VAR_DIR = tmp_path
+    settings.TESSERA_SIM_DIR = tmp_path / "sim"
     nodes._sims.clear()
     yield tmp_path
     nodes._sims.clear()

@@ -673,7 +673,17 @@ class SimNvml:
         if pl is None or not hasattr(pl, "start") or not hasattr(pl, "size"):
             self._dev(device)
             raise _err(_pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        return self._create_gi(device, profileId, int(pl.start), int(pl.size))
+        handle = self._create_gi(device, profileId, int(pl.start), int(pl.size))
+        self._latency()
+        return handle
+
+    def _latency(self) -> None:
+        """Real GI creation takes a while (the driver reconfigures the GPU); the state is already
+        committed when the call is still running, so a process killed now leaves the GI behind.
+        TESSERA_NVML_SIM_CREATE_LATENCY_S (default 0) sets how long the call takes."""
+        delay = float(os.environ.get("TESSERA_NVML_SIM_CREATE_LATENCY_S", "0") or 0)
+        if delay > 0:
+            time.sleep(delay)
 
     def nvmlDeviceGetGpuInstances(self, device: Any, profileId: int, gpuInstancesRef: Any, countRef: Any) -> int:
         gpu, _gi, _ci = self._dev(device)

@@ -9,6 +9,7 @@ worker finds the instances it left (as a real GPU keeps them).
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 from django.conf import settings
 
@@ -21,7 +22,7 @@ _sims: dict[tuple, SimNvml] = {}
 
 
 def sim_state_path(hostname: str):
-    path = settings.VAR_DIR / "sim"
+    path = Path(settings.TESSERA_SIM_DIR)
     path.mkdir(parents=True, exist_ok=True)
     return path / f"{hostname}.json"
 
