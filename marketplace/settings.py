@@ -223,6 +223,7 @@ SPECTACULAR_SETTINGS = {
 TESSERA_NVML_BACKEND = os.environ.get("TESSERA_NVML_BACKEND", "sim")
 TESSERA_TRITON_BACKEND = os.environ.get("TESSERA_TRITON_BACKEND", "sim")
 TESSERA_SIM_DIR = Path(os.environ.get("TESSERA_SIM_DIR", VAR_DIR / "sim"))  # simulated GPUs' state
+TESSERA_TRITON_REPO_ROOT = Path(os.environ.get("TESSERA_TRITON_REPO_ROOT", VAR_DIR / "triton"))  # on the node
 TESSERA_NODE_HOSTNAME = os.environ.get("TESSERA_NODE_HOSTNAME", "")  # set on a real GPU node's worker
 TESSERA_PROVISION_STUCK_AFTER_S = int(os.environ.get("TESSERA_PROVISION_STUCK_AFTER_S", "300"))
 TESSERA_RECONCILE_INTERVAL_S = int(os.environ.get("TESSERA_RECONCILE_INTERVAL_S", "60"))

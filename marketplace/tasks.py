@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from celery import shared_task
 
-from marketplace.services import provisioning, reconcile
+from marketplace.services import deployments, provisioning, reconcile
 
 NODE_TASK = {
     "acks_late": True,
@@ -36,3 +36,15 @@ def reconcile_node(node_id: int) -> dict:
 def reconcile_fleet() -> int:
     """Beat (control queue): fan out one reconcile per ready node, each on its own queue."""
     return reconcile.fan_out()
+
+
+@shared_task(bind=True, name="tessera.deploy_model", autoretry_for=(OSError,), retry_backoff=2, max_retries=5,
+             **NODE_TASK)
+def deploy_model(self, deployment_id: int) -> str:
+    return deployments.load(deployment_id)
+
+
+@shared_task(bind=True, name="tessera.undeploy_model", autoretry_for=(OSError,), retry_backoff=2, max_retries=5,
+             **NODE_TASK)
+def undeploy_model(self, deployment_id: int) -> str:
+    return deployments.unload(deployment_id)

@@ -17,10 +17,15 @@ from marketplace.services.catalog import sync_catalog
 @pytest.fixture
 def sim_dir(settings, tmp_path):
     """Simulated NVML state for this test only."""
+    from marketplace.hardware.triton import reset_sim_backends
+
     settings.TESSERA_SIM_DIR = tmp_path / "sim"
+    settings.TESSERA_TRITON_REPO_ROOT = tmp_path / "triton"
     nodes._sims.clear()
+    reset_sim_backends()
     yield tmp_path
     nodes._sims.clear()
+    reset_sim_backends()
 
 
 @pytest.fixture

@@ -32,6 +32,7 @@ class Worker:
 
     def start(self, **extra_env: str) -> Worker:
         env = {**os.environ, "DATABASE_URL": test_database_url(), "TESSERA_SIM_DIR": str(self.sim_dir),
+               "TESSERA_TRITON_REPO_ROOT": str(self.sim_dir.parent / "triton"),
                "CELERY_VISIBILITY_TIMEOUT": "5", "TESSERA_PROVISION_STUCK_AFTER_S": "1",
                "LOG_FORMAT": "text", "LOG_LEVEL": "INFO", **self.env, **extra_env}
         log = open(self.log_path, "ab")  # noqa: SIM115 - the process owns it

@@ -1,6 +1,6 @@
 from rest_framework.routers import SimpleRouter
 
-from . import catalog, orders
+from . import catalog, deployments, orders
 
 router = SimpleRouter()
 router.register("catalog/gpu-models", catalog.GpuModelViewSet, basename="gpumodel")
@@ -15,5 +15,6 @@ router.register("tiers", orders.TierViewSet, basename="tier")
 router.register("price-plans", orders.PricePlanViewSet, basename="priceplan")
 router.register("orders", orders.OrderViewSet, basename="order")
 router.register("allocations", orders.AllocationViewSet, basename="allocation")
+router.register("deployments", deployments.DeploymentViewSet, basename="deployment")
 
 urlpatterns = router.urls

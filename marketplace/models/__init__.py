@@ -1,7 +1,9 @@
 from .catalog import GpuModel, MigPlacement, MigProfile, ServerPlatform
+from .deployments import ModelDeployment
 from .fleet import Gpu, GpuInstance, GpuSlot, Node
 from .offers import PricePlan, Tier
 from .orders import Allocation, AllocationEvent, DriftEvent, Order
 
 __all__ = ["GpuModel", "MigProfile", "MigPlacement", "ServerPlatform", "Node", "Gpu", "GpuInstance", "GpuSlot",
-           "Tier", "PricePlan", "Order", "Allocation", "AllocationEvent", "DriftEvent"]
+           "Tier", "PricePlan", "Order", "Allocation", "AllocationEvent", "DriftEvent",
+           "ModelDeployment"]

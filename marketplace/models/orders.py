@@ -69,6 +69,9 @@ class Allocation(models.Model):
     start = models.PositiveSmallIntegerField(null=True, blank=True)
     size = models.PositiveSmallIntegerField(null=True, blank=True)
     placement_reason = models.CharField(max_length=500, blank=True)
+    triton_url = models.CharField(max_length=200, blank=True,
+                                  help_text="HTTP endpoint of the slice's Triton server (http backend)")
+    triton_metrics_url = models.CharField(max_length=200, blank=True, help_text="its Prometheus metrics endpoint")
     failure_reason = models.CharField(max_length=1000, blank=True)
     attempts = models.PositiveSmallIntegerField(default=0)
     created_at = models.DateTimeField(default=timezone.now)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.db.models import Prefetch
 
-from marketplace.models import Allocation, AllocationEvent, DriftEvent, Order, PricePlan, Tier
+from marketplace.models import Allocation, AllocationEvent, DriftEvent, ModelDeployment, Order, PricePlan, Tier
 from tenants.scoping import Principal
 
 
@@ -30,3 +30,7 @@ def allocations(principal: Principal):
 def drift_events(principal: Principal):
     qs = DriftEvent.objects.select_related("node")
     return qs if principal.can("operate") else qs.none()
+
+
+def deployments(principal: Principal):
+    return ModelDeployment.objects.visible_to(principal).select_related("tenant", "allocation")

@@ -11,7 +11,7 @@ from django.db import transaction
 from pynvml import NVMLError, NVMLError_InsufficientResources, NVMLError_InUse
 
 from marketplace.models import Allocation, GpuInstance
-from marketplace.services import allocations, fleet, nodes
+from marketplace.services import allocations, deployments, fleet, nodes
 
 log = logging.getLogger("tessera.provisioning")
 S = Allocation.State
@@ -52,7 +52,9 @@ def provision(allocation_id: int, *, final_attempt: bool = False) -> str:
     except NVMLError as exc:
         _fail_and_return_slots(a, f"NVML error: {exc.__class__.__name__}: {exc}")
         return "failed"
-    allocations.mark_ready(_load(a.pk), ACTOR, mig_uuid, "slice created; serving environment ready")
+    a = _load(a.pk)
+    deployments.prepare_slice(a)
+    allocations.mark_ready(a, ACTOR, mig_uuid, "slice created; model repository and Triton server ready")
     allocations.activate(_load(a.pk), ACTOR)
     return "activated"
 
@@ -88,6 +90,7 @@ def release(allocation_id: int) -> str:
         return "already released"
     if a.state != S.RELEASING:
         return f"not releasing ({a.state})"
+    deployments.unload_all(a)  # Triton lets go of the slice before NVML destroys it
     inst = a.instance
     if inst is not None:
         if inst.placement_id is not None:
