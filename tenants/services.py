@@ -185,7 +185,7 @@ def _send_invitation(invitation: Invitation, token: str) -> None:
 @transaction.atomic
 def accept_invitation(user: User, token: str) -> Membership:
     invitation = (
-        Invitation.objects.select_for_update().select_related("tenant")
+        Invitation.objects.select_for_update(of=("self",)).select_related("tenant")
         .filter(token_hash=keys.hash_key(token)).first()
     )
     if invitation is None:

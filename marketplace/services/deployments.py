@@ -77,7 +77,7 @@ def deploy(principal: Principal, allocation: Allocation, name: str, *, template:
         raise Forbidden("Your role or API-key scopes do not allow deploying to this slice.")
     model = build_spec(name, template=template, spec=spec)
     with transaction.atomic():
-        allocation = Allocation.objects.select_for_update().select_related(
+        allocation = Allocation.objects.select_for_update(of=("self",)).select_related(
             "tier__profile", "tier__gpu_model", "node").get(pk=allocation.pk)
         if allocation.state != Allocation.State.ACTIVE:
             raise Conflict(f"models are deployed to active slices; this one is {allocation.state}",
@@ -104,7 +104,7 @@ def remove(principal: Principal, dep: ModelDeployment) -> ModelDeployment:
     if not principal.can("deploy", dep.tenant_id):
         raise Forbidden("Your role or API-key scopes do not allow removing this model.")
     with transaction.atomic():
-        dep = ModelDeployment.objects.select_for_update().select_related("allocation__node").get(pk=dep.pk)
+        dep = ModelDeployment.objects.select_for_update(of=("self",)).select_related("allocation__node").get(pk=dep.pk)
         if dep.state in (D.REMOVED, D.UNLOADING):
             raise Conflict(f"this model is already {dep.state}")
         _set(dep, D.UNLOADING)

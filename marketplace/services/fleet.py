@@ -124,7 +124,7 @@ class _StaleState(Exception):
 
 @transaction.atomic
 def _reserve(tenant: Tenant, profile: MigProfile | None, d: engine.Decision) -> GpuInstance:
-    gpu = Gpu.objects.select_for_update().select_related("gpu_model").get(pk=d.gpu_id)
+    gpu = Gpu.objects.select_for_update(of=("self",)).select_related("gpu_model").get(pk=d.gpu_id)
     # Re-check under the lock with what is committed now.
     current = [(i.placement.profile.profile_id if i.placement_id else None, i.start)
                for i in GpuInstance.objects.filter(gpu=gpu).select_related("placement__profile")]

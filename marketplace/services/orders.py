@@ -123,7 +123,8 @@ def retry(principal: Principal, allocation: Allocation) -> Allocation:
     if not principal.can("operate"):
         raise Forbidden("only operators retry allocations")
     with transaction.atomic():
-        allocation = Allocation.objects.select_for_update().select_related("tier", "tenant").get(pk=allocation.pk)
+        allocation = (Allocation.objects.select_for_update(of=("self",)).select_related("tier", "tenant")
+                      .get(pk=allocation.pk))
         if allocation.state != Allocation.State.FAILED:
             raise Conflict(f"only failed allocations are retried (this one is {allocation.state})", field="state")
         if allocation.instance_id is None:
