@@ -11,6 +11,7 @@ from tenants.roles import Role
 from tenants.scoping import principal_for_user
 from tests.factories import MembershipFactory, TenantFactory
 from tests.triton_server import running_tritonserver, tritonserver_available
+from tests.worker_process import wait_for
 
 AVAILABLE, REASON = tritonserver_available()
 pytestmark = [pytest.mark.triton, pytest.mark.django_db,
@@ -40,7 +41,8 @@ def test_deploy_on_a_real_triton_server(h100_node, tiers, settings):
         assert all(o["input_tokens"] == 5 and o["output_tokens"] == 5 and o["text"] for o in outs)
         assert server.statistics("tiny-gen")["inference_count"] == 3
         assert server.statistics("tiny-gen-b")["inference_count"] == 0
-        assert 'nv_inference_count{model="tiny-gen"' in server.metrics_text()
+        line = 'nv_inference_count{model="tiny-gen",version="1"} 3'
+        wait_for(lambda: line in server.metrics_text(), 10, "Triton's metrics to show the 3 inferences")
         deployments.remove(p, d1)
         assert deployments.unload(d1.pk) == "removed"
         assert not server.is_model_ready("tiny-gen") and server.is_model_ready("tiny-gen-b")
