@@ -1,6 +1,21 @@
 from django.contrib import admin
 
-from .models import Gpu, GpuInstance, GpuModel, MigPlacement, MigProfile, Node, ServerPlatform
+from .models import (
+    Allocation,
+    AllocationEvent,
+    DriftEvent,
+    Gpu,
+    GpuInstance,
+    GpuModel,
+    MigPlacement,
+    MigProfile,
+    ModelDeployment,
+    Node,
+    Order,
+    PricePlan,
+    ServerPlatform,
+    Tier,
+)
 
 
 class MigPlacementInline(admin.TabularInline):
@@ -54,3 +69,51 @@ class GpuInstanceAdmin(admin.ModelAdmin):
     list_filter = ["state", "gpu__gpu_model"]
     list_select_related = ["gpu__node", "tenant", "placement__profile"]
     readonly_fields = ["reason"]
+
+
+class PricePlanInline(admin.TabularInline):
+    model = PricePlan
+    extra = 0
+    readonly_fields = ["created_at"]
+
+
+@admin.register(Tier)
+class TierAdmin(admin.ModelAdmin):
+    list_display = ["name", "key", "gpu_model", "profile", "dedicated", "active"]
+    list_filter = ["gpu_model", "active", "dedicated"]
+    inlines = [PricePlanInline]
+
+
+class AllocationEventInline(admin.TabularInline):
+    model = AllocationEvent
+    extra = 0
+    can_delete = False
+    readonly_fields = ["from_state", "to_state", "actor", "reason", "at"]
+
+
+@admin.register(Allocation)
+class AllocationAdmin(admin.ModelAdmin):
+    list_display = ["pk", "tenant", "tier", "state", "node", "mig_uuid", "updated_at"]
+    list_filter = ["state", "tier", "node"]
+    list_select_related = ["tenant", "tier", "node"]
+    search_fields = ["mig_uuid", "gpu_uuid", "tenant__slug"]
+    readonly_fields = [f.name for f in Allocation._meta.fields]
+    inlines = [AllocationEventInline]
+
+
+@admin.register(Order)
+class OrderAdmin(admin.ModelAdmin):
+    list_display = ["pk", "tenant", "tier", "quantity", "plan_kind", "created_at"]
+    list_select_related = ["tenant", "tier"]
+
+
+@admin.register(DriftEvent)
+class DriftEventAdmin(admin.ModelAdmin):
+    list_display = ["at", "node", "gpu_index", "kind", "detail", "resolved"]
+    list_filter = ["kind", "resolved", "node"]
+
+
+@admin.register(ModelDeployment)
+class ModelDeploymentAdmin(admin.ModelAdmin):
+    list_display = ["name", "tenant", "allocation", "backend", "memory_mb", "state", "updated_at"]
+    list_filter = ["state", "backend"]
