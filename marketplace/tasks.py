@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from celery import shared_task
 
-from marketplace.services import deployments, provisioning, reconcile
+from marketplace.services import billing, deployments, provisioning, reconcile, webhooks
 
 NODE_TASK = {
     "acks_late": True,
@@ -48,3 +48,19 @@ def deploy_model(self, deployment_id: int) -> str:
              **NODE_TASK)
 def undeploy_model(self, deployment_id: int) -> str:
     return deployments.unload(deployment_id)
+
+
+@shared_task(bind=True, name="tessera.deliver_webhook", autoretry_for=(webhooks.DeliveryFailed,), retry_backoff=5,
+             retry_backoff_max=3600, retry_jitter=True, max_retries=8, acks_late=True, time_limit=60)
+def deliver_webhook(self, delivery_id: int) -> str:
+    return webhooks.deliver(delivery_id, final_attempt=self.request.retries >= self.max_retries)
+
+
+@shared_task(name="tessera.rate_and_check_spend", acks_late=True, time_limit=600)
+def rate_and_check_spend() -> dict:
+    """Beat (control): re-rate every active tenant's current draft, send spend notices, and
+    finalize the drafts of months that have ended."""
+    from tenants.models import Tenant
+
+    fired = {t.slug: billing.evaluate_spend(t) for t in Tenant.objects.filter(status=Tenant.Status.ACTIVE)}
+    return {"finalized": billing.finalize_due(), "notices": {k: v for k, v in fired.items() if v}}

@@ -43,7 +43,7 @@ class TenantAccess(permissions.BasePermission):
         if lookup and lookup in getattr(view, "kwargs", {}):
             # Detail route: the object decides. A foreign object is absent from the scoped queryset
             # (404); an own object the principal may not change is a 403 in has_object_permission.
-            return principal.can("read")
+            return principal.can("read") or principal.can(required_capability(view, request))
         return principal.can(required_capability(view, request))
 
     def has_object_permission(self, request, view, obj) -> bool:

@@ -1,6 +1,7 @@
+from django.urls import path
 from rest_framework.routers import SimpleRouter
 
-from . import catalog, deployments, orders
+from . import billing, catalog, deployments, orders
 
 router = SimpleRouter()
 router.register("catalog/gpu-models", catalog.GpuModelViewSet, basename="gpumodel")
@@ -17,4 +18,10 @@ router.register("orders", orders.OrderViewSet, basename="order")
 router.register("allocations", orders.AllocationViewSet, basename="allocation")
 router.register("deployments", deployments.DeploymentViewSet, basename="deployment")
 
-urlpatterns = router.urls
+router.register("invoices", billing.InvoiceViewSet, basename="invoice")
+router.register("webhooks", billing.WebhookEndpointViewSet, basename="webhook")
+
+urlpatterns = [
+    path("billing/spend/", billing.SpendView.as_view(), name="billing-spend"),
+    *router.urls,
+]

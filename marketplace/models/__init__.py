@@ -1,3 +1,4 @@
+from .billing import Invoice, InvoiceLine, InvoiceSequence, SpendNotice, WebhookDelivery, WebhookEndpoint
 from .catalog import GpuModel, MigPlacement, MigProfile, ServerPlatform
 from .deployments import ModelDeployment
 from .fleet import Gpu, GpuInstance, GpuSlot, Node
@@ -6,4 +7,5 @@ from .orders import Allocation, AllocationEvent, DriftEvent, Order
 
 __all__ = ["GpuModel", "MigProfile", "MigPlacement", "ServerPlatform", "Node", "Gpu", "GpuInstance", "GpuSlot",
            "Tier", "PricePlan", "Order", "Allocation", "AllocationEvent", "DriftEvent",
-           "ModelDeployment"]
+           "ModelDeployment", "Invoice", "InvoiceLine", "InvoiceSequence", "SpendNotice", "WebhookEndpoint",
+           "WebhookDelivery"]

@@ -11,7 +11,7 @@ from django.utils import timezone
 
 from marketplace.models import Allocation, Order, PricePlan, Tier
 from marketplace.models.orders import LIVE_STATES
-from marketplace.services import allocations, fleet
+from marketplace.services import allocations, billing, fleet
 from tenants.errors import Conflict, Forbidden, ServiceError
 from tenants.models import Tenant
 from tenants.scoping import Principal
@@ -78,6 +78,7 @@ def create_order(principal: Principal, *, tenant: Tenant, tier: Tier, quantity: 
         if not tenant.is_active:
             raise Forbidden("the tenant is suspended", field="tenant")
         check_quota(tenant, tier, quantity)
+        billing.check_can_order(tenant)
         order = Order.objects.create(
             tenant=tenant, tier=tier, quantity=quantity, plan_kind=plan_kind, idempotency_key=idempotency_key,
             created_by=principal.user, api_key=principal.api_key,

@@ -1,0 +1,192 @@
+"""Billing REST API (scope billing:read; operators see all): invoices with lines, CSV/JSON export,
+finalize (operators), current spend against the limit, webhook endpoints and their delivery log."""
+
+from __future__ import annotations
+
+import csv
+import io
+
+import django_filters
+from drf_spectacular.utils import OpenApiParameter, extend_schema
+from rest_framework import mixins, renderers, serializers, status, viewsets
+from rest_framework.decorators import action
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from marketplace.models import Invoice, InvoiceLine, WebhookDelivery, WebhookEndpoint
+from marketplace.selectors import billing as selectors
+from marketplace.services import billing, webhooks
+from tenants.api.serializers import ScopedTenantField
+from tenants.models import Tenant
+from tenants.scoping import principal_for
+
+from .viewsets import ScopedViewSetMixin
+
+
+class InvoiceLineSerializer(serializers.ModelSerializer):
+    tier = serializers.SlugRelatedField(slug_field="key", read_only=True)
+
+    class Meta:
+        model = InvoiceLine
+        fields = ["id", "kind", "tier", "allocation", "deployment", "description", "quantity", "unit", "unit_price",
+                  "amount", "usage_from", "usage_to"]
+
+
+class InvoiceSerializer(serializers.ModelSerializer):
+    tenant = serializers.SlugRelatedField(slug_field="slug", read_only=True)
+    lines = InvoiceLineSerializer(many=True, read_only=True)
+
+    class Meta:
+        model = Invoice
+        fields = ["id", "number", "tenant", "status", "period_start", "period_end", "currency", "total", "rated_at",
+                  "finalized_at", "lines"]
+
+
+class InvoiceListSerializer(InvoiceSerializer):
+    class Meta(InvoiceSerializer.Meta):
+        fields = [f for f in InvoiceSerializer.Meta.fields if f != "lines"]
+
+
+class InvoiceFilter(django_filters.FilterSet):
+    tenant = django_filters.CharFilter(field_name="tenant__slug")
+    period_from = django_filters.DateFilter(field_name="period_start", lookup_expr="gte")
+    period_to = django_filters.DateFilter(field_name="period_start", lookup_expr="lte")
+
+    class Meta:
+        model = Invoice
+        fields = ["tenant", "status", "period_start", "currency"]
+
+
+class CsvRenderer(renderers.BaseRenderer):
+    media_type = "text/csv"
+    format = "csv"
+    charset = "utf-8"
+
+    def render(self, data, accepted_media_type=None, renderer_context=None):
+        if isinstance(data, str | bytes):
+            return data
+        return "\n".join(f"{k},{v}" for k, v in (data or {}).items())  # errors, e.g. {"detail": ...}
+
+
+def invoice_csv(invoice: Invoice) -> str:
+    out = io.StringIO()
+    w = csv.writer(out)
+    w.writerow(["invoice", invoice.number or "draft", "tenant", invoice.tenant.slug, "period",
+                f"{invoice.period_start:%Y-%m}", "currency", invoice.currency, "status", invoice.status])
+    w.writerow(["kind", "tier", "deployment", "description", "quantity", "unit", "unit_price", "amount",
+                "usage_from", "usage_to"])
+    for li in invoice.lines.all():
+        w.writerow([li.kind, li.tier.key, li.deployment_id or "", li.description, li.quantity, li.unit,
+                    li.unit_price, li.amount, li.usage_from.isoformat(), li.usage_to.isoformat()])
+    w.writerow(["total", "", "", "", "", "", "", invoice.total, "", ""])
+    return out.getvalue()
+
+
+class InvoiceViewSet(ScopedViewSetMixin, viewsets.ReadOnlyModelViewSet):
+    """Invoices, one per tenant and month. Drafts are re-rated on request (POST refresh) and by beat;
+    a finalized invoice never changes."""
+
+    queryset_model = Invoice
+    selector = selectors.invoices
+    serializer_class = InvoiceSerializer
+    filterset_class = InvoiceFilter
+    ordering_fields = ["period_start", "total", "number"]
+    ordering = ["-period_start", "tenant__slug"]
+    capabilities = {"list": "billing", "retrieve": "billing", "export": "billing", "refresh": "billing",
+                    "finalize": "operate"}
+
+    def get_serializer_class(self):
+        return InvoiceListSerializer if self.action == "list" else InvoiceSerializer
+
+    @extend_schema(parameters=[OpenApiParameter("format", str, enum=["csv", "json"])], responses={200: None})
+    @action(detail=True, methods=["get"], renderer_classes=[renderers.JSONRenderer, CsvRenderer])
+    def export(self, request, pk=None):
+        invoice = self.get_object()
+        if request.accepted_renderer.format == "csv":
+            resp = Response(invoice_csv(invoice), content_type="text/csv; charset=utf-8")
+            resp["Content-Disposition"] = f'attachment; filename="{invoice.number or f"draft-{invoice.pk}"}.csv"'
+            return resp
+        return Response(billing.invoice_payload(invoice))
+
+    @extend_schema(request=None, responses=InvoiceSerializer)
+    @action(detail=True, methods=["post"])
+    def refresh(self, request, pk=None):
+        invoice = billing.refresh(self.get_object())
+        return Response(InvoiceSerializer(self.get_queryset().get(pk=invoice.pk)).data)
+
+    @extend_schema(request=None, responses=InvoiceSerializer)
+    @action(detail=True, methods=["post"])
+    def finalize(self, request, pk=None):
+        invoice = billing.finalize(self.get_object(), force=request.query_params.get("force") == "1")
+        return Response(InvoiceSerializer(self.get_queryset().get(pk=invoice.pk)).data)
+
+
+class SpendView(APIView):
+    """Month-to-date spend against each visible tenant's limit (re-rated now)."""
+
+    capabilities = {"get": "billing"}
+
+    @extend_schema(parameters=[OpenApiParameter("tenant", str)], responses={200: None})
+    def get(self, request):
+        principal = principal_for(request)
+        tenants = Tenant.objects.visible_to(principal, "billing")
+        if request.query_params.get("tenant"):
+            tenants = tenants.filter(slug=request.query_params["tenant"])
+        out = []
+        for t in tenants[:200]:
+            s = billing.spend_status(t)
+            out.append({"tenant": t.slug, "spend": str(s["spend"]), "currency": s["currency"],
+                        "limit": None if s["limit"] is None else str(s["limit"]),
+                        "ratio": None if s["ratio"] is None else float(round(s["ratio"], 4)),
+                        "warn": s["warn"], "blocked": s["blocked"], "period_start": s["period_start"]})
+        return Response({"results": out})
+
+
+class WebhookEndpointSerializer(serializers.ModelSerializer):
+    tenant = ScopedTenantField(required=False, allow_null=True, help_text="omit for an MSP-wide endpoint")
+    events = serializers.ListField(child=serializers.ChoiceField(choices=WebhookEndpoint.EVENTS), allow_empty=False)
+
+    class Meta:
+        model = WebhookEndpoint
+        fields = ["id", "tenant", "url", "events", "active", "created_at"]
+        read_only_fields = ["id", "created_at"]
+
+
+class WebhookCreatedSerializer(WebhookEndpointSerializer):
+    secret = serializers.CharField(read_only=True, help_text="verify X-Tessera-Signature with it")
+
+    class Meta(WebhookEndpointSerializer.Meta):
+        fields = [*WebhookEndpointSerializer.Meta.fields, "secret"]
+
+
+class WebhookDeliverySerializer(serializers.ModelSerializer):
+    class Meta:
+        model = WebhookDelivery
+        fields = ["id", "endpoint", "event", "event_key", "status", "attempts", "last_status_code", "last_error",
+                  "created_at", "delivered_at", "payload"]
+
+
+class WebhookEndpointViewSet(ScopedViewSetMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin,
+                             mixins.CreateModelMixin, mixins.DestroyModelMixin, viewsets.GenericViewSet):
+    """Webhook endpoints (owners/admins for their tenant, operators MSP-wide). The secret is shown once."""
+
+    queryset_model = WebhookEndpoint
+    selector = selectors.webhook_endpoints
+    serializer_class = WebhookEndpointSerializer
+    ordering = ["-created_at"]
+    capabilities = {"list": "manage_tenant", "retrieve": "manage_tenant", "create": "manage_tenant",
+                    "destroy": "manage_tenant", "deliveries": "manage_tenant"}
+
+    def create(self, request, *args, **kwargs):
+        s = self.get_serializer(data=request.data)
+        s.is_valid(raise_exception=True)
+        ep = webhooks.create_endpoint(self.principal, tenant=s.validated_data.get("tenant"),
+                                      url=s.validated_data["url"], events=s.validated_data["events"])
+        return Response(WebhookCreatedSerializer(ep).data, status=status.HTTP_201_CREATED)
+
+    @extend_schema(responses=WebhookDeliverySerializer(many=True))
+    @action(detail=True, methods=["get"])
+    def deliveries(self, request, pk=None):
+        ep = self.get_object()
+        page = self.paginate_queryset(ep.deliveries.order_by("-created_at"))
+        return self.get_paginated_response(WebhookDeliverySerializer(page, many=True).data)

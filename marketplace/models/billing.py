@@ -1,0 +1,161 @@
+"""Invoices (one per tenant per calendar month: draft while open, finalized once, then immutable),
+their lines, spend-limit notices, and outbound webhooks with a delivery log."""
+
+from __future__ import annotations
+
+from django.db import models
+from django.utils import timezone
+
+from tenants.scoping import TenantScopedQuerySet
+
+
+class Invoice(models.Model):
+    class Status(models.TextChoices):
+        DRAFT = "draft", "Draft"
+        FINALIZED = "finalized", "Finalized"
+
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.PROTECT, related_name="invoices")
+    period_start = models.DateField(help_text="first day of the month (UTC)")
+    period_end = models.DateField(help_text="first day of the next month")
+    currency = models.CharField(max_length=3)
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.DRAFT)
+    number = models.CharField(max_length=32, unique=True, null=True, blank=True, help_text="given at finalization")
+    total = models.DecimalField(max_digits=14, decimal_places=2, default=0)
+    rated_at = models.DateTimeField(null=True, blank=True, help_text="when the draft was last rated")
+    finalized_at = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    objects = TenantScopedQuerySet.as_manager()
+    tenant_path = "tenant_id"
+
+    class Meta:
+        ordering = ["-period_start", "tenant_id"]
+        constraints = [
+            models.UniqueConstraint(fields=["tenant", "period_start"], name="one_invoice_per_tenant_month"),
+            models.CheckConstraint(condition=models.Q(status="draft", number__isnull=True)
+                                   | models.Q(status="finalized", number__isnull=False),
+                                   name="invoice_number_iff_finalized"),
+        ]
+
+    def __str__(self) -> str:
+        return self.number or f"draft {self.tenant_id} {self.period_start:%Y-%m}"
+
+
+class InvoiceLine(models.Model):
+    class Kind(models.TextChoices):
+        SLICE_HOURS = "slice_hours", "Slice hours"
+        INPUT_TOKENS = "input_tokens", "Input tokens"
+        OUTPUT_TOKENS = "output_tokens", "Output tokens"
+        ADJUSTMENT_INPUT = "adjustment_input", "Late input tokens from a finalized period"
+        ADJUSTMENT_OUTPUT = "adjustment_output", "Late output tokens from a finalized period"
+
+    invoice = models.ForeignKey(Invoice, on_delete=models.CASCADE, related_name="lines")
+    kind = models.CharField(max_length=24, choices=Kind.choices)
+    tier = models.ForeignKey("marketplace.Tier", on_delete=models.PROTECT, related_name="+")
+    plan = models.ForeignKey("marketplace.PricePlan", on_delete=models.PROTECT, related_name="+")
+    allocation = models.ForeignKey("marketplace.Allocation", null=True, blank=True, on_delete=models.PROTECT,
+                                   related_name="+")
+    deployment = models.ForeignKey("marketplace.ModelDeployment", null=True, blank=True, on_delete=models.PROTECT,
+                                   related_name="+")
+    description = models.CharField(max_length=300)
+    quantity = models.DecimalField(max_digits=24, decimal_places=6, help_text="hours, or millions of tokens")
+    unit = models.CharField(max_length=16)
+    unit_price = models.DecimalField(max_digits=12, decimal_places=4)
+    amount = models.DecimalField(max_digits=14, decimal_places=2)
+    usage_from = models.DateTimeField()
+    usage_to = models.DateTimeField()
+
+    objects = TenantScopedQuerySet.as_manager()
+    tenant_path = "invoice__tenant_id"
+
+    class Meta:
+        ordering = ["invoice_id", "kind", "tier_id", "usage_from", "pk"]
+
+    def __str__(self) -> str:
+        return f"{self.description}: {self.amount}"
+
+
+class InvoiceSequence(models.Model):
+    """Invoice numbers without gaps: one row per year, locked while a number is taken."""
+
+    year = models.PositiveIntegerField(unique=True)
+    last = models.PositiveIntegerField(default=0)
+
+    def __str__(self) -> str:
+        return f"{self.year}: {self.last}"
+
+
+class SpendNotice(models.Model):
+    class Level(models.TextChoices):
+        WARN = "warn", "Warning threshold reached"
+        BLOCK = "block", "Limit reached: new orders blocked"
+
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="spend_notices")
+    period_start = models.DateField()
+    level = models.CharField(max_length=8, choices=Level.choices)
+    spend = models.DecimalField(max_digits=14, decimal_places=2)
+    limit = models.DecimalField(max_digits=14, decimal_places=2)
+    at = models.DateTimeField(default=timezone.now)
+
+    objects = TenantScopedQuerySet.as_manager()
+    tenant_path = "tenant_id"
+
+    class Meta:
+        ordering = ["-at"]
+        constraints = [models.UniqueConstraint(fields=["tenant", "period_start", "level"], name="one_notice_per_level")]
+
+    def __str__(self) -> str:
+        return f"{self.tenant_id} {self.period_start:%Y-%m} {self.level}"
+
+
+class WebhookEndpoint(models.Model):
+    """Where events are POSTed, signed with HMAC-SHA256 of the body with `secret`. No tenant: the
+    MSP's own endpoint, which receives every tenant's events."""
+
+    EVENTS = ["invoice.finalized", "spend_limit.reached", "spend_limit.warning"]
+
+    tenant = models.ForeignKey("tenants.Tenant", null=True, blank=True, on_delete=models.CASCADE,
+                               related_name="webhooks")
+    url = models.URLField(max_length=500)
+    secret = models.CharField(max_length=100, editable=False)
+    events = models.JSONField(default=list)
+    active = models.BooleanField(default=True)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    objects = TenantScopedQuerySet.as_manager()
+    tenant_path = "tenant_id"
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return self.url
+
+
+class WebhookDelivery(models.Model):
+    class Status(models.TextChoices):
+        PENDING = "pending", "Pending"
+        DELIVERED = "delivered", "Delivered"
+        FAILED = "failed", "Failed (gave up)"
+
+    endpoint = models.ForeignKey(WebhookEndpoint, on_delete=models.CASCADE, related_name="deliveries")
+    event = models.CharField(max_length=40)
+    event_key = models.CharField(max_length=120, help_text="what the event is about, e.g. invoice:42")
+    payload = models.JSONField()
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.PENDING)
+    attempts = models.PositiveSmallIntegerField(default=0)
+    last_status_code = models.PositiveSmallIntegerField(null=True, blank=True)
+    last_error = models.CharField(max_length=500, blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+    delivered_at = models.DateTimeField(null=True, blank=True)
+
+    objects = TenantScopedQuerySet.as_manager()
+    tenant_path = "endpoint__tenant_id"
+
+    class Meta:
+        ordering = ["-created_at"]
+        constraints = [models.UniqueConstraint(fields=["endpoint", "event", "event_key"],
+                                               name="one_delivery_per_event")]
+
+    def __str__(self) -> str:
+        return f"{self.event} -> {self.endpoint_id} ({self.status})"

@@ -1,0 +1,328 @@
+"""Rating and invoices.
+
+Rating turns what a tenant used in a calendar month into priced lines, with the plan that was in
+force at the time of each use: slice-hours of its allocations while active (per second, split at
+every price change) and input/output tokens of its deployments per hour (from the hourly rollups,
+never the raw events). A draft is re-rated whenever asked; finalizing it (once the month is over)
+numbers it, freezes it, and marks the rolled-up usage it charged as billed. Usage that arrives
+later for a finalized month goes onto the next invoice as adjustment lines.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import dataclass, field
+from datetime import UTC, date, datetime, timedelta
+from decimal import ROUND_HALF_UP, Decimal
+
+from django.db import transaction
+from django.db.models import F, Q
+from django.utils import timezone
+
+from marketplace.models import Allocation, Invoice, InvoiceLine, InvoiceSequence, PricePlan, SpendNotice, Tier
+from telemetry.models import UsageHourly
+from tenants.errors import Conflict, ServiceError
+from tenants.models import Tenant
+
+log = logging.getLogger("tessera.billing")
+CENT = Decimal("0.01")
+MILLION = Decimal(1_000_000)
+L = InvoiceLine.Kind
+
+
+class SpendLimitReached(ServiceError):
+    status_code = 409
+
+
+def month_of(d: date | datetime) -> date:
+    return date(d.year, d.month, 1)
+
+
+def next_month(d: date) -> date:
+    return date(d.year + (d.month == 12), d.month % 12 + 1, 1)
+
+
+def bounds(period_start: date) -> tuple[datetime, datetime]:
+    start = datetime(period_start.year, period_start.month, 1, tzinfo=UTC)
+    end_d = next_month(period_start)
+    return start, datetime(end_d.year, end_d.month, 1, tzinfo=UTC)
+
+
+def money(x: Decimal) -> Decimal:
+    return x.quantize(CENT, rounding=ROUND_HALF_UP)
+
+
+# --- prices in force ---------------------------------------------------------------------------
+
+class PlanBook:
+    """The plans of one currency, loaded once per rating run; answers 'which plan at time t' and
+    'which plans over [a, b)'."""
+
+    def __init__(self, currency: str):
+        self.by_key: dict[tuple[int, str], list[PricePlan]] = defaultdict(list)
+        for p in PricePlan.objects.filter(currency=currency).order_by("effective_from"):
+            self.by_key[(p.tier_id, p.kind)].append(p)
+
+    def at(self, tier_id: int, kind: str, t: datetime) -> PricePlan | None:
+        found = None
+        for p in self.by_key.get((tier_id, kind), ()):
+            if p.effective_from <= t:
+                found = p
+            else:
+                break
+        return found
+
+    def spans(self, tier_id: int, kind: str, a: datetime, b: datetime) -> list[tuple[PricePlan, datetime, datetime]]:
+        plans = self.by_key.get((tier_id, kind), [])
+        out = []
+        for i, p in enumerate(plans):
+            p_to = plans[i + 1].effective_from if i + 1 < len(plans) else b
+            lo, hi = max(a, p.effective_from), min(b, p_to)
+            if lo < hi:
+                out.append((p, lo, hi))
+        return out
+
+
+# --- rating -------------------------------------------------------------------------------------
+
+@dataclass
+class Draft:
+    kind: str
+    tier: Tier
+    plan: PricePlan
+    description: str
+    unit: str
+    quantity: Decimal = Decimal(0)
+    usage_from: datetime | None = None
+    usage_to: datetime | None = None
+    allocation_id: int | None = None
+    deployment_id: int | None = None
+    rows: list[int] = field(default_factory=list)
+
+    def add(self, q: Decimal, a: datetime, b: datetime) -> None:
+        self.quantity += q
+        self.usage_from = a if self.usage_from is None else min(self.usage_from, a)
+        self.usage_to = b if self.usage_to is None else max(self.usage_to, b)
+
+    @property
+    def unit_price(self) -> Decimal:
+        if self.kind == L.SLICE_HOURS:
+            return self.plan.price_per_slice_hour
+        if self.kind in (L.INPUT_TOKENS, L.ADJUSTMENT_INPUT):
+            return self.plan.price_per_1m_input_tokens
+        return self.plan.price_per_1m_output_tokens
+
+    def line(self, invoice: Invoice) -> InvoiceLine:
+        q = self.quantity.quantize(Decimal("0.000001"), rounding=ROUND_HALF_UP)
+        return InvoiceLine(invoice=invoice, kind=self.kind, tier=self.tier, plan=self.plan,
+                           allocation_id=self.allocation_id, deployment_id=self.deployment_id,
+                           description=self.description[:300], quantity=q, unit=self.unit,
+                           unit_price=self.unit_price, amount=money(q * self.unit_price),
+                           usage_from=self.usage_from, usage_to=self.usage_to)
+
+
+@dataclass
+class Rated:
+    drafts: list[Draft]
+    usage_rows: list[int]  # UsageHourly rows charged (this month's and late ones)
+
+    @property
+    def total(self) -> Decimal:
+        return sum((money(d.quantity.quantize(Decimal("0.000001"), rounding=ROUND_HALF_UP) * d.unit_price)
+                    for d in self.drafts), Decimal(0))
+
+
+def rate(tenant: Tenant, period_start: date, now: datetime | None = None) -> Rated:
+    now = now or timezone.now()
+    start, end = bounds(period_start)
+    book = PlanBook(tenant.currency)
+    drafts: dict[tuple, Draft] = {}
+
+    # slice-hours: every allocation while active, per second, each span at its own price
+    allocs = (Allocation.objects.filter(tenant=tenant, activated_at__isnull=False, activated_at__lt=min(end, now))
+              .filter(Q(released_at__isnull=True) | Q(released_at__gt=start))
+              .select_related("tier", "order"))
+    for a in allocs:
+        stopped = a.released_at or (a.updated_at if a.state == Allocation.State.FAILED else None)
+        a_from, a_to = max(a.activated_at, start), min(stopped or now, end, now)
+        for plan, lo, hi in book.spans(a.tier_id, a.order.plan_kind, a_from, a_to):
+            key = (L.SLICE_HOURS, a.tier_id, plan.pk)
+            d = drafts.get(key) or drafts.setdefault(key, Draft(
+                L.SLICE_HOURS, a.tier, plan, f"{a.tier.name}: slice-hours at {plan.price_per_slice_hour}/h "
+                f"({plan.get_kind_display().lower()})", "hour"))
+            d.add(Decimal((hi - lo).total_seconds()) / 3600, lo, hi)
+
+    # tokens: this month's hourly rollups, plus late usage of finalized months (adjustments)
+    finalized = list(Invoice.objects.filter(tenant=tenant, status=Invoice.Status.FINALIZED,
+                                            period_start__lt=period_start).values_list("period_start", flat=True))
+    late = Q()
+    for p in finalized:
+        p_start, p_end = bounds(p)
+        late |= Q(hour__gte=p_start, hour__lt=p_end)
+    this_month = Q(hour__gte=start, hour__lt=end)
+    pending_late = Q(input_tokens__gt=F("billed_input_tokens")) | Q(output_tokens__gt=F("billed_output_tokens"))
+    rows = UsageHourly.objects.filter(tenant=tenant).filter(this_month | (late & pending_late) if finalized
+                                                             else this_month)
+    charged = []
+    for r in rows.select_related("deployment__allocation__tier", "deployment__allocation__order"):
+        alloc = r.deployment.allocation
+        plan = book.at(alloc.tier_id, alloc.order.plan_kind, r.hour)
+        if plan is None:
+            log.warning("usage without a price in force", extra={"row": r.pk, "tier": alloc.tier_id})
+            continue
+        is_late = r.hour < start
+        ins = r.input_tokens - r.billed_input_tokens if is_late else r.input_tokens
+        outs = r.output_tokens - r.billed_output_tokens if is_late else r.output_tokens
+        for kind, tokens in (((L.ADJUSTMENT_INPUT, ins), (L.ADJUSTMENT_OUTPUT, outs)) if is_late
+                             else ((L.INPUT_TOKENS, ins), (L.OUTPUT_TOKENS, outs))):
+            if tokens <= 0:
+                continue
+            key = (kind, alloc.tier_id, plan.pk, r.deployment_id)
+            what = "input" if kind in (L.INPUT_TOKENS, L.ADJUSTMENT_INPUT) else "output"
+            prefix = "late usage from a finalized month: " if is_late else ""
+            d = drafts.get(key) or drafts.setdefault(key, Draft(
+                kind, alloc.tier, plan, f"{prefix}{r.deployment.name} on {alloc.tier.name}: {what} tokens (per 1M)",
+                "1M tokens", deployment_id=r.deployment_id))
+            d.add(Decimal(tokens) / MILLION, r.hour, r.hour + timedelta(hours=1))
+        charged.append(r.pk)
+    return Rated(list(drafts.values()), charged)
+
+
+# --- invoices -----------------------------------------------------------------------------------
+
+def draft_for(tenant: Tenant, period_start: date) -> Invoice:
+    invoice, _ = Invoice.objects.get_or_create(
+        tenant=tenant, period_start=period_start,
+        defaults={"period_end": next_month(period_start), "currency": tenant.currency})
+    return invoice
+
+
+@transaction.atomic
+def refresh(invoice: Invoice, now: datetime | None = None) -> Invoice:
+    """Re-rate a draft from the current usage. A finalized invoice is never touched."""
+    invoice = Invoice.objects.select_for_update().select_related("tenant").get(pk=invoice.pk)
+    if invoice.status != Invoice.Status.DRAFT:
+        raise Conflict(f"invoice {invoice.number} is finalized and cannot change")
+    rated = rate(invoice.tenant, invoice.period_start, now)
+    invoice.lines.all().delete()
+    lines = InvoiceLine.objects.bulk_create([d.line(invoice) for d in rated.drafts])
+    invoice.total = sum((line.amount for line in lines), Decimal(0))
+    invoice.rated_at = timezone.now()
+    invoice.save(update_fields=["total", "rated_at"])
+    return invoice
+
+
+def current_invoice(tenant: Tenant, now: datetime | None = None) -> Invoice:
+    now = now or timezone.now()
+    return refresh(draft_for(tenant, month_of(now)), now)
+
+
+def _next_number(year: int) -> str:
+    seq, _ = InvoiceSequence.objects.select_for_update().get_or_create(year=year)
+    seq.last += 1
+    seq.save(update_fields=["last"])
+    return f"TSR-{year}-{seq.last:06d}"
+
+
+def finalize(invoice: Invoice, *, now: datetime | None = None, force: bool = False) -> Invoice:
+    """Rate one last time, number and freeze the invoice, mark the usage it charged as billed."""
+    now = now or timezone.now()
+    with transaction.atomic():
+        invoice = Invoice.objects.select_for_update().select_related("tenant").get(pk=invoice.pk)
+        if invoice.status == Invoice.Status.FINALIZED:
+            raise Conflict(f"invoice {invoice.number} is already finalized")
+        _, end = bounds(invoice.period_start)
+        if now < end and not force:
+            raise ServiceError(f"the month is still open until {end:%Y-%m-%d}; finalize after it ends",
+                               field="period_start")
+        earlier = Invoice.objects.filter(tenant=invoice.tenant, period_start__lt=invoice.period_start,
+                                         status=Invoice.Status.DRAFT).exists()
+        if earlier:
+            raise Conflict("finalize the tenant's earlier invoices first")
+        # Lock the rollup rows this invoice may charge so concurrent ingest waits for us.
+        list(UsageHourly.objects.select_for_update().filter(tenant=invoice.tenant, hour__lt=end).values_list("pk"))
+        rated = rate(invoice.tenant, invoice.period_start, min(now, end))
+        invoice.lines.all().delete()
+        lines = InvoiceLine.objects.bulk_create([d.line(invoice) for d in rated.drafts])
+        UsageHourly.objects.filter(pk__in=rated.usage_rows).update(
+            billed_input_tokens=F("input_tokens"), billed_output_tokens=F("output_tokens"),
+            billed_requests=F("requests"))
+        invoice.total = sum((line.amount for line in lines), Decimal(0))
+        invoice.number = _next_number(invoice.period_start.year)
+        invoice.status = Invoice.Status.FINALIZED
+        invoice.finalized_at = now
+        invoice.rated_at = now
+        invoice.save()
+        from marketplace.services import webhooks  # noqa: PLC0415
+
+        webhooks.emit(invoice.tenant, "invoice.finalized", f"invoice:{invoice.pk}", invoice_payload(invoice))
+    log.info("invoice finalized", extra={"invoice": invoice.number, "total": str(invoice.total)})
+    return invoice
+
+
+def finalize_due(now: datetime | None = None) -> list[str]:
+    """Beat: finalize every draft whose month has ended, oldest first."""
+    now = now or timezone.now()
+    done = []
+    for inv in Invoice.objects.filter(status=Invoice.Status.DRAFT, period_end__lte=now.date()).order_by(
+            "period_start"):
+        done.append(finalize(inv, now=now).number)
+    return done
+
+
+def invoice_payload(invoice: Invoice) -> dict:
+    return {
+        "number": invoice.number, "tenant": invoice.tenant.slug, "status": invoice.status,
+        "period_start": invoice.period_start.isoformat(), "period_end": invoice.period_end.isoformat(),
+        "currency": invoice.currency, "total": str(invoice.total),
+        "lines": [{"kind": li.kind, "tier": li.tier.key, "deployment": li.deployment_id,
+                   "description": li.description, "quantity": str(li.quantity), "unit": li.unit,
+                   "unit_price": str(li.unit_price), "amount": str(li.amount),
+                   "usage_from": li.usage_from.isoformat(), "usage_to": li.usage_to.isoformat()}
+                  for li in invoice.lines.select_related("tier").order_by("pk")],
+    }
+
+
+# --- spend limits -------------------------------------------------------------------------------
+
+def spend_status(tenant: Tenant, now: datetime | None = None) -> dict:
+    invoice = current_invoice(tenant, now)
+    limit = tenant.monthly_spend_limit
+    ratio = (invoice.total / limit) if limit else None
+    return {
+        "spend": invoice.total, "limit": limit, "currency": tenant.currency, "ratio": ratio,
+        "warn": bool(limit and ratio >= tenant.spend_warn_ratio),
+        "blocked": bool(limit and ratio >= tenant.spend_block_ratio),
+        "period_start": invoice.period_start,
+    }
+
+
+def check_can_order(tenant: Tenant) -> None:
+    s = spend_status(tenant)
+    if s["blocked"]:
+        raise SpendLimitReached(
+            f"monthly spend limit reached: {s['spend']} of {s['limit']} {s['currency']}; new orders are blocked "
+            f"until next month or a higher limit", field="tenant", code="spend_limit")
+
+
+def evaluate_spend(tenant: Tenant, now: datetime | None = None) -> list[str]:
+    """Record warn/block notices once per month and send the webhooks."""
+    from marketplace.services import webhooks  # noqa: PLC0415
+
+    s = spend_status(tenant, now)
+    fired = []
+    for level, hit, event in ((SpendNotice.Level.WARN, s["warn"], "spend_limit.warning"),
+                              (SpendNotice.Level.BLOCK, s["blocked"], "spend_limit.reached")):
+        if not hit:
+            continue
+        with transaction.atomic():
+            notice, created = SpendNotice.objects.get_or_create(
+                tenant=tenant, period_start=s["period_start"], level=level,
+                defaults={"spend": s["spend"], "limit": s["limit"]})
+            if created:
+                webhooks.emit(tenant, event, f"spend:{tenant.pk}:{s['period_start']}:{level}", {
+                    "tenant": tenant.slug, "level": level, "spend": str(s["spend"]), "limit": str(s["limit"]),
+                    "currency": tenant.currency, "period_start": s["period_start"].isoformat()})
+                fired.append(level)
+    return fired
