@@ -19,30 +19,20 @@ Errors: ``NVMLError`` subclasses propagate, except where a method documents othe
 from __future__ import annotations
 
 import ctypes
-import os
 from dataclasses import dataclass, field
 from typing import Any
+
+from marketplace.hardware import setting
 
 BACKEND_ENV = "TESSERA_NVML_BACKEND"
 BACKENDS = ("sim", "pynvml")
 MAX_GPU_INSTANCES = 8  # array size for GetGpuInstances (H100/H200 allow 7)
 
 
-def _setting(name: str) -> str | None:
-    """A Django setting if Django is configured, else the environment variable."""
-    try:
-        from django.conf import settings  # noqa: PLC0415 - optional dependency
-
-        if settings.configured and getattr(settings, name, None) not in (None, ""):
-            return str(getattr(settings, name))
-    except ImportError:
-        pass
-    return os.environ.get(name) or None
-
 
 def get_backend(name: str | None = None) -> Any:
     """``"sim"`` (default) -> the process-wide simulator; ``"pynvml"`` -> the real pynvml module."""
-    name = (name or _setting(BACKEND_ENV) or "sim").strip().lower()
+    name = (name or setting(BACKEND_ENV) or "sim").strip().lower()
     if name == "pynvml":
         import pynvml  # noqa: PLC0415
 
@@ -51,9 +41,9 @@ def get_backend(name: str | None = None) -> Any:
         from . import nvml_sim  # noqa: PLC0415
 
         return nvml_sim.module(
-            fleet=_setting("TESSERA_NVML_SIM_FLEET"),
-            state_path=_setting("TESSERA_NVML_SIM_STATE"),
-            node=_setting("TESSERA_NVML_SIM_NODE"),
+            fleet=setting("TESSERA_NVML_SIM_FLEET"),
+            state_path=setting("TESSERA_NVML_SIM_STATE"),
+            node=setting("TESSERA_NVML_SIM_NODE"),
         )
     raise ValueError(f"unknown NVML backend {name!r}; expected one of {BACKENDS}")
 

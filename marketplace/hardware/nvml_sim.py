@@ -135,6 +135,28 @@ def _capacity(array_ref: Any, count_obj: Any) -> int:
     return min(n, given) if given else n
 
 
+def _fill_placements(placementsRef: Any, countRef: Any, starts: Iterable[int], size: int) -> int:
+    """pynvml's placement-array convention: ``placementsRef=None`` writes only the count; an array
+    smaller than the count (its length, or a smaller non-zero count passed in) -> InsufficientSize."""
+    count = _deref(countRef)
+    if count is None:
+        raise _err(_pynvml.NVML_ERROR_INVALID_ARGUMENT)
+    starts = list(starts)
+    n = len(starts)
+    if placementsRef is None:
+        count.value = n
+        return _pynvml.NVML_SUCCESS
+    if _capacity(placementsRef, count) < n:
+        count.value = n
+        raise _err(_pynvml.NVML_ERROR_INSUFFICIENT_SIZE)
+    arr = _deref(placementsRef)
+    for i, s in enumerate(starts):
+        arr[i].start = s
+        arr[i].size = size
+    count.value = n
+    return _pynvml.NVML_SUCCESS
+
+
 def _handle_addr(handle: Any) -> int | None:
     if handle is None:
         return None
@@ -590,22 +612,7 @@ class SimNvml:
         or the count passed in if that is non-zero and smaller) -> InsufficientSize, count set."""
         gpu, _gi, _ci = self._dev(device)
         p = self._profile_by_id(gpu, profileId, _pynvml.NVML_ERROR_NOT_SUPPORTED)
-        count = _deref(countRef)
-        if count is None:
-            raise _err(_pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        n = len(p.starts)
-        if placementsRef is None:
-            count.value = n
-            return _pynvml.NVML_SUCCESS
-        if _capacity(placementsRef, count) < n:
-            count.value = n
-            raise _err(_pynvml.NVML_ERROR_INSUFFICIENT_SIZE)
-        arr = _deref(placementsRef)
-        for i, s in enumerate(p.starts):
-            arr[i].start = s
-            arr[i].size = p.memory_slices
-        count.value = n
-        return _pynvml.NVML_SUCCESS
+        return _fill_placements(placementsRef, countRef, p.starts, p.memory_slices)
 
     nvmlDeviceGetGpuInstancePossiblePlacements_v2 = nvmlDeviceGetGpuInstancePossiblePlacements
 
@@ -813,22 +820,7 @@ class SimNvml:
     ) -> int:
         gpu, gi = self._gi(gpuInstance)
         _p, c = self._ci_profile(gpu, gi, profileId, _pynvml.NVML_ERROR_NOT_SUPPORTED)
-        count = _deref(countRef)
-        if count is None:
-            raise _err(_pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        n = len(c.starts)
-        if placementsRef is None:
-            count.value = n
-            return _pynvml.NVML_SUCCESS
-        if _capacity(placementsRef, count) < n:
-            count.value = n
-            raise _err(_pynvml.NVML_ERROR_INSUFFICIENT_SIZE)
-        arr = _deref(placementsRef)
-        for i, s in enumerate(c.starts):
-            arr[i].start = s
-            arr[i].size = c.compute_slices
-        count.value = n
-        return _pynvml.NVML_SUCCESS
+        return _fill_placements(placementsRef, countRef, c.starts, c.compute_slices)
 
     def _create_ci(self, gpuInstance: Any, profileId: int, start: int | None, size: int | None) -> Any:
         gpu, gi0 = self._gi(gpuInstance)

@@ -39,6 +39,8 @@ from typing import Any, NamedTuple
 
 from tritonclient.utils import InferenceServerException
 
+from marketplace.hardware import setting
+
 BACKEND_ENV = "TESSERA_TRITON_BACKEND"
 BACKEND_KINDS = ("sim", "http")
 MEMORY_PARAMETER = "tessera_memory_mb"
@@ -1139,17 +1141,6 @@ _SIM_BACKENDS: dict[tuple[str, int | None], SimTritonBackend] = {}
 _SIM_LOCK = threading.Lock()
 
 
-def _setting(name: str) -> str | None:
-    """A Django setting if Django is configured, else the environment variable."""
-    try:
-        from django.conf import settings  # noqa: PLC0415 - optional dependency
-
-        if settings.configured and getattr(settings, name, None) not in (None, ""):
-            return str(getattr(settings, name))
-    except ImportError:
-        pass
-    return os.environ.get(name) or None
-
 
 def get_triton_backend(kind: str | None = None, url: str | None = None, repo_dir: str | os.PathLike | None = None,
                        *, metrics_url: str | None = None, memory_mb: int | None = None) -> TritonBackend:
@@ -1157,7 +1148,7 @@ def get_triton_backend(kind: str | None = None, url: str | None = None, repo_dir
     so a load in one task is seen by the next); ``"http"`` -> a new ``HttpTritonBackend(url, metrics_url)``.
     ``kind`` defaults to the ``TESSERA_TRITON_BACKEND`` setting/environment variable, else "sim".
     """
-    kind = (kind or _setting(BACKEND_ENV) or "sim").strip().lower()
+    kind = (kind or setting(BACKEND_ENV) or "sim").strip().lower()
     if kind == "http":
         if not url:
             raise ValueError("the http Triton backend needs url (host:port of the server's HTTP endpoint)")

@@ -500,7 +500,7 @@ def test_get_backend_selection(monkeypatch, tmp_path):
     from marketplace.hardware import nvml as nvml_mod
 
     # read the environment only (a configured Django would supply TESSERA_NVML_BACKEND from settings)
-    monkeypatch.setattr(nvml_mod, "_setting", lambda name: os.environ.get(name) or None)
+    monkeypatch.setattr(nvml_mod, "setting", lambda name: os.environ.get(name) or None)
     monkeypatch.setenv("TESSERA_NVML_SIM_FLEET", f"{H200}*3")
     monkeypatch.setenv("TESSERA_NVML_SIM_STATE", str(tmp_path / "env-state.json"))
     monkeypatch.delenv("TESSERA_NVML_BACKEND", raising=False)
