@@ -133,7 +133,8 @@ USE_TZ = True
 STATIC_URL = "/static/"
 STATIC_ROOT = VAR_DIR / "static"
 STATIC_ROOT.mkdir(parents=True, exist_ok=True)
-STATICFILES_DIRS = [d for d in [BASE_DIR / "static"] if d.exists()]
+STATICFILES_DIRS = [d for d in [BASE_DIR / "static"] if d.exists()] + [
+    ("vendor/plotly", Path(__import__("plotly").__file__).parent / "package_data")]  # the wheel's plotly.min.js
 STORAGES = {
     "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
     "staticfiles": {"BACKEND": "whitenoise.storage.CompressedStaticFilesStorage"},
@@ -178,9 +179,29 @@ CELERY_TIMEZONE = "UTC"
 CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_BEAT_SCHEDULE = {
+    "collect-gpu-telemetry": {
+        "task": "tessera.collect_gpu_fleet",
+        "schedule": float(os.environ.get("TESSERA_TELEMETRY_INTERVAL_S", "60")),
+        "options": {"queue": "control"},
+    },
+    "downsample-telemetry": {
+        "task": "tessera.downsample_telemetry",
+        "schedule": float(os.environ.get("TESSERA_DOWNSAMPLE_INTERVAL_S", "300")),
+        "options": {"queue": "control"},
+    },
+    "rate-and-check-spend": {
+        "task": "tessera.rate_and_check_spend",
+        "schedule": float(os.environ.get("TESSERA_RATING_INTERVAL_S", "300")),
+        "options": {"queue": "control"},
+    },
     "reconcile-fleet": {
         "task": "tessera.reconcile_fleet",
         "schedule": float(os.environ.get("TESSERA_RECONCILE_INTERVAL_S", "60")),
+        "options": {"queue": "control"},
+    },
+    "scrape-triton": {
+        "task": "tessera.scrape_triton_fleet",
+        "schedule": float(os.environ.get("TESSERA_SCRAPE_INTERVAL_S", "60")),
         "options": {"queue": "control"},
     },
 }

@@ -14,6 +14,7 @@ def healthz(request):
 api_v1 = [
     path("", include("tenants.api.urls")),
     path("", include("marketplace.api.urls")),
+    path("", include("telemetry.api.urls")),
 ]
 
 urlpatterns = [
@@ -22,5 +23,6 @@ urlpatterns = [
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
     path("healthz", healthz, name="healthz"),
+    path("", include("telemetry.urls")),  # /metrics, /charts/<name>/, /api/v1/charts/<name>/
     path("", RedirectView.as_view(url="/admin/", permanent=False)),
 ]

@@ -99,3 +99,92 @@ class TritonCounter(models.Model):
 
     def __str__(self) -> str:
         return f"{self.deployment_id}: {self.inference_count}"
+
+
+# --- GPU telemetry (NVML collector) -----------------------------------------------------------
+
+class Resolution(models.TextChoices):
+    RAW = "raw", "Raw (one per collection)"
+    FIVE_MIN = "5m", "5-minute averages"
+    HOUR = "1h", "Hourly averages"
+
+
+class GpuSample(models.Model):
+    """One GPU's telemetry at one time and resolution. Raw rows are what the collector read; 5m and
+    1h rows are averages of the raw rows in the bucket (``samples`` of them), with ``energy_j`` the
+    last cumulative counter value in the bucket. ``utilization`` is NVML's percent and is null under
+    MIG (NotSupported); ``activity`` (0..1) is always set: utilization/100 when NVML reports it, else
+    the compute-slice-weighted activity estimate of the GPU's slices (see MigSample)."""
+
+    id = models.BigAutoField(primary_key=True)
+    gpu = models.ForeignKey("marketplace.Gpu", on_delete=models.CASCADE, related_name="samples")
+    resolution = models.CharField(max_length=3, choices=Resolution.choices, default=Resolution.RAW)
+    ts = models.DateTimeField(help_text="raw: when read; rollups: start of the bucket (UTC)")
+    samples = models.PositiveIntegerField(default=1)
+    utilization = models.FloatField(null=True, blank=True)
+    utilization_samples = models.PositiveIntegerField(default=0, help_text="how many had a utilization")
+    activity = models.FloatField(default=0.0)
+    memory_used_mb = models.FloatField()
+    memory_total_mb = models.FloatField()
+    power_w = models.FloatField()
+    energy_j = models.FloatField(help_text="cumulative counter (since driver load)")
+    temperature_c = models.FloatField()
+    sm_clock_mhz = models.FloatField()
+    mig = models.BooleanField(default=False)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["gpu", "resolution", "ts"], name="gpu_sample_unique")]
+        indexes = [models.Index(fields=["resolution", "ts"])]
+
+    def __str__(self) -> str:
+        return f"{self.gpu_id}/{self.resolution}@{self.ts:%Y-%m-%d %H:%M}"
+
+
+class MigSample(models.Model):
+    """One slice's (MIG instance, or a whole-GPU allocation) memory and estimated activity. NVML has
+    no per-slice utilization without GPM/DCGM, so ``activity`` (0..1) is estimated from metering:
+    tokens metered on the slice's deployments over the last hour, per second, over the tier's
+    capacity in tokens/s (telemetry.services.collector.tier_capacity_tokens_per_s)."""
+
+    id = models.BigAutoField(primary_key=True)
+    gpu = models.ForeignKey("marketplace.Gpu", on_delete=models.CASCADE, related_name="mig_samples")
+    mig_uuid = models.CharField(max_length=64, help_text="MIG device UUID; the GPU's UUID for a whole GPU")
+    gi_id = models.IntegerField(null=True, blank=True)
+    compute_slices = models.PositiveSmallIntegerField(default=0, help_text="of 7; 7 for a whole GPU")
+    allocation = models.ForeignKey("marketplace.Allocation", null=True, blank=True, on_delete=models.SET_NULL,
+                                   related_name="+")
+    tenant = models.ForeignKey("tenants.Tenant", null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    resolution = models.CharField(max_length=3, choices=Resolution.choices, default=Resolution.RAW)
+    ts = models.DateTimeField()
+    samples = models.PositiveIntegerField(default=1)
+    memory_used_mb = models.FloatField()
+    memory_total_mb = models.FloatField()
+    activity = models.FloatField(default=0.0)
+
+    objects = TenantScopedQuerySet.as_manager()
+    tenant_path = "tenant_id"
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["gpu", "mig_uuid", "resolution", "ts"],
+                                               name="mig_sample_unique")]
+        indexes = [models.Index(fields=["resolution", "ts"]), models.Index(fields=["tenant", "resolution", "ts"])]
+
+    def __str__(self) -> str:
+        return f"{self.mig_uuid}/{self.resolution}@{self.ts:%Y-%m-%d %H:%M}"
+
+
+class CollectorError(models.Model):
+    """A failed NVML read of one GPU (the collector records it and goes on with the others);
+    ``count`` per (gpu, kind) is the Prometheus counter."""
+
+    gpu = models.ForeignKey("marketplace.Gpu", on_delete=models.CASCADE, related_name="+")
+    kind = models.CharField(max_length=80)
+    count = models.BigIntegerField(default=0)
+    last_message = models.CharField(max_length=500, blank=True)
+    last_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["gpu", "kind"], name="collector_error_unique")]
+
+    def __str__(self) -> str:
+        return f"{self.gpu_id} {self.kind} x{self.count}"

@@ -64,7 +64,9 @@ class Principal:
 
 
 ANONYMOUS = Principal()
-READ_ONLY_CAPS = frozenset({"read", "billing"})
+# What a suspended tenant may still do: read, see billing, and report usage (its slices may still be
+# serving, and usage it reports must not be lost to billing).
+READ_ONLY_CAPS = frozenset({"read", "billing", "usage"})
 
 
 class TenantScopedQuerySet(models.QuerySet):

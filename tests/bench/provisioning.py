@@ -60,10 +60,10 @@ def main() -> None:
     from marketplace.services import fleet, orders
     from marketplace.services.catalog import sync_catalog
     from tenants.models import Tenant
+    from tenants.scoping import principal_for_user
     from tests.factories import OperatorFactory
     from tests.fleet_fixtures import make_tier
     from tests.worker_process import Worker, wait_for
-    from tenants.scoping import principal_for_user
 
     sync_catalog()
     platform = ServerPlatform.objects.get(key="hgx-h100-8")

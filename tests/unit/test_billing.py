@@ -14,7 +14,6 @@ import pytest
 
 from marketplace.models import (
     Allocation,
-    Invoice,
     ModelDeployment,
     Order,
     PricePlan,

@@ -1,0 +1,393 @@
+"""Plotly figures, built in Python from stored data only: GPU samples (GpuSample/MigSample, any
+resolution), slot occupancy (GpuSlot), the hourly usage rollups (UsageHourly; never raw usage
+events) and the plans in force (PlanBook). Every builder returns ``(figure, numbers)``: the plotly
+Figure and the plain numbers it shows (what the JSON endpoint and the tests read).
+
+Access: the fleet figures are for MSP operators only; ``tenant_usage`` is scoped through
+``visible_to`` (capability "billing"), so a tenant user sees its own usage and spend only.
+Params (all optional): ``start``/``end`` (ISO 8601, UTC; default the last 24 h), ``hours`` (instead
+of start), ``resolution`` (raw|5m|1h; default by span), ``bucket`` (hour|day, tenant_usage),
+``tenant`` (slug, tenant_usage), ``currency`` (default USD).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from decimal import ROUND_HALF_UP, Decimal
+
+import plotly.graph_objects as go
+from django.db.models import Q
+from django.utils import timezone
+from django.utils.dateparse import parse_datetime
+from plotly.subplots import make_subplots
+
+from marketplace.models import Allocation, Gpu, GpuSlot, Tier
+from marketplace.services.billing import PlanBook
+from telemetry.models import GpuSample, Resolution, UsageHourly
+from telemetry.services import energy
+from tenants.errors import Forbidden, ServiceError
+from tenants.models import Tenant
+from tenants.scoping import Principal
+
+MILLION = Decimal(1_000_000)
+LAYOUT = {"template": "plotly_white", "margin": {"l": 60, "r": 20, "t": 60, "b": 50}}
+
+
+class ChartNotFound(ServiceError):
+    status_code = 404
+
+
+@dataclass
+class Period:
+    start: datetime
+    end: datetime
+    resolution: str
+    currency: str = "USD"
+
+    @property
+    def seconds(self) -> float:
+        return max(1.0, (self.end - self.start).total_seconds())
+
+
+def _dt(value) -> datetime | None:
+    if value in (None, ""):
+        return None
+    if isinstance(value, datetime):
+        return value
+    d = parse_datetime(str(value))
+    if d is None:
+        raise ServiceError(f"not a date-time: {value!r}", field="start")
+    return d if d.tzinfo else d.replace(tzinfo=UTC)
+
+
+def period(params: dict | None) -> Period:
+    p = params or {}
+    end = _dt(p.get("end")) or timezone.now()
+    start = _dt(p.get("start"))
+    if start is None:
+        start = end - timedelta(hours=float(p.get("hours") or 24))
+    if start >= end:
+        raise ServiceError("start must be before end", field="start")
+    res = p.get("resolution")
+    if res not in (None, "", *Resolution.values):
+        raise ServiceError("resolution must be raw, 5m or 1h", field="resolution")
+    if not res:
+        span = end - start
+        res = Resolution.RAW if span <= timedelta(days=1) else (
+            Resolution.FIVE_MIN if span <= timedelta(days=30) else Resolution.HOUR)
+    return Period(start, end, res, (p.get("currency") or "USD").upper())
+
+
+def _gpu_label(gpu: Gpu) -> str:
+    return f"{gpu.node.hostname}/gpu{gpu.index}"
+
+
+def _samples(per: Period):
+    rows = (GpuSample.objects.filter(resolution=per.resolution, ts__gte=per.start, ts__lt=per.end)
+            .values_list("gpu_id", "ts", "activity", "gpu__gpu_model__key").order_by("ts"))
+    for gpu_id, ts, act, model in rows:
+        if per.resolution == Resolution.RAW:  # nodes are read a few seconds apart: align to the minute
+            ts = ts.replace(second=0, microsecond=0)
+        yield gpu_id, ts, act, model
+
+
+def _money(x: Decimal, places: str = "0.000001") -> Decimal:
+    return x.quantize(Decimal(places), rounding=ROUND_HALF_UP)
+
+
+# --- fleet figures ---------------------------------------------------------------------------------
+
+def fleet_utilization(per: Period, principal: Principal):
+    """Average GPU activity (percent) over time, fleet-wide and per GPU model."""
+    acc: dict[datetime, list[float]] = defaultdict(list)
+    by_model: dict[str, dict[datetime, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for _gpu, ts, act, model in _samples(per):
+        acc[ts].append(act * 100)
+        by_model[model][ts].append(act * 100)
+    ts = sorted(acc)
+    numbers = {
+        "ts": [t.isoformat() for t in ts],
+        "fleet": [round(sum(acc[t]) / len(acc[t]), 4) for t in ts],
+        "by_model": {m: {"ts": [t.isoformat() for t in sorted(v)],
+                         "avg": [round(sum(v[t]) / len(v[t]), 4) for t in sorted(v)]} for m, v in by_model.items()},
+    }
+    fig = go.Figure(layout={**LAYOUT, "title": "Fleet utilization (%)", "yaxis": {"range": [0, 100]}})
+    fig.add_trace(go.Scatter(x=ts, y=numbers["fleet"], name="fleet", mode="lines"))
+    for m, v in sorted(numbers["by_model"].items()):
+        fig.add_trace(go.Scatter(x=v["ts"], y=v["avg"], name=m, mode="lines", line={"dash": "dot"}))
+    return fig, numbers
+
+
+def gpu_heatmap(per: Period, principal: Principal):
+    """Activity (percent) per GPU (rows) and time bucket (columns)."""
+    gpus = list(Gpu.objects.select_related("node").order_by("node__hostname", "index"))
+    cells: dict[tuple[int, datetime], float] = {}
+    times: set[datetime] = set()
+    for gpu_id, ts, act, _m in _samples(per):
+        cells[(gpu_id, ts)] = act * 100
+        times.add(ts)
+    ts = sorted(times)
+    z = [[None if (g.pk, t) not in cells else round(cells[(g.pk, t)], 4) for t in ts] for g in gpus]
+    labels = [_gpu_label(g) for g in gpus]
+    fig = go.Figure(go.Heatmap(x=ts, y=labels, z=z, zmin=0, zmax=100, colorscale="Viridis",
+                               colorbar={"title": "%"}),
+                    layout={**LAYOUT, "title": "GPU activity heatmap (%)"})
+    return fig, {"gpus": labels, "ts": [t.isoformat() for t in ts], "z": z}
+
+
+def mig_slot_map(per: Period, principal: Principal):
+    """Every GPU's 8 memory slots and the tenant that holds each (empty: free)."""
+    gpus = list(Gpu.objects.select_related("node", "gpu_model").order_by("node__hostname", "index"))
+    held: dict[tuple[int, int], tuple[str, str]] = {}
+    for slot in GpuSlot.objects.select_related("instance__tenant", "instance__placement__profile"):
+        inst = slot.instance
+        what = inst.placement.profile.name if inst.placement_id else "whole GPU"
+        held[(slot.gpu_id, slot.slot)] = (inst.tenant.slug, what)
+    tenants = sorted({t for t, _w in held.values()})
+    code = {t: i + 1 for i, t in enumerate(tenants)}
+    rows = []
+    for g in gpus:
+        rows.append({"gpu": _gpu_label(g), "model": g.gpu_model.key, "mig": g.mig_mode,
+                     "slots": [held.get((g.pk, s), (None, None))[0] for s in range(8)],
+                     "profiles": [held.get((g.pk, s), (None, None))[1] for s in range(8)]})
+    z = [[code.get(t, 0) for t in r["slots"]] for r in rows]
+    text = [[f"{t} ({p})" if t else "free" for t, p in zip(r["slots"], r["profiles"], strict=True)] for r in rows]
+    n = len(tenants)
+    palette = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
+    colors = ["#eeeeee"] + [palette[i % len(palette)] for i in range(n)]
+    scale = []  # discrete: value i (0 = free, i = i-th tenant) gets its own band
+    for i, c in enumerate(colors):
+        scale += [[i / len(colors), c], [(i + 1) / len(colors), c]]
+    fig = go.Figure(go.Heatmap(x=[f"slot {s}" for s in range(8)], y=[r["gpu"] for r in rows], z=z, text=text,
+                               hoverinfo="text+y", texttemplate="%{text}", zmin=-0.5, zmax=n + 0.5, showscale=False,
+                               colorscale=scale, xgap=2, ygap=2),
+                    layout={**LAYOUT, "title": "MIG slot map (who holds which memory slices)"})
+    return fig, {"gpus": rows, "tenants": tenants, "used": len(held), "free": 8 * len(gpus) - len(held)}
+
+
+def _slice_hour_spans(per: Period, book: PlanBook, tenant_ids: set[int] | None = None):
+    """(allocation, plan, lo, hi) for every active span of an allocation within the period."""
+    now = timezone.now()
+    qs = (Allocation.objects.filter(activated_at__isnull=False, activated_at__lt=per.end)
+          .filter(Q(released_at__isnull=True) | Q(released_at__gt=per.start)).select_related("tier", "order"))
+    if tenant_ids is not None:
+        qs = qs.filter(tenant_id__in=tenant_ids)
+    for a in qs:
+        stopped = a.released_at or (a.updated_at if a.state == Allocation.State.FAILED else None)
+        lo, hi = max(a.activated_at, per.start), min(stopped or now, per.end)
+        for plan, p_lo, p_hi in book.spans(a.tier_id, a.order.plan_kind, lo, hi):
+            yield a, plan, p_lo, p_hi
+
+
+def _token_amount(r: UsageHourly, book: PlanBook) -> Decimal | None:
+    alloc = r.deployment.allocation
+    plan = book.at(alloc.tier_id, alloc.order.plan_kind, r.hour)
+    if plan is None:
+        return None
+    return (Decimal(r.input_tokens) * plan.price_per_1m_input_tokens
+            + Decimal(r.output_tokens) * plan.price_per_1m_output_tokens) / MILLION
+
+
+def tier_spend(per: Period) -> dict[int, dict]:
+    """tier id -> requests, tokens, token/slice-hour/total amounts over the period (rated like
+    invoices: the plan in force at each hour; slice-hours per second while active)."""
+    book = PlanBook(per.currency)
+    out: dict[int, dict] = defaultdict(lambda: {"requests": 0, "tokens": 0, "token_amount": Decimal(0),
+                                                 "slice_amount": Decimal(0)})
+    for r in (UsageHourly.objects.filter(hour__gte=per.start, hour__lt=per.end)
+              .select_related("deployment__allocation__order")):
+        amount = _token_amount(r, book)
+        d = out[r.deployment.allocation.tier_id]
+        d["requests"] += r.requests
+        d["tokens"] += r.input_tokens + r.output_tokens
+        d["token_amount"] += amount or 0
+    for a, plan, lo, hi in _slice_hour_spans(per, book):
+        out[a.tier_id]["slice_amount"] += Decimal((hi - lo).total_seconds()) / 3600 * plan.price_per_slice_hour
+    for d in out.values():
+        d["amount"] = _money(d["token_amount"] + d["slice_amount"])
+        d["token_amount"], d["slice_amount"] = _money(d["token_amount"]), _money(d["slice_amount"])
+        d["cost_per_inference"] = _money(d["amount"] / d["requests"], "0.00000001") if d["requests"] else None
+        d["cost_per_1k_tokens"] = _money(d["amount"] * 1000 / d["tokens"], "0.00000001") if d["tokens"] else None
+    return out
+
+
+def _f(x):
+    return None if x is None else float(x)
+
+
+def cost_per_tier(per: Period, principal: Principal):
+    """What a customer pays per inference and per 1K tokens on each tier (token charges plus
+    slice-hours, over the requests and tokens served in the period)."""
+    spend = tier_spend(per)
+    tiers = {t.pk: t for t in Tier.objects.filter(pk__in=list(spend))}
+    numbers = {tiers[k].key: {**v, "gpu_model": tiers[k].gpu_model_id} for k, v in spend.items()}
+    keys = sorted(numbers)
+    fig = make_subplots(rows=1, cols=2, subplot_titles=(f"cost per inference ({per.currency})",
+                                                        f"cost per 1K tokens ({per.currency})"))
+    fig.add_trace(go.Bar(x=keys, y=[_f(numbers[k]["cost_per_inference"]) for k in keys], name="per inference"), 1, 1)
+    fig.add_trace(go.Bar(x=keys, y=[_f(numbers[k]["cost_per_1k_tokens"]) for k in keys], name="per 1K tokens"), 1, 2)
+    fig.update_layout(**LAYOUT, title="Cost per inference and per 1K tokens, by tier", showlegend=False)
+    return fig, {"tiers": numbers, "currency": per.currency}
+
+
+def power_cost(per: Period, principal: Principal):
+    """Energy cost per 1K tokens by tier: apportioned kWh (compute share) x price per kWh."""
+    report = energy.apportion(per.start, per.end)
+    rows = energy.power_cost_per_tier(per.start, per.end, report)
+    keys = sorted(rows)
+    fig = go.Figure(go.Bar(x=keys, y=[_f(rows[k]["cost_per_1k_tokens"]) for k in keys],
+                           text=[f"{rows[k]['kwh']:.3f} kWh" for k in keys]),
+                    layout={**LAYOUT, "title": f"Power cost per 1K tokens ({energy.price_per_kwh()}/kWh)"})
+    return fig, {"tiers": rows, "price_per_kwh": energy.price_per_kwh(), "total_kwh": report.total_kwh,
+                 "unallocated_kwh": report.unallocated_kwh,
+                 "gpu_kwh": {str(k): v for k, v in report.gpu_kwh.items()}}
+
+
+def h100_vs_h200(per: Period, principal: Principal):
+    """Per GPU model side by side: tokens/s per GPU, cost per 1K tokens, average utilization."""
+    gpus = defaultdict(int)
+    for key in Gpu.objects.values_list("gpu_model__key", flat=True):
+        gpus[key] += 1
+    spend = tier_spend(per)
+    model_of = dict(Tier.objects.filter(pk__in=list(spend)).values_list("pk", "gpu_model__key"))
+    tokens, amount = defaultdict(int), defaultdict(Decimal)
+    for tier_id, d in spend.items():
+        tokens[model_of[tier_id]] += d["tokens"]
+        amount[model_of[tier_id]] += d["amount"]
+    util = defaultdict(list)
+    for _g, _ts, act, model in _samples(per):
+        util[model].append(act * 100)
+    models = sorted(set(gpus) | set(tokens))
+    numbers = {m: {
+        "gpus": gpus.get(m, 0),
+        "tokens": tokens.get(m, 0),
+        "tokens_per_s_per_gpu": round(tokens.get(m, 0) / per.seconds / gpus[m], 6) if gpus.get(m) else None,
+        "cost_per_1k_tokens": _money(amount[m] * 1000 / tokens[m], "0.00000001") if tokens.get(m) else None,
+        "utilization": round(sum(util[m]) / len(util[m]), 4) if util.get(m) else None,
+    } for m in models}
+    fig = make_subplots(rows=1, cols=3, subplot_titles=("tokens/s per GPU", f"cost per 1K tokens ({per.currency})",
+                                                        "utilization (%)"))
+    for col, field in enumerate(("tokens_per_s_per_gpu", "cost_per_1k_tokens", "utilization"), start=1):
+        fig.add_trace(go.Bar(x=models, y=[_f(numbers[m][field]) for m in models], name=field), 1, col)
+    fig.update_layout(**LAYOUT, title="H100 vs H200", showlegend=False)
+    return fig, {"models": numbers}
+
+
+# --- tenant figure ---------------------------------------------------------------------------------
+
+def _trunc(ts: datetime, bucket: str) -> datetime:
+    ts = ts.astimezone(UTC).replace(minute=0, second=0, microsecond=0)
+    return ts.replace(hour=0) if bucket == "day" else ts
+
+
+def tenant_usage(per: Period, principal: Principal, params: dict | None = None):
+    """Tokens and spend (token charges + slice-hours) per tenant over time, for the tenants the
+    principal may see billing of."""
+    params = params or {}
+    bucket = params.get("bucket") or ("hour" if per.end - per.start <= timedelta(days=2) else "day")
+    if bucket not in ("hour", "day"):
+        raise ServiceError("bucket must be hour or day", field="bucket")
+    ids = principal.tenant_ids("billing")
+    if ids is not None and not ids:
+        raise Forbidden("Your role or API-key scopes do not allow seeing usage and spend.")
+    tenants = Tenant.objects.all() if ids is None else Tenant.objects.filter(pk__in=ids)
+    if params.get("tenant"):
+        tenants = tenants.filter(slug=params["tenant"])
+        if not tenants.exists():
+            raise ChartNotFound("No such tenant.")
+    slug = dict(tenants.values_list("pk", "slug"))
+    book = PlanBook(per.currency)
+    tok = defaultdict(lambda: defaultdict(int))
+    spend = defaultdict(lambda: defaultdict(Decimal))
+    rows = (UsageHourly.objects.filter(tenant_id__in=list(slug), hour__gte=per.start, hour__lt=per.end)
+            .select_related("deployment__allocation__order"))
+    for r in rows:
+        b = _trunc(r.hour, bucket)
+        tok[r.tenant_id][b] += r.input_tokens + r.output_tokens
+        spend[r.tenant_id][b] += _token_amount(r, book) or 0
+    step = timedelta(days=1) if bucket == "day" else timedelta(hours=1)
+    for a, plan, lo, hi in _slice_hour_spans(per, book, set(slug)):
+        t = lo
+        while t < hi:
+            b = _trunc(t, bucket)
+            nxt = min(hi, b + step)
+            spend[a.tenant_id][b] += Decimal((nxt - t).total_seconds()) / 3600 * plan.price_per_slice_hour
+            t = nxt
+    numbers = {}
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True,
+                        subplot_titles=("tokens", f"spend ({per.currency})"))
+    for tid in sorted(slug, key=slug.get):
+        times = sorted(set(tok[tid]) | set(spend[tid]))
+        numbers[slug[tid]] = {"ts": [t.isoformat() for t in times], "tokens": [tok[tid].get(t, 0) for t in times],
+                              "spend": [_money(spend[tid].get(t, Decimal(0)), "0.01") for t in times]}
+        fig.add_trace(go.Bar(x=times, y=numbers[slug[tid]]["tokens"], name=slug[tid]), 1, 1)
+        fig.add_trace(go.Scatter(x=times, y=[float(s) for s in numbers[slug[tid]]["spend"]], name=f"{slug[tid]} spend",
+                                 mode="lines+markers"), 2, 1)
+    fig.update_layout(**LAYOUT, title="Usage and spend per tenant", barmode="stack")
+    return fig, {"bucket": bucket, "currency": per.currency, "tenants": numbers}
+
+
+# --- registry --------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Chart:
+    name: str
+    title: str
+    build: Callable
+    operators_only: bool = True
+    takes_params: bool = False
+
+
+CHARTS: dict[str, Chart] = {c.name: c for c in (
+    Chart("fleet-utilization", "Fleet utilization over time", fleet_utilization),
+    Chart("gpu-heatmap", "Per-GPU activity heatmap", gpu_heatmap),
+    Chart("mig-slots", "MIG slot map", mig_slot_map),
+    Chart("cost-per-tier", "Cost per inference and per 1K tokens by tier", cost_per_tier),
+    Chart("power-cost", "Power cost per 1K tokens by tier", power_cost),
+    Chart("h100-vs-h200", "H100 vs H200", h100_vs_h200),
+    Chart("tenant-usage", "Usage and spend per tenant", tenant_usage, operators_only=False, takes_params=True),
+)}
+
+
+def chart(name: str) -> Chart:
+    c = CHARTS.get(name)
+    if c is None:
+        raise ChartNotFound(f"No chart named {name!r}.")
+    return c
+
+
+def check_access(c: Chart, principal: Principal) -> None:
+    if c.operators_only and not principal.is_operator:
+        raise Forbidden("This chart is for MSP operators.")
+
+
+def build(name: str, principal: Principal, params: dict | None = None):
+    """(Chart, Figure, numbers) after the access check."""
+    c = chart(name)
+    check_access(c, principal)
+    per = period(params)
+    fig, numbers = c.build(per, principal, params) if c.takes_params else c.build(per, principal)
+    numbers = {"start": per.start.isoformat(), "end": per.end.isoformat(), "resolution": per.resolution, **numbers}
+    return c, fig, numbers
+
+
+def _plain(value):
+    if isinstance(value, Decimal):
+        return str(value)
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+def figure_json(name: str, principal: Principal, params: dict | None = None) -> dict:
+    """{"name", "title", "figure" (plotly's JSON dict), "data" (the numbers, Decimals as strings)}."""
+    c, fig, numbers = build(name, principal, params)
+    return {"name": c.name, "title": c.title, "figure": json.loads(fig.to_json()), "data": _plain(numbers)}

@@ -1,0 +1,125 @@
+"""Prometheus text exposition (format 0.0.4) of fleet, tenant and GPU metrics, for an MSP's existing
+Prometheus/Grafana. Plain text generation, no client library: every value is read from the
+database at scrape time (gauges from the fleet and orders tables, counters from the hourly usage
+rollups and the collector's error table, GPU readings from the latest raw sample of each GPU)."""
+
+from __future__ import annotations
+
+import hmac
+import os
+from collections import defaultdict
+from datetime import timedelta
+
+from django.conf import settings
+from django.db.models import Count, Sum
+from django.utils import timezone
+
+from marketplace.models import Allocation, AllocationEvent, Gpu, GpuSlot
+from telemetry.models import CollectorError, GpuSample, Resolution, UsageHourly
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+LATEST_WITHIN = timedelta(minutes=15)
+
+
+def _esc(v) -> str:
+    return str(v).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+class Exposition:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def family(self, name: str, kind: str, help_: str, samples) -> None:
+        self.lines.append(f"# HELP {name} {help_}")
+        self.lines.append(f"# TYPE {name} {kind}")
+        for labels, value in samples:
+            lab = ",".join(f'{k}="{_esc(v)}"' for k, v in labels.items())
+            self.lines.append(f"{name}{{{lab}}} {_num(value)}" if lab else f"{name} {_num(value)}")
+
+    def text(self) -> str:
+        return "\n".join(self.lines) + "\n"
+
+
+def _num(v) -> str:
+    if v is None:
+        return "NaN"
+    if isinstance(v, bool):
+        return "1" if v else "0"
+    if isinstance(v, int):
+        return str(v)
+    f = float(v)
+    return str(int(f)) if f.is_integer() and abs(f) < 1e15 else repr(f)
+
+
+def render(now=None) -> str:
+    now = now or timezone.now()
+    out = Exposition()
+
+    gpus = list(Gpu.objects.select_related("node", "gpu_model").order_by("node__hostname", "index"))
+    per_model = defaultdict(lambda: defaultdict(int))
+    for g in gpus:
+        per_model[g.gpu_model.key][g.state] += 1
+    out.family("tessera_gpus", "gauge", "GPUs in the fleet by model and state.",
+               [({"model": m, "state": s}, n) for m, states in sorted(per_model.items())
+                for s, n in sorted(states.items())])
+
+    used = dict(GpuSlot.objects.values("gpu__gpu_model__key").annotate(n=Count("id"))
+                .values_list("gpu__gpu_model__key", "n"))
+    slot_rows = []
+    for m in sorted(per_model):
+        total = 8 * sum(per_model[m].values())
+        slot_rows += [({"model": m, "status": "used"}, used.get(m, 0)),
+                      ({"model": m, "status": "free"}, total - used.get(m, 0))]
+    out.family("tessera_slots", "gauge", "Memory slices (8 per GPU) used and free by GPU model.", slot_rows)
+
+    alloc = (Allocation.objects.values("state", "tier__key").annotate(n=Count("id")).order_by("state", "tier__key"))
+    out.family("tessera_allocations", "gauge", "Allocations by state and tier.",
+               [({"state": r["state"], "tier": r["tier__key"]}, r["n"]) for r in alloc])
+
+    trans = AllocationEvent.objects.values("to_state").annotate(n=Count("id")).order_by("to_state")
+    out.family("tessera_allocation_transitions_total", "counter",
+               "Provisioning outcomes: allocation state transitions by target state (failed = failures).",
+               [({"to_state": r["to_state"]}, r["n"]) for r in trans])
+
+    usage = list(UsageHourly.objects.values("tenant__slug").annotate(
+        i=Sum("input_tokens"), o=Sum("output_tokens"), r=Sum("requests")).order_by("tenant__slug"))
+    out.family("tessera_tenant_tokens_total", "counter", "Metered tokens per tenant (hourly rollups).",
+               [({"tenant": u["tenant__slug"], "direction": d}, u[k] or 0) for u in usage
+                for d, k in (("input", "i"), ("output", "o"))])
+    out.family("tessera_tenant_requests_total", "counter", "Metered inference requests per tenant.",
+               [({"tenant": u["tenant__slug"]}, u["r"] or 0) for u in usage])
+
+    latest = {}
+    for s in (GpuSample.objects.filter(resolution=Resolution.RAW, ts__gte=now - LATEST_WITHIN)
+              .order_by("gpu_id", "-ts")):
+        latest.setdefault(s.gpu_id, s)
+    gl = {g.pk: {"node": g.node.hostname, "gpu": str(g.index), "uuid": g.uuid, "model": g.gpu_model.key}
+          for g in gpus}
+    rows = [(gl[k], s) for k, s in sorted(latest.items()) if k in gl]
+    for name, kind, help_, get in (
+        ("tessera_gpu_power_watts", "gauge", "Latest power draw.", lambda s: s.power_w),
+        ("tessera_gpu_activity_ratio", "gauge",
+         "Latest activity 0..1 (NVML utilization, or the slices' metering-based estimate under MIG).",
+         lambda s: s.activity),
+        ("tessera_gpu_memory_used_bytes", "gauge", "Latest memory used.", lambda s: s.memory_used_mb * 1048576),
+        ("tessera_gpu_temperature_celsius", "gauge", "Latest GPU temperature.", lambda s: s.temperature_c),
+        ("tessera_gpu_sm_clock_mhz", "gauge", "Latest SM clock.", lambda s: s.sm_clock_mhz),
+        ("tessera_gpu_energy_joules_total", "counter", "Energy counter since the driver loaded.",
+         lambda s: s.energy_j),
+    ):
+        out.family(name, kind, help_, [(lab, get(s)) for lab, s in rows])
+    out.family("tessera_gpu_utilization_percent", "gauge", "Latest NVML utilization (absent under MIG).",
+               [(lab, s.utilization) for lab, s in rows if s.utilization is not None])
+
+    errs = CollectorError.objects.select_related("gpu__node").order_by("gpu__node__hostname", "gpu__index", "kind")
+    out.family("tessera_collector_errors_total", "counter", "Failed NVML telemetry reads per GPU and error.",
+               [({"node": e.gpu.node.hostname, "gpu": str(e.gpu.index), "kind": e.kind}, e.count) for e in errs])
+    return out.text()
+
+
+def token_ok(header: str | None) -> bool:
+    """True when the Authorization header carries TESSERA_METRICS_TOKEN (unset: never)."""
+    expected = getattr(settings, "TESSERA_METRICS_TOKEN", None) or os.environ.get("TESSERA_METRICS_TOKEN")
+    if not expected or not header or not header.startswith("Bearer "):
+        return False
+    return hmac.compare_digest(header[7:].strip().encode(), str(expected).encode())

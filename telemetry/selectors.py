@@ -1,0 +1,147 @@
+"""Metering reads. Everything here reads the hourly rollups (UsageHourly, TritonServedHourly), never
+the raw usage events: a tenant-month is at most (deployments x 744) rows on the (tenant, hour) index."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from django.db.models import Q, QuerySet, Sum
+from django.db.models.functions import TruncDay
+
+from marketplace.models import ModelDeployment
+from telemetry.models import TritonServedHourly, UsageHourly
+from tenants.models import Tenant
+from tenants.scoping import Principal
+
+GROUPS = ("tenant", "deployment", "tier", "hour", "day")
+SUMS = ("input_tokens", "output_tokens", "requests", "events", "billed_input_tokens", "billed_output_tokens",
+        "billed_requests")
+
+
+def _visible(qs: QuerySet, principal: Principal, capabilities: tuple[str, ...]) -> QuerySet:
+    """Rows of the tenants on which the principal has any of `capabilities` (tenant_ids decides)."""
+    union: set[int] = set()
+    for cap in capabilities:
+        ids = principal.tenant_ids(cap)
+        if ids is None:
+            return qs
+        union |= ids
+    return qs.filter(tenant_id__in=union) if union else qs.none()
+
+
+def usage_hours(principal: Principal) -> QuerySet:
+    """UsageHourly rows the principal may see (scope/role read or billing)."""
+    return _visible(UsageHourly.objects.all(), principal, ("read", "billing")).select_related(
+        "tenant", "deployment")
+
+
+def _tenant_q(value: Any, path: str = "tenant") -> Q:
+    if isinstance(value, Tenant):
+        return Q(**{f"{path}_id": value.pk})
+    if isinstance(value, int):
+        return Q(**{f"{path}_id": value})
+    return Q(**{f"{path}__slug": value})
+
+
+def _apply_filters(qs: QuerySet, filters: dict | None) -> QuerySet:
+    f = filters or {}
+    if f.get("tenant") is not None:
+        qs = qs.filter(_tenant_q(f["tenant"]))
+    if f.get("deployment") is not None:
+        dep = f["deployment"]
+        qs = qs.filter(deployment_id=getattr(dep, "pk", dep))
+    if f.get("model") is not None:
+        qs = qs.filter(deployment__name=f["model"])
+    if f.get("tier") is not None:
+        tier = f["tier"]
+        qs = qs.filter(**({"deployment__allocation__tier__key": tier} if isinstance(tier, str)
+                          else {"deployment__allocation__tier_id": getattr(tier, "pk", tier)}))
+    return qs
+
+
+def usage_summary(principal: Principal, start: datetime, end: datetime, group_by: str = "deployment",
+                  filters: dict | None = None, *, capabilities: tuple[str, ...] = ("billing",)) -> list[dict]:
+    """Usage totals (and what was billed) over hours in [start, end), grouped by tenant, deployment,
+    tier, hour or day (UTC). `filters`: tenant (Tenant, id or slug), deployment (id), model (name),
+    tier (id or key). Reads UsageHourly only."""
+    if group_by not in GROUPS:
+        raise ValueError(f"group_by must be one of {', '.join(GROUPS)}")
+    qs = _visible(UsageHourly.objects.all(), principal, capabilities).filter(hour__gte=start, hour__lt=end)
+    qs = _apply_filters(qs, filters)
+    keys = {
+        "tenant": ["tenant_id"],
+        "deployment": ["tenant_id", "deployment_id"],
+        "tier": ["tenant_id", "deployment__allocation__tier_id"],
+        "hour": ["tenant_id", "hour"],
+        "day": ["tenant_id", "day"],
+    }[group_by]
+    if group_by == "day":
+        qs = qs.annotate(day=TruncDay("hour", tzinfo=UTC))
+    rows = list(qs.values(*keys).annotate(**{s: Sum(s) for s in SUMS}).order_by(*keys))
+    # Names in one query each, after the aggregate (joins inside it would widen the GROUP BY).
+    tenants = dict(Tenant.objects.filter(pk__in={r["tenant_id"] for r in rows}).values_list("pk", "slug"))
+    deps = {}
+    if group_by == "deployment":
+        deps = {d["pk"]: d for d in ModelDeployment.objects.filter(pk__in={r["deployment_id"] for r in rows})
+                .values("pk", "name", "allocation_id", "allocation__tier__key")}
+    tiers = {}
+    if group_by == "tier":
+        from marketplace.models import Tier  # noqa: PLC0415
+
+        tiers = dict(Tier.objects.filter(pk__in={r["deployment__allocation__tier_id"] for r in rows})
+                     .values_list("pk", "key"))
+    out = []
+    for r in rows:
+        row = {"tenant": tenants.get(r.pop("tenant_id"))}
+        if group_by == "deployment":
+            d = deps.get(r["deployment_id"], {})
+            row.update(deployment=r.pop("deployment_id"), model=d.get("name"), allocation=d.get("allocation_id"),
+                       tier=d.get("allocation__tier__key"))
+        elif group_by == "tier":
+            row["tier"] = tiers.get(r.pop("deployment__allocation__tier_id"))
+        elif group_by == "hour":
+            row["hour"] = r.pop("hour")
+        elif group_by == "day":
+            row["day"] = r.pop("day")
+        row.update({s: int(r[s] or 0) for s in SUMS})
+        row["unbilled_input_tokens"] = row["input_tokens"] - row["billed_input_tokens"]
+        row["unbilled_output_tokens"] = row["output_tokens"] - row["billed_output_tokens"]
+        row["unbilled_requests"] = row["requests"] - row["billed_requests"]
+        out.append(row)
+    return out
+
+
+def metered_vs_served(principal: Principal, since: datetime, until: datetime, tenant: Any = None) -> list[dict]:
+    """Per deployment over hours in [since, until): requests the tenant's gateway reported (metered,
+    from UsageHourly) against requests its Triton server reported serving (from TritonServedHourly),
+    and the difference (metered - served: negative = served but not metered). Operators see every
+    tenant; a tenant principal its own."""
+    metered_qs = _visible(UsageHourly.objects.all(), principal, ("read", "billing")).filter(
+        hour__gte=since, hour__lt=until)
+    served_qs = _visible(TritonServedHourly.objects.all(), principal, ("read", "billing")).filter(
+        hour__gte=since, hour__lt=until)
+    if tenant is not None:
+        metered_qs = metered_qs.filter(_tenant_q(tenant))
+        served_qs = served_qs.filter(_tenant_q(tenant))
+    metered = {r["deployment_id"]: r for r in metered_qs.values("deployment_id").annotate(
+        requests=Sum("requests"), input_tokens=Sum("input_tokens"), output_tokens=Sum("output_tokens"))}
+    served = {r["deployment_id"]: r for r in served_qs.values("deployment_id").annotate(
+        requests=Sum("requests"), failures=Sum("failures"))}
+    ids = set(metered) | set(served)
+    deps = {d["pk"]: d for d in ModelDeployment.objects.filter(pk__in=ids).values(
+        "pk", "name", "state", "tenant__slug", "allocation_id", "allocation__node__hostname")}
+    rows = []
+    for pk in sorted(ids):
+        d = deps.get(pk, {})
+        m = int((metered.get(pk) or {}).get("requests") or 0)
+        s = int((served.get(pk) or {}).get("requests") or 0)
+        rows.append({
+            "deployment": pk, "model": d.get("name"), "state": d.get("state"), "tenant": d.get("tenant__slug"),
+            "allocation": d.get("allocation_id"), "node": d.get("allocation__node__hostname"),
+            "metered_requests": m, "served_requests": s, "difference": m - s,
+            "served_failures": int((served.get(pk) or {}).get("failures") or 0),
+            "metered_input_tokens": int((metered.get(pk) or {}).get("input_tokens") or 0),
+            "metered_output_tokens": int((metered.get(pk) or {}).get("output_tokens") or 0),
+        })
+    return rows

@@ -1,0 +1,79 @@
+"""Telemetry pages and endpoints: /metrics (Prometheus), /charts/<name>/ (HTML with plotly.js from
+static files) and /api/v1/charts/<name>/ (the figure JSON plus its numbers)."""
+
+from __future__ import annotations
+
+from django.contrib.auth.views import redirect_to_login
+from django.http import HttpResponse, JsonResponse
+from django.shortcuts import render
+from drf_spectacular.utils import OpenApiParameter, extend_schema
+from rest_framework.exceptions import NotFound, PermissionDenied, ValidationError
+from rest_framework.permissions import IsAuthenticated
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from telemetry import charts, metrics
+from tenants.errors import Forbidden, ServiceError
+from tenants.scoping import principal_for
+
+
+def metrics_view(request):
+    """Prometheus scrape: `Authorization: Bearer <TESSERA_METRICS_TOKEN>`, or a staff session."""
+    user = getattr(request, "user", None)
+    staff = bool(user and user.is_authenticated and user.is_active and user.is_staff)
+    if not staff and not metrics.token_ok(request.headers.get("Authorization")):
+        if request.headers.get("Authorization") or (user and user.is_authenticated):
+            return HttpResponse("forbidden\n", status=403, content_type="text/plain")
+        resp = HttpResponse("authentication required\n", status=401, content_type="text/plain")
+        resp["WWW-Authenticate"] = 'Bearer realm="tessera-metrics"'
+        return resp
+    return HttpResponse(metrics.render(), content_type=metrics.CONTENT_TYPE)
+
+
+def _params(request) -> dict:
+    return {k: request.GET.get(k) for k in request.GET}
+
+
+def chart_page(request, name: str):
+    if not request.user.is_authenticated:
+        return redirect_to_login(request.get_full_path())
+    principal = principal_for(request)
+    try:
+        body = charts.figure_json(name, principal, _params(request))
+    except charts.ChartNotFound as exc:
+        return HttpResponse(str(exc), status=404, content_type="text/plain")
+    except Forbidden as exc:
+        return HttpResponse(str(exc), status=403, content_type="text/plain")
+    except ServiceError as exc:
+        return HttpResponse(str(exc), status=400, content_type="text/plain")
+    visible = [c for c in charts.CHARTS.values() if not c.operators_only or principal.is_operator]
+    return render(request, "telemetry/chart.html", {
+        "chart": charts.CHARTS[name], "charts": visible, "figure": body["figure"],
+        "data": body["data"], "api_url": f"/api/v1/charts/{name}/",
+    })
+
+
+class ChartApiView(APIView):
+    """A chart's plotly figure (JSON) and the numbers it is built from. Fleet charts: operators only;
+    tenant-usage: the caller's own tenants (billing)."""
+
+    permission_classes = [IsAuthenticated]
+
+    @extend_schema(parameters=[OpenApiParameter(p, str, required=False) for p in
+                               ("start", "end", "hours", "resolution", "bucket", "tenant", "currency")],
+                   responses={200: dict})
+    def get(self, request, name: str):
+        try:
+            body = charts.figure_json(name, principal_for(request), _params(request))
+        except charts.ChartNotFound as exc:
+            raise NotFound(str(exc)) from exc
+        except Forbidden as exc:
+            raise PermissionDenied(str(exc)) from exc
+        except ServiceError as exc:
+            raise ValidationError({exc.field or "detail": str(exc)}) from exc
+        return Response(body)
+
+
+def chart_index(request):
+    return JsonResponse({"charts": [{"name": c.name, "title": c.title, "operators_only": c.operators_only}
+                                    for c in charts.CHARTS.values()]})

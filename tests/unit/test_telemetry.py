@@ -1,0 +1,431 @@
+"""GPU telemetry: the NVML collector (simulated backend driven by metering), downsampling and
+retention, energy apportioning, the Plotly charts (numbers from stored data), their endpoints,
+the Prometheus exposition and plotly.js served from static files."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+
+import pynvml
+import pytest
+from django.test import Client
+from django.utils import timezone
+
+from marketplace.hardware.nvml_sim import SimNvml
+from marketplace.models import Allocation, Gpu, ModelDeployment
+from marketplace.services import orders, provisioning
+from telemetry import charts, metrics
+from telemetry.models import CollectorError, GpuSample, MigSample, Resolution, UsageHourly
+from telemetry.services import collector, downsample, energy
+from tenants.roles import Role
+from tenants.scoping import principal_for_user
+from tests.factories import MembershipFactory, TenantFactory, make_key
+from tests.fleet_fixtures import make_node, make_tier
+
+pytestmark = pytest.mark.django_db
+R = Resolution
+T0 = datetime(2026, 11, 2, 10, 0, tzinfo=UTC)
+
+
+def _hour(t: datetime) -> datetime:
+    return t.replace(minute=0, second=0, microsecond=0)
+
+
+@pytest.fixture
+def shop(h100_node, tiers):
+    """Tenants alpha (a 3g slice) and bravo (a 1g slice), both active, each with a deployment."""
+    out = {"node": h100_node}
+    for slug, tier in (("alpha", "3g"), ("bravo", "1g")):
+        tenant = TenantFactory(slug=slug, name=slug.title())
+        owner = MembershipFactory(tenant=tenant, role=Role.OWNER).user
+        p = principal_for_user(owner)
+        a = orders.create_order(p, tenant=tenant, tier=tiers[tier]).allocations.get()
+        assert provisioning.provision(a.pk) == "activated"
+        a = Allocation.objects.select_related("instance__gpu", "tier").get(pk=a.pk)
+        dep = ModelDeployment.objects.create(allocation=a, tenant=tenant, name="llm", backend="python", spec={},
+                                             memory_mb=4000, state=ModelDeployment.State.READY)
+        out[slug] = {"tenant": tenant, "owner": owner, "p": p, "alloc": a, "dep": dep}
+    return out
+
+
+def _usage(entry, hour, inp, out, requests=1):
+    return UsageHourly.objects.create(tenant=entry["tenant"], deployment=entry["dep"], hour=hour,
+                                      input_tokens=inp, output_tokens=out, requests=requests)
+
+
+# --- collector -------------------------------------------------------------------------------------
+
+def test_collector_stores_every_gpu_and_drives_the_simulator_from_metering(shop):
+    node, alpha = shop["node"], shop["alpha"]
+    now = _hour(timezone.now()) + timedelta(minutes=30)
+    cap = collector.tier_capacity_tokens_per_s(alpha["alloc"].tier)
+    assert cap == pytest.approx(3000 * 3.35 * 3 / 7)
+    tokens = int(0.5 * cap * 5400)  # half the slice's capacity over the 90-minute window
+    _usage(alpha, _hour(now) - timedelta(hours=1), tokens - 1000, 1000)
+
+    result = collector.collect_node(node.pk, now=now)
+    assert result["gpus"] == 8 and result["errors"] == 0
+    raw = {s.gpu.index: s for s in GpuSample.objects.filter(resolution=R.RAW).select_related("gpu")}
+    assert len(raw) == 8
+    # MIG on: NVML utilization is NotSupported -> stored as NULL, not an error; activity is estimated
+    assert all(s.utilization is None and s.mig for s in raw.values())
+    assert not CollectorError.objects.exists()
+    slice_row = MigSample.objects.get(allocation=alpha["alloc"])
+    assert slice_row.activity == pytest.approx(tokens / 5400 / cap)
+    assert slice_row.tenant_id == alpha["tenant"].pk and slice_row.compute_slices == 3
+    gi = alpha["alloc"].instance.gpu.index
+    assert raw[gi].activity == pytest.approx(slice_row.activity * 3 / 7)
+    # the simulator followed: the loaded GPU draws more power and its slice holds the model's memory
+    idle = [s for i, s in raw.items() if i not in {gi, shop["bravo"]["alloc"].instance.gpu.index}]
+    assert raw[gi].power_w > max(s.power_w for s in idle) + 50
+    assert slice_row.memory_used_mb >= 4000
+    bravo_row = MigSample.objects.get(allocation=shop["bravo"]["alloc"])
+    assert bravo_row.activity == 0.0
+
+    # a replay within the same second stores nothing twice
+    collector.collect_node(node.pk, now=now)
+    assert GpuSample.objects.filter(resolution=R.RAW).count() == 8
+
+
+def test_collector_survives_an_nvml_error_on_one_gpu(h100_node, monkeypatch):
+    real = SimNvml.nvmlDeviceGetTemperature
+
+    def broken(self, handle, sensor):
+        gpu, _gi, _ci = self._dev(handle)
+        if gpu == 3:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
+        return real(self, handle, sensor)
+
+    monkeypatch.setattr(SimNvml, "nvmlDeviceGetTemperature", broken)
+    result = collector.collect_node(h100_node.pk)
+    assert result["gpus"] == 7 and result["errors"] == 1
+    stored = set(GpuSample.objects.values_list("gpu__index", flat=True))
+    assert stored == {0, 1, 2, 4, 5, 6, 7}
+    err = CollectorError.objects.get()
+    assert err.gpu.index == 3 and err.kind == "NVMLError_GpuIsLost" and err.count == 1
+    collector.collect_node(h100_node.pk, now=timezone.now() + timedelta(seconds=5))
+    assert CollectorError.objects.get().count == 2
+    assert ('tessera_collector_errors_total{node="node-a",gpu="3",kind="NVMLError_GpuIsLost"} 2'
+            in metrics.render())
+
+
+# --- downsampling and retention ------------------------------------------------------------------
+
+def _raw_series(gpu, minutes=120, mig=False):
+    rows = []
+    for i in range(minutes):
+        rows.append(GpuSample(
+            gpu=gpu, resolution=R.RAW, ts=T0 + timedelta(seconds=60 * i + 7),
+            utilization=None if mig else float(i % 10 * 10), utilization_samples=0 if mig else 1,
+            activity=(i % 10) / 10, memory_used_mb=1000.0 + i, memory_total_mb=81559.0, power_w=100.0 + 3 * i,
+            energy_j=1000.0 * i, temperature_c=30.0 + (i % 7), sm_clock_mhz=1980.0 - i, mig=mig))
+    GpuSample.objects.bulk_create(rows)
+    return rows
+
+
+def _expected(rows, step):
+    out = {}
+    for r in rows:
+        out.setdefault(downsample.bucket(r.ts, step), []).append(r)
+    return out
+
+
+def test_downsampling_is_exact_idempotent_and_pruning_keeps_rollups(h100_node):
+    g0, g1 = list(Gpu.objects.order_by("index"))[:2]
+    rows = _raw_series(g0)
+    _raw_series(g1, mig=True)
+    MigSample.objects.bulk_create([
+        MigSample(gpu=g1, mig_uuid="MIG-x", gi_id=1, compute_slices=3, resolution=R.RAW,
+                  ts=T0 + timedelta(seconds=60 * i + 7), memory_used_mb=float(i), memory_total_mb=40000.0,
+                  activity=i / 200) for i in range(120)])
+
+    now = T0 + timedelta(hours=2, minutes=5)
+    created = downsample.downsample(now=now)
+    assert created == {"5m": 48, "mig_5m": 24, "1h": 4, "mig_1h": 2}
+    for step, res in ((300, R.FIVE_MIN), (3600, R.HOUR)):
+        for b, members in _expected(rows, step).items():
+            s = GpuSample.objects.get(gpu=g0, resolution=res, ts=b)
+            n = len(members)
+            assert s.samples == n
+            assert s.power_w == pytest.approx(sum(m.power_w for m in members) / n)
+            assert s.utilization == pytest.approx(sum(m.utilization for m in members) / n)
+            assert s.activity == pytest.approx(sum(m.activity for m in members) / n)
+            assert s.temperature_c == pytest.approx(sum(m.temperature_c for m in members) / n)
+            assert s.energy_j == max(m.energy_j for m in members)  # last counter value in the bucket
+    assert GpuSample.objects.get(gpu=g1, resolution=R.HOUR, ts=T0).utilization is None  # MIG: stays null
+    assert MigSample.objects.get(resolution=R.HOUR, ts=T0).memory_used_mb == pytest.approx(sum(range(60)) / 60)
+    snapshot = sorted(GpuSample.objects.exclude(resolution=R.RAW).values_list("gpu_id", "resolution", "ts",
+                                                                              "power_w", "energy_j", "samples"))
+
+    assert downsample.downsample(now=now) == {"5m": 0, "mig_5m": 0, "1h": 0, "mig_1h": 0}  # idempotent
+
+    # two days later: raw is past its 24 h and rolled up -> gone; rollups unchanged and still exact
+    later = now + timedelta(days=2)
+    pruned = downsample.prune(now=later)
+    assert pruned["raw"] == 240 and pruned["mig_raw"] == 120 and pruned["5m"] == 0
+    assert not GpuSample.objects.filter(resolution=R.RAW).exists()
+    assert downsample.downsample(now=later) == {"5m": 0, "mig_5m": 0, "1h": 0, "mig_1h": 0}
+    assert sorted(GpuSample.objects.values_list("gpu_id", "resolution", "ts", "power_w", "energy_j",
+                                                "samples")) == snapshot
+    # 5m rows go after 30 days, hourly after a year
+    assert downsample.prune(now=now + timedelta(days=31))["5m"] == 48
+    assert GpuSample.objects.filter(resolution=R.HOUR).count() == 4
+    assert downsample.prune(now=now + timedelta(days=366))["1h"] == 4
+
+
+def test_raw_is_never_pruned_before_it_is_rolled_up(h100_node):
+    gpu = Gpu.objects.order_by("index").first()
+    _raw_series(gpu, minutes=30)
+    assert downsample.prune(now=T0 + timedelta(days=3))["raw"] == 0
+    assert GpuSample.objects.filter(resolution=R.RAW).count() == 30
+    # rolled up only up to 10:20 (grace: buckets must have ended 2 min before now): rows after stay
+    downsample.downsample(now=T0 + timedelta(minutes=22))
+    assert not GpuSample.objects.filter(resolution=R.HOUR).exists()  # the hour is not complete yet
+    assert downsample.prune(now=T0 + timedelta(days=3))["raw"] == 0  # its hour is not rolled up
+    downsample.downsample(now=T0 + timedelta(hours=1, minutes=3))
+    assert downsample.prune(now=T0 + timedelta(days=3))["raw"] == 30
+
+
+# --- energy ----------------------------------------------------------------------------------------
+
+def _energy_data(shop):
+    """One GPU holding alpha's 3g and bravo's 1g: three samples 1 kWh apart; bravo only in the first
+    interval. Returns (gpu, start, end)."""
+    a, b = shop["alpha"]["alloc"], shop["bravo"]["alloc"]
+    gpu = a.instance.gpu
+    start = T0
+    for i, e in enumerate((0.0, 3.6e6, 7.2e6)):
+        ts = start + timedelta(minutes=i)
+        GpuSample.objects.create(gpu=gpu, resolution=R.RAW, ts=ts, activity=0.5, memory_used_mb=1, memory_total_mb=2,
+                                 power_w=500, energy_j=e, temperature_c=50, sm_clock_mhz=1900, mig=True)
+        if i == 0:
+            continue
+        MigSample.objects.create(gpu=gpu, mig_uuid="MIG-a", gi_id=1, compute_slices=3, allocation=a,
+                                 tenant=a.tenant, resolution=R.RAW, ts=ts, memory_used_mb=1, memory_total_mb=2)
+        if i == 1:
+            MigSample.objects.create(gpu=gpu, mig_uuid="MIG-b", gi_id=2, compute_slices=1, allocation=b,
+                                     tenant=b.tenant, resolution=R.RAW, ts=ts, memory_used_mb=1,
+                                     memory_total_mb=2)
+    return gpu, start, start + timedelta(minutes=5)
+
+
+def test_energy_kwh_and_apportioning_by_compute_share(shop, settings):
+    gpu, start, end = _energy_data(shop)
+    assert energy.gpu_kwh(gpu.pk, start, end) == pytest.approx(2.0)
+    rep = energy.apportion(start, end)
+    a, b = shop["alpha"], shop["bravo"]
+    assert rep.gpu_kwh[gpu.pk] == pytest.approx(2.0) and rep.total_kwh == pytest.approx(2.0)
+    assert rep.allocation_kwh[a["alloc"].pk] == pytest.approx(6 / 7)
+    assert rep.tenant_kwh[b["tenant"].pk] == pytest.approx(1 / 7)
+    assert rep.unallocated_kwh == pytest.approx(2 - 6 / 7 - 1 / 7)
+    # a counter reset (driver reload) counts the new value as the increase
+    GpuSample.objects.create(gpu=gpu, resolution=R.RAW, ts=start + timedelta(minutes=3), activity=0, memory_used_mb=1,
+                             memory_total_mb=2, power_w=1, energy_j=1.8e6, temperature_c=1, sm_clock_mhz=1)
+    assert energy.gpu_kwh(gpu.pk, start, end) == pytest.approx(2.5)
+
+    settings.TESSERA_ENERGY_PRICE_PER_KWH = "0.20"
+    _usage(a, _hour(start), 300_000, 100_000)
+    rows = energy.power_cost_per_tier(start, start + timedelta(hours=1))
+    assert rows["h100-3g"]["tokens"] == 400_000
+    assert rows["h100-3g"]["kwh"] == pytest.approx(6 / 7)  # the reset interval has no slice: unallocated
+    cost = Decimal(str(round(6 / 7, 9))) * Decimal("0.20")
+    assert rows["h100-3g"]["cost"] == cost.quantize(Decimal("0.000001"))
+    assert rows["h100-3g"]["cost_per_1k_tokens"] == (cost * 1000 / 400_000).quantize(Decimal("0.00000001"))
+    assert rows["h100-1g"]["tokens"] == 0 and rows["h100-1g"]["cost_per_1k_tokens"] is None
+
+
+# --- charts ----------------------------------------------------------------------------------------
+
+@pytest.fixture
+def op_p(operator):
+    return principal_for_user(operator)
+
+
+def test_fleet_utilization_and_heatmap_numbers(h100_node, op_p):
+    g0, g1 = list(Gpu.objects.order_by("index"))[:2]
+    for i, (a0, a1) in enumerate(((0.2, 0.6), (0.4, 1.0))):
+        for g, act in ((g0, a0), (g1, a1)):
+            GpuSample.objects.create(gpu=g, resolution=R.RAW, ts=T0 + timedelta(minutes=i, seconds=g.index * 3),
+                                     activity=act, memory_used_mb=1, memory_total_mb=2, power_w=1, energy_j=1,
+                                     temperature_c=1, sm_clock_mhz=1)
+    params = {"start": T0.isoformat(), "end": (T0 + timedelta(hours=1)).isoformat()}
+    body = charts.figure_json("fleet-utilization", op_p, params)
+    assert body["data"]["fleet"] == [40.0, 70.0]
+    assert body["data"]["by_model"]["h100-sxm-80gb"]["avg"] == [40.0, 70.0]
+    assert body["figure"]["data"][0]["y"] == [40.0, 70.0]
+    heat = charts.figure_json("gpu-heatmap", op_p, params)["data"]
+    assert heat["gpus"][:2] == ["node-a/gpu0", "node-a/gpu1"]
+    assert heat["z"][0] == [20.0, 40.0] and heat["z"][1] == [60.0, 100.0] and heat["z"][2] == [None, None]
+
+
+def test_mig_slot_map_shows_who_holds_which_slots(shop, op_p):
+    data = charts.figure_json("mig-slots", op_p, {})["data"]
+    a = shop["alpha"]["alloc"].instance
+    b = shop["bravo"]["alloc"].instance
+    rows = {r["gpu"]: r for r in data["gpus"]}
+    row_a = rows[f"node-a/gpu{a.gpu.index}"]
+    assert [row_a["slots"][s] for s in range(a.start, a.start + a.size)] == ["alpha"] * 4
+    assert rows[f"node-a/gpu{b.gpu.index}"]["slots"][b.start] == "bravo"
+    assert data["used"] == 5 and data["free"] == 64 - 5 and data["tenants"] == ["alpha", "bravo"]
+
+
+def _priced_period(shop):
+    now = timezone.now()
+    start, end = _hour(now) - timedelta(hours=5), _hour(now) - timedelta(hours=3)
+    Allocation.objects.filter(pk__in=[shop["alpha"]["alloc"].pk, shop["bravo"]["alloc"].pk]).update(
+        activated_at=start - timedelta(hours=1))
+    _usage(shop["alpha"], start, 1_000_000, 500_000, requests=100)
+    _usage(shop["alpha"], start + timedelta(hours=1), 0, 0, requests=0)
+    _usage(shop["bravo"], start + timedelta(hours=1), 200_000, 0, requests=50)
+    _usage(shop["bravo"], end, 999, 999, requests=9)  # outside the period
+    return {"start": start.isoformat(), "end": end.isoformat()}, start, end
+
+
+def test_cost_per_tier_numbers(shop, op_p):
+    params, _s, _e = _priced_period(shop)
+    data = charts.figure_json("cost-per-tier", op_p, params)["data"]["tiers"]
+    # 3g: tokens 1M in x 0.10 + 0.5M out x 0.40 = 0.30, plus 2 slice-hours x 1.00 = 2.30
+    assert data["h100-3g"]["amount"] == "2.300000" and data["h100-3g"]["requests"] == 100
+    assert data["h100-3g"]["cost_per_inference"] == "0.02300000"
+    assert data["h100-3g"]["cost_per_1k_tokens"] == str((Decimal("2.3") * 1000 / 1_500_000).quantize(
+        Decimal("0.00000001")))
+    # 1g: 0.2M in x 0.10 = 0.02 + 2.00
+    assert data["h100-1g"]["amount"] == "2.020000" and data["h100-1g"]["cost_per_inference"] == "0.04040000"
+
+
+def test_power_cost_chart_numbers(shop, op_p):
+    _gpu, start, end = _energy_data(shop)
+    _usage(shop["alpha"], _hour(start), 6_000, 0)
+    data = charts.figure_json("power-cost", op_p, {"start": start.isoformat(),
+                                                    "end": (start + timedelta(hours=1)).isoformat()})["data"]
+    assert data["total_kwh"] == pytest.approx(2.0) and data["price_per_kwh"] == "0.12"
+    t = data["tiers"]["h100-3g"]
+    assert t["kwh"] == pytest.approx(6 / 7) and t["tokens"] == 6000
+    assert Decimal(t["cost_per_1k_tokens"]) == pytest.approx(Decimal(6 / 7) * Decimal("0.12") / 6, abs=Decimal("1e-7"))
+
+
+def test_h100_vs_h200_side_by_side(shop, op_p, catalog):
+    make_node("node-h200", "hgx-h200-8")
+    h200 = make_tier("h200-1g", "h200-sxm-141gb", "1g.18gb")
+    tenant = shop["alpha"]["tenant"]
+    a = orders.create_order(shop["alpha"]["p"], tenant=tenant, tier=h200).allocations.get()
+    assert provisioning.provision(a.pk) == "activated"
+    params, start, end = _priced_period(shop)
+    Allocation.objects.filter(pk=a.pk).update(activated_at=start)
+    dep = ModelDeployment.objects.create(allocation=a, tenant=tenant, name="big", backend="python", spec={},
+                                         memory_mb=1000, state=ModelDeployment.State.READY)
+    UsageHourly.objects.create(tenant=tenant, deployment=dep, hour=start, input_tokens=7_200_000,
+                               output_tokens=0, requests=10)
+    for g, act in ((Gpu.objects.filter(gpu_model__key="h200-sxm-141gb").first(), 0.9),
+                   (Gpu.objects.filter(gpu_model__key="h100-sxm-80gb").first(), 0.3)):
+        GpuSample.objects.create(gpu=g, resolution=R.RAW, ts=start + timedelta(minutes=1), activity=act,
+                                 memory_used_mb=1, memory_total_mb=2, power_w=1, energy_j=1, temperature_c=1,
+                                 sm_clock_mhz=1)
+    data = charts.figure_json("h100-vs-h200", op_p, params)["data"]["models"]
+    h1, h2 = data["h100-sxm-80gb"], data["h200-sxm-141gb"]
+    assert h2["tokens_per_s_per_gpu"] == pytest.approx(7_200_000 / 7200 / 8)
+    assert h1["tokens_per_s_per_gpu"] == pytest.approx(1_700_000 / 7200 / 8)
+    assert h2["utilization"] == 90.0 and h1["utilization"] == 30.0
+    # h200: 7.2M in x 0.10 = 0.72 + 2 slice-hours x 1.00 -> 2.72 per 7.2M tokens
+    assert h2["cost_per_1k_tokens"] == str((Decimal("2.72") * 1000 / 7_200_000).quantize(Decimal("0.00000001")))
+    assert h1["cost_per_1k_tokens"] == str((Decimal("4.32") * 1000 / 1_700_000).quantize(Decimal("0.00000001")))
+
+
+def test_tenant_usage_is_scoped_to_the_tenant(shop, op_p):
+    params, start, _e = _priced_period(shop)
+    mine = charts.figure_json("tenant-usage", shop["alpha"]["p"], params)["data"]
+    assert list(mine["tenants"]) == ["alpha"]
+    assert mine["tenants"]["alpha"]["tokens"] == [1_500_000, 0]
+    assert mine["tenants"]["alpha"]["spend"] == ["1.30", "1.00"]  # 0.30 tokens + 1 slice-hour, then 1 slice-hour
+    both = charts.figure_json("tenant-usage", op_p, params)["data"]["tenants"]
+    assert set(both) == {"alpha", "bravo"} and both["bravo"]["tokens"] == [0, 200_000]
+    assert both["bravo"]["spend"] == ["1.00", "1.02"]
+    with pytest.raises(charts.ChartNotFound):
+        charts.figure_json("tenant-usage", shop["alpha"]["p"], {**params, "tenant": "bravo"})
+    with pytest.raises(charts.Forbidden):
+        charts.figure_json("fleet-utilization", shop["alpha"]["p"], params)
+
+
+def test_chart_endpoints_access(shop, operator, api, as_user, as_key):
+    r = as_user(operator).get("/api/v1/charts/")
+    assert {c["name"] for c in r.json()["charts"]} == set(charts.CHARTS)
+    for name in charts.CHARTS:
+        r = as_user(operator).get(f"/api/v1/charts/{name}/")
+        assert r.status_code == 200, (name, r.content)
+        assert r.json()["figure"]["data"] is not None and "data" in r.json()
+    owner = shop["alpha"]["owner"]
+    for name in ("fleet-utilization", "gpu-heatmap", "mig-slots", "cost-per-tier", "power-cost", "h100-vs-h200"):
+        assert as_user(owner).get(f"/api/v1/charts/{name}/").status_code == 403
+    _usage(shop["alpha"], _hour(timezone.now()), 10, 20)
+    _usage(shop["bravo"], _hour(timezone.now()), 30, 40)
+    r = as_user(owner).get("/api/v1/charts/tenant-usage/")
+    assert r.status_code == 200 and list(r.json()["data"]["tenants"]) == ["alpha"]
+    assert r.json()["data"]["tenants"]["alpha"]["tokens"][-1] == 30
+    assert as_user(owner).get("/api/v1/charts/tenant-usage/?tenant=bravo").status_code == 404
+    assert as_user(owner).get("/api/v1/charts/nope/").status_code == 404
+    _key, secret = make_key(shop["bravo"]["tenant"], ["billing:read"])
+    r = as_key(secret).get("/api/v1/charts/tenant-usage/")
+    assert r.status_code == 200 and list(r.json()["data"]["tenants"]) == ["bravo"]
+    api.logout()
+    api.credentials()
+    assert api.get("/api/v1/charts/tenant-usage/").status_code in (401, 403)
+
+
+def test_chart_page_uses_local_plotly_and_static_file_is_served(shop, operator, settings):
+    settings.WHITENOISE_USE_FINDERS = True
+    settings.WHITENOISE_AUTOREFRESH = True
+    client = Client()
+    r = client.get("/static/vendor/plotly/plotly.min.js")
+    assert r.status_code == 200
+    assert b"plotly" in b"".join(r.streaming_content)[:2000].lower()
+    assert client.get("/charts/mig-slots/").status_code == 302  # login first
+    client.force_login(operator)
+    r = client.get("/charts/mig-slots/")
+    html = r.content.decode()
+    assert r.status_code == 200
+    assert '<script src="/static/vendor/plotly/plotly.min.js"></script>' in html
+    assert 'src="https://' not in html and "cdn" not in html.lower()
+    assert 'id="figure-data"' in html and "Plotly.newPlot" in html
+    client.force_login(shop["alpha"]["owner"])
+    assert client.get("/charts/mig-slots/").status_code == 403
+    assert client.get("/charts/tenant-usage/").status_code == 200
+
+
+# --- Prometheus ------------------------------------------------------------------------------------
+
+def test_metrics_protected_and_exposes_built_values(shop, operator, settings):
+    settings.TESSERA_METRICS_TOKEN = "s3cret-token"
+    _usage(shop["alpha"], _hour(timezone.now()), 1234, 567, requests=8)
+    _usage(shop["alpha"], _hour(timezone.now()) - timedelta(hours=1), 1000, 0, requests=2)
+    collector.collect_node(shop["node"].pk)
+    c = Client()
+    assert c.get("/metrics").status_code == 401
+    assert c.get("/metrics", HTTP_AUTHORIZATION="Bearer wrong").status_code == 403
+    c.force_login(shop["alpha"]["owner"])
+    assert c.get("/metrics").status_code == 403  # a tenant user is not staff
+    r = Client().get("/metrics", HTTP_AUTHORIZATION="Bearer s3cret-token")
+    assert r.status_code == 200 and r["Content-Type"].startswith("text/plain; version=0.0.4")
+    text = r.content.decode()
+    for line in (
+        'tessera_gpus{model="h100-sxm-80gb",state="ok"} 8',
+        'tessera_slots{model="h100-sxm-80gb",status="used"} 5',
+        'tessera_slots{model="h100-sxm-80gb",status="free"} 59',
+        'tessera_allocations{state="active",tier="h100-3g"} 1',
+        'tessera_allocation_transitions_total{to_state="active"} 2',
+        'tessera_tenant_tokens_total{tenant="alpha",direction="input"} 2234',
+        'tessera_tenant_tokens_total{tenant="alpha",direction="output"} 567',
+        'tessera_tenant_requests_total{tenant="alpha"} 10',
+        "# TYPE tessera_gpu_power_watts gauge",
+    ):
+        assert line in text, line
+    gpu = shop["alpha"]["alloc"].instance.gpu
+    s = GpuSample.objects.get(gpu=gpu)
+    assert f'tessera_gpu_power_watts{{node="node-a",gpu="{gpu.index}",uuid="{gpu.uuid}",' \
+           f'model="h100-sxm-80gb"}} {s.power_w!r}' in text
+    assert "tessera_gpu_utilization_percent{" not in text  # MIG: NVML has none
+    c2 = Client()
+    c2.force_login(operator)
+    assert c2.get("/metrics").status_code == 200
+    settings.TESSERA_METRICS_TOKEN = ""
+    assert Client().get("/metrics", HTTP_AUTHORIZATION="Bearer ").status_code == 403
