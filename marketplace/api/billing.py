@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import io
+from datetime import timedelta
 
 import django_filters
 from drf_spectacular.utils import OpenApiParameter, extend_schema
@@ -16,6 +17,7 @@ from rest_framework.views import APIView
 from marketplace.models import Invoice, InvoiceLine, WebhookDelivery, WebhookEndpoint
 from marketplace.selectors import billing as selectors
 from marketplace.services import billing, webhooks
+from telemetry.selectors import usage_summary
 from tenants.api.serializers import ScopedTenantField
 from tenants.models import Tenant
 from tenants.scoping import principal_for
@@ -140,6 +142,44 @@ class SpendView(APIView):
                         "ratio": None if s["ratio"] is None else float(round(s["ratio"], 4)),
                         "warn": s["warn"], "blocked": s["blocked"], "period_start": s["period_start"]})
         return Response({"results": out})
+
+
+class UsageSummaryQuery(serializers.Serializer):
+    start = serializers.DateTimeField(required=False, help_text="default: start of this month (UTC)")
+    end = serializers.DateTimeField(required=False, help_text="default: now")
+    group_by = serializers.ChoiceField(choices=["tenant", "deployment", "tier", "hour", "day"], default="deployment")
+    tenant = serializers.CharField(required=False, help_text="tenant slug")
+    deployment = serializers.IntegerField(required=False)
+    model = serializers.CharField(required=False)
+    tier = serializers.CharField(required=False, help_text="tier key")
+
+    def validate(self, attrs):
+        from django.utils import timezone
+
+        now = timezone.now()
+        attrs.setdefault("end", now)
+        attrs.setdefault("start", now.replace(day=1, hour=0, minute=0, second=0, microsecond=0))
+        if attrs["start"] >= attrs["end"]:
+            raise serializers.ValidationError({"start": ["must be before end"]})
+        if attrs["end"] - attrs["start"] > timedelta(days=400):
+            raise serializers.ValidationError({"end": ["at most 400 days per query"]})
+        return attrs
+
+
+class UsageSummaryView(APIView):
+    """Usage (tokens, requests, and what is already billed) by tenant, deployment, tier, hour or day,
+    from the hourly rollups. Scope billing:read; operators see every tenant."""
+
+    capabilities = {"get": "billing"}
+
+    @extend_schema(parameters=[UsageSummaryQuery], responses={200: None})
+    def get(self, request):
+        q = UsageSummaryQuery(data=request.query_params)
+        q.is_valid(raise_exception=True)
+        d = q.validated_data
+        filters = {k: d[k] for k in ("tenant", "deployment", "model", "tier") if k in d}
+        rows = usage_summary(principal_for(request), d["start"], d["end"], d["group_by"], filters)
+        return Response({"start": d["start"], "end": d["end"], "group_by": d["group_by"], "results": rows})
 
 
 class WebhookEndpointSerializer(serializers.ModelSerializer):

@@ -23,5 +23,6 @@ router.register("webhooks", billing.WebhookEndpointViewSet, basename="webhook")
 
 urlpatterns = [
     path("billing/spend/", billing.SpendView.as_view(), name="billing-spend"),
+    path("billing/usage/", billing.UsageSummaryView.as_view(), name="billing-usage"),
     *router.urls,
 ]

@@ -236,3 +236,26 @@ def test_invoice_api_csv_json_and_isolation(setup, as_key, as_user, operator, wo
     assert other.get(f"/api/v1/invoices/{inv.pk}/").status_code == 404
     assert other.get(f"/api/v1/invoices/{inv.pk}/export/?format=csv").status_code == 404
     assert as_user(operator).get("/api/v1/invoices/").json()["count"] >= 1
+
+
+def test_usage_summary_api_groups_and_isolates(setup, as_key, world):
+    tenant, owner, tier, allocation, deployment = setup
+    dep = deployment(allocation(T0))
+    usage(tenant, dep, T0 + timedelta(hours=1), 100, 10, 2)
+    usage(tenant, dep, T0 + timedelta(days=1, hours=1), 300, 30, 3)
+    _, key = make_key(tenant, ["billing:read"])
+    api = as_key(key)
+    r = api.get("/api/v1/billing/usage/", {"start": "2026-10-01T00:00:00Z", "end": "2026-11-01T00:00:00Z",
+                                            "group_by": "day"})
+    assert r.status_code == 200, r.content
+    rows = r.json()["results"]
+    assert [(x["input_tokens"], x["requests"]) for x in rows] == [(100, 2), (300, 3)]
+    r = api.get("/api/v1/billing/usage/", {"start": "2026-10-01T00:00:00Z", "end": "2026-11-01T00:00:00Z",
+                                            "group_by": "tier"})
+    assert r.json()["results"][0]["output_tokens"] == 40
+    assert api.get("/api/v1/billing/usage/", {"group_by": "planet"}).status_code == 400
+    assert api.get("/api/v1/billing/usage/", {"start": "2026-11-01T00:00:00Z",
+                                              "end": "2026-10-01T00:00:00Z"}).status_code == 400
+    other = as_key(world["secret_a"]).get("/api/v1/billing/usage/", {"start": "2026-10-01T00:00:00Z",
+                                                                      "end": "2026-11-01T00:00:00Z"})
+    assert other.status_code == 200 and other.json()["results"] == []
