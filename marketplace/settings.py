@@ -174,7 +174,6 @@ CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_DEFAULT_QUEUE = "control"
 CELERY_TASK_TIME_LIMIT = 300
-CELERY_TASK_SOFT_TIME_LIMIT = 240
 CELERY_TIMEZONE = "UTC"
 CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
@@ -205,6 +204,9 @@ CELERY_BEAT_SCHEDULE = {
         "options": {"queue": "control"},
     },
 }
+if env_bool("TESSERA_DEMO_TRAFFIC"):  # the demo's simulated inference gateway
+    CELERY_BEAT_SCHEDULE["demo-gateway"] = {"task": "tessera.demo_gateway_fleet", "schedule": 60.0,
+                                            "options": {"queue": "control"}}
 
 # --- REST API --------------------------------------------------------------------------------
 REST_FRAMEWORK = {

@@ -64,3 +64,20 @@ def rate_and_check_spend() -> dict:
 
     fired = {t.slug: billing.evaluate_spend(t) for t in Tenant.objects.filter(status=Tenant.Status.ACTIVE)}
     return {"finalized": billing.finalize_due(), "notices": {k: v for k, v in fired.items() if v}}
+
+
+@shared_task(name="tessera.demo_gateway_node", acks_late=True, time_limit=120)
+def demo_gateway_node(node_id: int) -> int:
+    from marketplace import demo_traffic
+
+    return demo_traffic.gateway_tick(node_id)
+
+
+@shared_task(name="tessera.demo_gateway_fleet", time_limit=60)
+def demo_gateway_fleet() -> int:
+    from marketplace.models import Node
+
+    nodes = list(Node.objects.filter(state=Node.State.READY))
+    for node in nodes:
+        demo_gateway_node.apply_async(args=[node.pk], queue=node.queue)
+    return len(nodes)

@@ -35,7 +35,10 @@ class Command(BaseCommand):
         self._print_logins(result, opts["addr"])
         if opts["no_run"]:
             return
+        os.environ["TESSERA_DEMO_TRAFFIC"] = "1"
         worker = None if opts["no_worker"] else self._start_worker()
+        if worker is not None:
+            threading.Thread(target=self._deploy_and_backfill, daemon=True).start()
         if opts["exit_after"]:
             def stop():
                 time.sleep(opts["exit_after"])
@@ -53,6 +56,33 @@ class Command(BaseCommand):
                 except subprocess.TimeoutExpired:
                     worker.kill()
             self.stdout.write("demo stopped")
+
+    def _deploy_and_backfill(self):
+        """Once the worker has made the demo slices active: a model on each, and three days of the
+        usage their gateway reported, so invoices and charts have something to show."""
+        from django.db import close_old_connections
+
+        from marketplace import demo_traffic
+        from marketplace.models import Allocation, ModelDeployment
+        from marketplace.services import billing, deployments
+        from tenants.models import Tenant
+
+        close_old_connections()
+        deadline = time.monotonic() + 90
+        live = Allocation.objects.exclude(state__in=["released", "failed"])
+        while time.monotonic() < deadline and live.exclude(state="active").exists():
+            time.sleep(1)
+        new = 0
+        for a in Allocation.objects.filter(state="active", deployments__isnull=True).select_related("tenant"):
+            deployments.deploy(demo_traffic.SYSTEM, a, "tiny-gen", template="tiny-gen")
+            new += 1
+        if new:
+            n = demo_traffic.backfill(days=3)
+            for t in Tenant.objects.all():
+                billing.current_invoice(t)
+            self.stdout.write(f"demo: {new} models deployed, {n} usage events of the last 3 days reported")
+        while time.monotonic() < deadline and ModelDeployment.objects.exclude(state="ready").exists():
+            time.sleep(1)
 
     def _start_worker(self):
         from marketplace.models import Node
