@@ -7,6 +7,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
+from django.db import connection  # noqa: F401 - used by the skipif conditions
 from django.utils import timezone
 
 from marketplace.models import Allocation, DriftEvent, GpuInstance, GpuSlot, Order, PricePlan
@@ -228,3 +229,39 @@ def test_tiers_api_shows_prices_and_operators_write(api, as_user, tiers, owner, 
     assert as_user(owner).post("/api/v1/tiers/", new).status_code == 403
     assert as_user(operator).post("/api/v1/tiers/", {**new, "profile": "3g.40gb"}).status_code == 400
     assert as_user(operator).post("/api/v1/tiers/", new).status_code == 201
+
+
+@pytest.mark.skipif("connection.vendor != 'postgresql'", reason="concurrent writers need PostgreSQL")
+@pytest.mark.django_db(transaction=True)
+def test_two_concurrent_orders_for_the_last_placement_one_wins(h100_node, tiers, monkeypatch):
+    import threading
+
+    from marketplace.models import Gpu
+
+    monkeypatch.setattr(orders, "enqueue_provision", lambda a: None)  # no broker needed here
+    Gpu.objects.filter(node=h100_node).exclude(index=0).update(state=Gpu.State.MAINTENANCE)
+    t1, t2 = (TenantFactory(max_slices=20, max_slices_per_tier=20) for _ in range(2))
+    p1 = principal_for_user(MembershipFactory(tenant=t1, role=Role.OWNER).user)
+    p2 = principal_for_user(MembershipFactory(tenant=t2, role=Role.OWNER).user)
+    orders.create_order(p1, tenant=t1, tier=tiers["3g"])  # one 3g half left on the only GPU
+    barrier = threading.Barrier(2)
+    results = []
+
+    def order(p, t):
+        try:
+            barrier.wait(timeout=10)
+            results.append(orders.create_order(p, tenant=t, tier=tiers["3g"]).pk)
+        except NoCapacityError as exc:
+            results.append(exc.message)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=order, args=args) for args in ((p1, t1), (p2, t2))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+    assert sum(isinstance(r, int) for r in results) == 1, results
+    loser = next(r for r in results if isinstance(r, str))
+    assert "3g.40gb" in loser  # a clear reason: which profile had no free placement
+    assert Order.objects.count() == 2 and Allocation.objects.count() == 2 and GpuInstance.objects.count() == 2
