@@ -157,6 +157,23 @@ def _fill_placements(placementsRef: Any, countRef: Any, starts: Iterable[int], s
     return _pynvml.NVML_SUCCESS
 
 
+def _fill_handles(arrayRef: Any, countRef: Any, handles: list) -> int:
+    """pynvml's instance-array convention (GetGpuInstances, GetComputeInstances): None -> count only;
+    an array shorter than the count -> InsufficientSize with the count set."""
+    count = _deref(countRef)
+    if count is None:
+        raise _err(_pynvml.NVML_ERROR_INVALID_ARGUMENT)
+    count.value = len(handles)
+    if arrayRef is None:
+        return _pynvml.NVML_SUCCESS
+    arr = _deref(arrayRef)
+    if len(arr) < len(handles):
+        raise _err(_pynvml.NVML_ERROR_INSUFFICIENT_SIZE)
+    for i, h in enumerate(handles):
+        arr[i] = h
+    return _pynvml.NVML_SUCCESS
+
+
 def _handle_addr(handle: Any) -> int | None:
     if handle is None:
         return None
@@ -696,21 +713,8 @@ class SimNvml:
         gpu, _gi, _ci = self._dev(device)
         self._require_mig(gpu)
         p = self._profile_by_id(gpu, profileId, _pynvml.NVML_ERROR_NOT_SUPPORTED)
-        count = _deref(countRef)
-        if count is None:
-            raise _err(_pynvml.NVML_ERROR_INVALID_ARGUMENT)
         gis = sorted((g for g in self._gpu_state(gpu)["gis"] if g["profile_id"] == p.profile_id), key=lambda g: g["id"])
-        if gpuInstancesRef is None:
-            count.value = len(gis)
-            return _pynvml.NVML_SUCCESS
-        arr = _deref(gpuInstancesRef)
-        if len(arr) < len(gis):
-            count.value = len(gis)
-            raise _err(_pynvml.NVML_ERROR_INSUFFICIENT_SIZE)
-        for i, gi in enumerate(gis):
-            arr[i] = self._gi_handle(gpu, gi)
-        count.value = len(gis)
-        return _pynvml.NVML_SUCCESS
+        return _fill_handles(gpuInstancesRef, countRef, [self._gi_handle(gpu, gi) for gi in gis])
 
     def nvmlDeviceGetGpuInstanceById(self, device: Any, gpuInstanceId: int) -> Any:
         gpu, _gi, _ci = self._dev(device)
@@ -876,21 +880,8 @@ class SimNvml:
     ) -> int:
         gpu, gi = self._gi(gpuInstance)
         _p, c = self._ci_profile(gpu, gi, profileId, _pynvml.NVML_ERROR_NOT_SUPPORTED)
-        count = _deref(countRef)
-        if count is None:
-            raise _err(_pynvml.NVML_ERROR_INVALID_ARGUMENT)
         cis = sorted((x for x in gi["cis"] if x["profile_id"] == c.profile_id), key=lambda x: x["id"])
-        if computeInstancesRef is None:
-            count.value = len(cis)
-            return _pynvml.NVML_SUCCESS
-        arr = _deref(computeInstancesRef)
-        if len(arr) < len(cis):
-            count.value = len(cis)
-            raise _err(_pynvml.NVML_ERROR_INSUFFICIENT_SIZE)
-        for i, ci in enumerate(cis):
-            arr[i] = self._ci_handle(gpu, ci)
-        count.value = len(cis)
-        return _pynvml.NVML_SUCCESS
+        return _fill_handles(computeInstancesRef, countRef, [self._ci_handle(gpu, ci) for ci in cis])
 
     def nvmlGpuInstanceGetComputeInstanceById(self, gpuInstance: Any, computeInstanceId: int) -> Any:
         gpu, gi = self._gi(gpuInstance)
