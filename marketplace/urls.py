@@ -3,7 +3,6 @@
 from django.contrib import admin
 from django.http import JsonResponse
 from django.urls import include, path
-from django.views.generic import RedirectView
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 
@@ -24,5 +23,5 @@ urlpatterns = [
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
     path("healthz", healthz, name="healthz"),
     path("", include("telemetry.urls")),  # /metrics, /charts/<name>/, /api/v1/charts/<name>/
-    path("", RedirectView.as_view(url="/admin/", permanent=False)),
+    path("", include("marketplace.web.urls")),
 ]

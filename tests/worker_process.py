@@ -38,7 +38,7 @@ class Worker:
         log = open(self.log_path, "ab")  # noqa: SIM115 - the process owns it
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "celery", "-A", "marketplace", "worker", "-P", "solo", "-Q", self.queue,
-             "-n", f"{self.queue}@test", "--without-mingle", "--without-gossip", "-l", "INFO"],
+             "-n", f"{self.queue.split(',')[0]}@test", "--without-mingle", "--without-gossip", "-l", "INFO"],
             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
         return self

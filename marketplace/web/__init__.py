@@ -1,0 +1,1 @@
+"""Server-rendered pages: the MSP console (operators) and the tenant portal, on one layout."""

@@ -1,0 +1,547 @@
+"""The MSP operator console: server-rendered pages over the selectors and services.
+
+Every view requires a signed-in operator (the tenants.operate permission): anonymous people are sent
+to the login page, everyone else gets 403. Writes are POST only (CSRF), go through the services and
+redirect back with a message; forms re-render with their field errors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from datetime import timedelta
+from functools import wraps
+
+from django import forms
+from django.contrib import messages
+from django.contrib.auth.views import redirect_to_login
+from django.core.exceptions import PermissionDenied
+from django.db.models import Avg, Count, DecimalField, F, Max, OuterRef, Prefetch, Q, Subquery, Sum
+from django.http import HttpResponse
+from django.shortcuts import get_object_or_404, redirect, render
+from django.utils import timezone
+from django.utils.html import format_html
+from django.utils.safestring import mark_safe
+from django.views.decorators.http import require_GET, require_POST
+
+from marketplace.api.billing import invoice_csv
+from marketplace.models import Allocation, Gpu, GpuInstance, GpuModel, Invoice, ModelDeployment, Node, PricePlan, Tier
+from marketplace.models.orders import LIVE_STATES
+from marketplace.selectors import billing as billing_sel
+from marketplace.selectors import orders as orders_sel
+from marketplace.services import billing, offers, orders
+from marketplace.web.tables import Column, table
+from telemetry.charts import CHARTS
+from telemetry.models import GpuSample
+from tenants import services as tenant_services
+from tenants.errors import ServiceError
+from tenants.models import CURRENCIES, Tenant
+from tenants.scoping import principal_for
+
+RELEASABLE = ("placed", "provisioning", "ready", "active", "failed")
+
+
+def operator_required(view):
+    @wraps(view)
+    def wrapped(request, *args, **kwargs):
+        if not request.user.is_authenticated:
+            return redirect_to_login(request.get_full_path())
+        principal = principal_for(request)
+        if not (principal.is_operator and principal.can("operate")):
+            raise PermissionDenied("The console is for MSP operators.")
+        request.principal = principal
+        return view(request, *args, **kwargs)
+    return wrapped
+
+
+def _page(request, template: str, ctx: dict, status: int = 200):
+    return render(request, f"console/{template}", ctx, status=status)
+
+
+def _service_error(request, exc: ServiceError) -> None:
+    messages.error(request, exc.message)
+
+
+def tenant_color(slug: str) -> str:
+    """A stable colour per tenant for slot maps."""
+    h = int(hashlib.md5(slug.encode(), usedforsecurity=False).hexdigest()[:4], 16) % 360
+    return f"hsl({h} 55% 42%)"
+
+
+def _month_start():
+    return billing.month_of(timezone.now())
+
+
+def _current_total_subquery():
+    return Subquery(Invoice.objects.filter(tenant=OuterRef("pk"), period_start=_month_start())
+                    .values("total")[:1], output_field=DecimalField(max_digits=14, decimal_places=2))
+
+
+# --- overview -----------------------------------------------------------------------------------
+
+def spend_alerts(limit: int = 20) -> list[dict]:
+    """Tenants with a spend limit whose current draft (as last rated, not re-rated here) is at or
+    past the warning ratio. One query, however many tenants."""
+    rows = (Tenant.objects.filter(monthly_spend_limit__isnull=False, monthly_spend_limit__gt=0)
+            .annotate(spend=_current_total_subquery(),
+                      rated_at=Subquery(Invoice.objects.filter(tenant=OuterRef("pk"), period_start=_month_start())
+                                        .values("rated_at")[:1]))
+            .filter(spend__gte=F("monthly_spend_limit") * F("spend_warn_ratio"))
+            .order_by("name"))
+    out = []
+    for t in rows[:limit]:
+        ratio = t.spend / t.monthly_spend_limit
+        out.append({"tenant": t, "spend": t.spend, "limit": t.monthly_spend_limit, "ratio": ratio,
+                    "percent": round(ratio * 100), "blocked": ratio >= t.spend_block_ratio, "rated_at": t.rated_at})
+    return out
+
+
+@require_GET
+@operator_required
+def overview(request):
+    now = timezone.now()
+    models = {m.pk: m for m in GpuModel.objects.all()}
+    occupancy = []
+    for row in (Gpu.objects.values("gpu_model_id").annotate(gpus=Count("id", distinct=True), used=Count("slots"))
+                .order_by("gpu_model_id")):
+        m = models[row["gpu_model_id"]]
+        total = row["gpus"] * m.memory_slices
+        occupancy.append({"model": m, "gpus": row["gpus"], "used": row["used"], "total": total,
+                          "percent": round(100 * row["used"] / total) if total else 0})
+    since = now - timedelta(minutes=10)
+    utilization = []
+    for row in (GpuSample.objects.filter(resolution="raw", ts__gte=since)
+                .values("gpu__gpu_model_id")
+                .annotate(activity=Avg("activity"), power=Avg("power_w"), gpus=Count("gpu_id", distinct=True),
+                          last=Max("ts"))
+                .order_by("gpu__gpu_model_id")):
+        utilization.append({"model": models[row["gpu__gpu_model_id"]], "activity": round(100 * row["activity"]),
+                            "power": round(row["power"]), "gpus": row["gpus"], "last": row["last"]})
+    month = _month_start()
+    revenue = list(Invoice.objects.filter(period_start=month).values("currency")
+                   .annotate(total=Sum("total"), invoices=Count("id"), rated=Max("rated_at")).order_by("currency"))
+    drift_qs = orders_sel.drift_events(request.principal).filter(resolved=False)
+    failed_qs = (Allocation.objects.filter(state=Allocation.State.FAILED)
+                 .select_related("tenant", "tier", "node").order_by("-updated_at"))
+    states = dict(Allocation.objects.filter(state__in=LIVE_STATES).values_list("state").annotate(n=Count("id"))
+                  .order_by())
+    return _page(request, "overview.html", {
+        "occupancy": occupancy, "utilization": utilization, "since": since, "revenue": revenue, "month": month,
+        "drift": list(drift_qs[:10]), "drift_count": drift_qs.count(),
+        "failed": list(failed_qs[:10]), "failed_count": failed_qs.count(),
+        "spend_alerts": spend_alerts(), "live": sum(states.values()), "states": states,
+        "node_count": Node.objects.count(), "tenant_count": Tenant.objects.count(),
+    })
+
+
+# --- nodes --------------------------------------------------------------------------------------
+
+def slot_cells(gpu: Gpu) -> list[dict]:
+    """The GPU's 8 memory slices as cells: one per instance (spanning its slices), one per free slice."""
+    cells: list[dict | None] = [{"used": False, "start": i, "size": 1} for i in range(8)]
+    for inst in gpu.instances.all():
+        profile = inst.placement.profile.name if inst.placement_id else "whole GPU"
+        cells[inst.start] = {"used": True, "start": inst.start, "size": inst.size, "tenant": inst.tenant.slug,
+                             "profile": profile, "color": tenant_color(inst.tenant.slug), "state": inst.state}
+        for s in range(inst.start + 1, inst.start + inst.size):
+            cells[s] = None
+    return [c for c in cells if c is not None]
+
+
+def slot_map_html(cells: list[dict]) -> str:
+    """The slot map markup, built here rather than in the template: a 1,000-GPU fleet shows many."""
+    parts = []
+    for c in cells:
+        if c["used"]:
+            last = c["start"] + c["size"] - 1
+            parts.append(format_html(
+                '<span class="used" style="grid-column:{} / span {};background:{}" title="slices {}–{}: {} {} ({})">'
+                '{}<br><small>{}</small></span>', c["start"] + 1, c["size"], c["color"], c["start"], last,
+                c["tenant"], c["profile"], c["state"], c["tenant"],
+                c["profile"] if c["size"] > 1 else c["profile"].split(".")[0]))
+        else:
+            parts.append(format_html('<span style="grid-column:{}" title="slice {}: free">{}<br><small>free</small>'
+                                     '</span>', c["start"] + 1, c["start"], c["start"]))
+    return mark_safe("".join(parts))  # noqa: S308 - every part is format_html-escaped
+
+
+@require_GET
+@operator_required
+def nodes(request):
+    qs = Node.objects.select_related("platform", "platform__gpu_model").prefetch_related(
+        Prefetch("gpus", queryset=Gpu.objects.select_related("gpu_model", "dedicated_tenant").order_by("index")
+                 .prefetch_related(Prefetch("instances", queryset=GpuInstance.objects.select_related(
+                     "tenant", "placement__profile").order_by("start")))))
+    state = request.GET.get("state", "")
+    if state in Node.State.values:
+        qs = qs.filter(state=state)
+    t = table(request, qs, [Column("hostname", "Node"), Column("platform__name", "Platform"),
+                            Column("state", "State"), Column("last_heartbeat", "Last heartbeat")],
+              default_sort="hostname", per_page=10)
+    rows = []
+    for node in t.page:
+        gpus = [{"gpu": g, "slotmap": slot_map_html(slot_cells(g)), "used": sum(i.size for i in g.instances.all())}
+                for g in node.gpus.all()]
+        rows.append({"node": node, "gpus": gpus, "used": sum(g["used"] for g in gpus), "total": 8 * len(gpus)})
+    return _page(request, "nodes.html", {"table": t, "rows": rows, "state": state, "states": Node.State.choices})
+
+
+# --- allocations --------------------------------------------------------------------------------
+
+class AllocationFilter(forms.Form):
+    """GET filters. Tenant, tier and node are matched by slug, key and hostname; an unknown value
+    simply matches nothing. The template renders the options from `filter_options` (cheap on a big fleet)."""
+
+    state = forms.ChoiceField(required=False, choices=[("", "any")] + Allocation.State.choices)
+    tenant = forms.CharField(required=False, max_length=63)
+    tier = forms.CharField(required=False, max_length=60)
+    node = forms.CharField(required=False, max_length=253)
+
+
+def filter_options() -> dict:
+    return {"tenant": list(Tenant.objects.order_by("slug").values_list("slug", flat=True)),
+            "tier": list(Tier.objects.order_by("key").values_list("key", flat=True)),
+            "node": list(Node.objects.order_by("hostname").values_list("hostname", flat=True))}
+
+
+ALLOCATION_COLUMNS = [
+    Column("id", "#"), Column("tenant__slug", "Tenant"), Column("tier__key", "Tier"), Column("state", "State"),
+    Column("node__hostname", "Node"), Column("", "Slice"), Column("created_at", "Created"),
+    Column("updated_at", "Updated"),
+]
+
+
+@require_GET
+@operator_required
+def allocations(request):
+    qs = orders_sel.allocations(request.principal).prefetch_related(None)
+    f = AllocationFilter(request.GET or None)
+    if f.is_bound and f.is_valid():
+        d = f.cleaned_data
+        if d["state"]:
+            qs = qs.filter(state=d["state"])
+        for name, path in (("tenant", "tenant__slug"), ("tier", "tier__key"), ("node", "node__hostname")):
+            if d[name]:
+                qs = qs.filter(**{path: d[name]})
+    t = table(request, qs, ALLOCATION_COLUMNS, default_sort="-created_at")
+    return _page(request, "allocations.html", {"table": t, "filter": f, "f": f.cleaned_data if f.is_bound else {},
+                                               "options": filter_options(), "states": Allocation.State.choices})
+
+
+@require_GET
+@operator_required
+def allocation_detail(request, pk: int):
+    a = get_object_or_404(orders_sel.allocations(request.principal).select_related(
+        "instance__gpu", "instance__placement__profile", "order"), pk=pk)
+    deployments = ModelDeployment.objects.filter(allocation=a).order_by("-created_at")
+    return _page(request, "allocation_detail.html", {
+        "a": a, "events": a.events.all(), "deployments": deployments,
+        "can_retry": a.state == Allocation.State.FAILED, "can_release": a.state in RELEASABLE,
+    })
+
+
+@require_POST
+@operator_required
+def allocation_retry(request, pk: int):
+    a = get_object_or_404(Allocation, pk=pk)
+    try:
+        orders.retry(request.principal, a)
+        messages.success(request, f"Allocation {a.pk} is being retried.")
+    except ServiceError as exc:
+        _service_error(request, exc)
+    return redirect("console:allocation_detail", pk=a.pk)
+
+
+@require_POST
+@operator_required
+def allocation_release(request, pk: int):
+    a = get_object_or_404(Allocation, pk=pk)
+    try:
+        orders.release(request.principal, a, reason=request.POST.get("reason", "").strip()
+                       or "released by an operator")
+        messages.success(request, f"Allocation {a.pk} is being released.")
+    except ServiceError as exc:
+        _service_error(request, exc)
+    return redirect("console:allocation_detail", pk=a.pk)
+
+
+@require_GET
+@operator_required
+def drift(request):
+    qs = orders_sel.drift_events(request.principal).select_related("allocation")
+    show = request.GET.get("resolved", "open")
+    if show == "open":
+        qs = qs.filter(resolved=False)
+    elif show == "resolved":
+        qs = qs.filter(resolved=True)
+    t = table(request, qs, [Column("at", "When"), Column("node__hostname", "Node"), Column("gpu_index", "GPU"),
+                            Column("kind", "Kind"), Column("", "Detail"), Column("allocation_id", "Allocation"),
+                            Column("resolved", "Resolved")], default_sort="-at")
+    return _page(request, "drift.html", {"table": t, "show": show})
+
+
+# --- tenants ------------------------------------------------------------------------------------
+
+TENANT_COLUMNS = [
+    Column("name", "Tenant"), Column("status", "Status"), Column("live", "Live slices"),
+    Column("max_slices", "Max slices"), Column("max_slices_per_tier", "Per tier"),
+    Column("max_memory_gb", "Memory GB"), Column("spend", "Spend this month"),
+    Column("monthly_spend_limit", "Spend limit"),
+]
+
+
+@require_GET
+@operator_required
+def tenants(request):
+    qs = Tenant.objects.visible_to(request.principal).annotate(
+        live=Count("allocations", filter=Q(allocations__state__in=LIVE_STATES)),
+        spend=_current_total_subquery())
+    status = request.GET.get("status", "")
+    if status in Tenant.Status.values:
+        qs = qs.filter(status=status)
+    q = request.GET.get("q", "").strip()
+    if q:
+        qs = qs.filter(Q(name__icontains=q) | Q(slug__icontains=q))
+    t = table(request, qs, TENANT_COLUMNS, default_sort="name")
+    return _page(request, "tenants.html", {"table": t, "status": status, "q": q, "statuses": Tenant.Status.choices})
+
+
+class QuotaForm(forms.Form):
+    max_slices = forms.IntegerField(min_value=0)
+    max_slices_per_tier = forms.IntegerField(min_value=0)
+    max_memory_gb = forms.IntegerField(min_value=0)
+    monthly_spend_limit = forms.DecimalField(required=False, min_value=0, max_digits=14, decimal_places=2,
+                                             help_text="empty = no limit")
+    spend_warn_ratio = forms.DecimalField(min_value=0, max_digits=4, decimal_places=2)
+    spend_block_ratio = forms.DecimalField(min_value=0, max_digits=4, decimal_places=2)
+
+
+def _quota_initial(tenant: Tenant) -> dict:
+    return {name: getattr(tenant, name) for name in QuotaForm.base_fields}
+
+
+def _tenant_page(request, tenant: Tenant, form: QuotaForm, status: int = 200):
+    allocs = (Allocation.objects.filter(tenant=tenant).select_related("tier", "node").order_by("-created_at")[:10])
+    invoices = Invoice.objects.filter(tenant=tenant).order_by("-period_start")[:6]
+    live = Allocation.objects.filter(tenant=tenant, state__in=LIVE_STATES).count()
+    current = Invoice.objects.filter(tenant=tenant, period_start=_month_start()).first()
+    return _page(request, "tenant_detail.html", {
+        "tenant": tenant, "form": form, "allocations": allocs, "invoices": invoices, "live": live,
+        "current": current, "members": tenant.memberships.select_related("user").order_by("user__email"),
+    }, status=status)
+
+
+@operator_required
+def tenant_detail(request, pk: int):
+    tenant = get_object_or_404(Tenant.objects.visible_to(request.principal), pk=pk)
+    if request.method == "POST":
+        form = QuotaForm(request.POST, initial=_quota_initial(tenant))
+        if form.is_valid():
+            changed = {name: form.cleaned_data[name] for name in form.changed_data}
+            try:
+                tenant_services.update_tenant(request.principal, tenant, **changed)
+            except ServiceError as exc:
+                form.add_error(exc.field if exc.field in form.fields else None, exc.message)
+                tenant.refresh_from_db()
+            else:
+                messages.success(request, "Quotas and limits saved." if changed else "Nothing changed.")
+                return redirect("console:tenant_detail", pk=tenant.pk)
+        return _tenant_page(request, tenant, form, status=400)
+    if request.method != "GET":
+        return HttpResponse(status=405)
+    return _tenant_page(request, tenant, QuotaForm(initial=_quota_initial(tenant)))
+
+
+@require_POST
+@operator_required
+def tenant_suspend(request, pk: int):
+    tenant = get_object_or_404(Tenant, pk=pk)
+    try:
+        tenant_services.suspend_tenant(request.principal, tenant, reason=request.POST.get("reason", "").strip()[:500])
+        messages.success(request, f"{tenant.name} is suspended: no new orders; slices keep serving.")
+    except ServiceError as exc:
+        _service_error(request, exc)
+    return redirect("console:tenant_detail", pk=tenant.pk)
+
+
+@require_POST
+@operator_required
+def tenant_activate(request, pk: int):
+    tenant = get_object_or_404(Tenant, pk=pk)
+    try:
+        tenant_services.activate_tenant(request.principal, tenant)
+        messages.success(request, f"{tenant.name} is active again.")
+    except ServiceError as exc:
+        _service_error(request, exc)
+    return redirect("console:tenant_detail", pk=tenant.pk)
+
+
+# --- tiers and prices ---------------------------------------------------------------------------
+
+def plan_rows(plans, now) -> list[dict]:
+    """Plans (newest first) with their status: scheduled, in force (one per kind and currency), past."""
+    seen = set()
+    out = []
+    for p in plans:
+        key = (p.kind, p.currency)
+        if p.effective_from > now:
+            status = "scheduled"
+        elif key not in seen:
+            status = "in force"
+            seen.add(key)
+        else:
+            status = "past"
+        out.append({"plan": p, "status": status})
+    return out
+
+
+@require_GET
+@operator_required
+def tiers(request):
+    now = timezone.now()
+    rows = []
+    for tier in orders_sel.tiers().annotate(live=Count("allocations", filter=Q(allocations__state__in=LIVE_STATES))):
+        plans = plan_rows(tier.plans.all(), now)
+        rows.append({"tier": tier, "in_force": [r["plan"] for r in plans if r["status"] == "in force"],
+                     "scheduled": sum(r["status"] == "scheduled" for r in plans)})
+    return _page(request, "tiers.html", {"rows": rows})
+
+
+class PricePlanForm(forms.Form):
+    kind = forms.ChoiceField(choices=PricePlan.Kind.choices)
+    currency = forms.ChoiceField(choices=CURRENCIES)
+    price_per_slice_hour = forms.DecimalField(min_value=0, max_digits=12, decimal_places=4)
+    price_per_1m_input_tokens = forms.DecimalField(min_value=0, max_digits=12, decimal_places=4)
+    price_per_1m_output_tokens = forms.DecimalField(min_value=0, max_digits=12, decimal_places=4)
+    monthly_commit = forms.DecimalField(required=False, min_value=0, max_digits=14, decimal_places=2,
+                                        help_text="reserved plans only")
+    effective_from = forms.DateTimeField(widget=forms.DateTimeInput(attrs={"type": "datetime-local"}),
+                                         help_text="UTC; not in the past")
+
+
+@operator_required
+def tier_detail(request, pk: int):
+    tier = get_object_or_404(orders_sel.tiers(), pk=pk)
+    status = 200
+    if request.method == "POST":
+        form = PricePlanForm(request.POST)
+        if form.is_valid():
+            try:
+                plan = offers.add_price_plan(request.principal, tier=tier, **form.cleaned_data)
+            except ServiceError as exc:
+                form.add_error(exc.field if exc.field in form.fields else None, exc.message)
+            else:
+                messages.success(request, f"New {plan.get_kind_display().lower()} price in {plan.currency} from "
+                                          f"{plan.effective_from:%Y-%m-%d %H:%M} UTC.")
+                return redirect("console:tier_detail", pk=tier.pk)
+        status = 400
+    elif request.method == "GET":
+        in_force = next((p for p in tier.plans.all() if p.effective_from <= timezone.now()), None)
+        initial = {"effective_from": (timezone.now() + timedelta(days=1)).replace(minute=0, second=0, microsecond=0)
+                   .strftime("%Y-%m-%dT%H:%M"), "kind": PricePlan.Kind.ON_DEMAND, "currency": "USD"}
+        if in_force:
+            initial |= {f: getattr(in_force, f) for f in ("kind", "currency", "price_per_slice_hour",
+                                                          "price_per_1m_input_tokens", "price_per_1m_output_tokens")}
+        form = PricePlanForm(initial=initial)
+    else:
+        return HttpResponse(status=405)
+    return _page(request, "tier_detail.html", {"tier": tier, "plans": plan_rows(tier.plans.all(), timezone.now()),
+                                               "form": form}, status=status)
+
+
+# --- invoices -----------------------------------------------------------------------------------
+
+class InvoiceFilter(forms.Form):
+    tenant = forms.CharField(required=False, max_length=63)
+    status = forms.ChoiceField(required=False, choices=[("", "any")] + Invoice.Status.choices)
+    period = forms.DateField(required=False, input_formats=["%Y-%m"])
+
+
+INVOICE_COLUMNS = [
+    Column("number", "Number"), Column("tenant__slug", "Tenant"), Column("period_start", "Period"),
+    Column("status", "Status"), Column("total", "Total"), Column("currency", "Currency"),
+    Column("rated_at", "Rated"),
+]
+
+
+@require_GET
+@operator_required
+def invoices(request):
+    qs = billing_sel.invoices(request.principal).prefetch_related(None)
+    f = InvoiceFilter(request.GET or None)
+    if f.is_bound and f.is_valid():
+        d = f.cleaned_data
+        if d["tenant"]:
+            qs = qs.filter(tenant__slug=d["tenant"])
+        if d["status"]:
+            qs = qs.filter(status=d["status"])
+        if d["period"]:
+            qs = qs.filter(period_start=d["period"].replace(day=1))
+    t = table(request, qs, INVOICE_COLUMNS, default_sort="-period_start")
+    tenants_ = list(Tenant.objects.order_by("slug").values_list("slug", flat=True))
+    return _page(request, "invoices.html", {"table": t, "filter": f, "tenants": tenants_,
+                                            "statuses": Invoice.Status.choices})
+
+
+def _finalizable(invoice: Invoice) -> bool:
+    return invoice.status == Invoice.Status.DRAFT and invoice.period_end <= timezone.now().date()
+
+
+@require_GET
+@operator_required
+def invoice_detail(request, pk: int):
+    invoice = get_object_or_404(billing_sel.invoices(request.principal), pk=pk)
+    return _page(request, "invoice_detail.html", {"invoice": invoice, "lines": invoice.lines.all(),
+                                                  "can_finalize": _finalizable(invoice)})
+
+
+@require_GET
+@operator_required
+def invoice_download(request, pk: int):
+    invoice = get_object_or_404(billing_sel.invoices(request.principal), pk=pk)
+    resp = HttpResponse(invoice_csv(invoice), content_type="text/csv; charset=utf-8")
+    name = invoice.number or f"draft-{invoice.tenant.slug}-{invoice.period_start:%Y-%m}"
+    resp["Content-Disposition"] = f'attachment; filename="{name}.csv"'
+    return resp
+
+
+@require_POST
+@operator_required
+def invoice_finalize(request, pk: int):
+    invoice = get_object_or_404(billing_sel.invoices(request.principal), pk=pk)
+    try:
+        invoice = billing.finalize(invoice)
+        messages.success(request, f"Invoice {invoice.number} finalized: {invoice.total} {invoice.currency}.")
+    except ServiceError as exc:
+        _service_error(request, exc)
+    return redirect("console:invoice_detail", pk=invoice.pk)
+
+
+# --- deployments and charts ---------------------------------------------------------------------
+
+DEPLOYMENT_COLUMNS = [
+    Column("tenant__slug", "Tenant"), Column("name", "Model"), Column("backend", "Backend"),
+    Column("allocation_id", "Slice"), Column("allocation__node__hostname", "Node"), Column("state", "State"),
+    Column("memory_mb", "Memory MB"), Column("updated_at", "Updated"),
+]
+
+
+@require_GET
+@operator_required
+def deployments(request):
+    qs = orders_sel.deployments(request.principal).select_related(
+        "allocation__node", "allocation__tier", "allocation__tier__profile")
+    state = request.GET.get("state", "")
+    if state in ModelDeployment.State.values:
+        qs = qs.filter(state=state)
+    else:
+        state = ""
+    t = table(request, qs, DEPLOYMENT_COLUMNS, default_sort="-updated_at")
+    return _page(request, "deployments.html", {"table": t, "state": state,
+                                               "states": ModelDeployment.State.choices})
+
+
+@require_GET
+@operator_required
+def charts(request):
+    return _page(request, "charts.html", {"charts": [{"name": c.name, "title": c.title, "url": f"/charts/{c.name}/"}
+                                                     for c in CHARTS.values()]})

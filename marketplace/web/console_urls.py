@@ -1,0 +1,27 @@
+"""The operator console, mounted at /console/ with namespace "console"."""
+
+from django.urls import path
+
+from . import console as v
+
+urlpatterns = [
+    path("", v.overview, name="overview"),
+    path("nodes/", v.nodes, name="nodes"),
+    path("allocations/", v.allocations, name="allocations"),
+    path("allocations/drift/", v.drift, name="allocation_drift"),
+    path("allocations/<int:pk>/", v.allocation_detail, name="allocation_detail"),
+    path("allocations/<int:pk>/retry/", v.allocation_retry, name="allocation_retry"),
+    path("allocations/<int:pk>/release/", v.allocation_release, name="allocation_release"),
+    path("tenants/", v.tenants, name="tenants"),
+    path("tenants/<int:pk>/", v.tenant_detail, name="tenant_detail"),
+    path("tenants/<int:pk>/suspend/", v.tenant_suspend, name="tenant_suspend"),
+    path("tenants/<int:pk>/activate/", v.tenant_activate, name="tenant_activate"),
+    path("tiers/", v.tiers, name="tiers"),
+    path("tiers/<int:pk>/", v.tier_detail, name="tier_detail"),
+    path("invoices/", v.invoices, name="invoices"),
+    path("invoices/<int:pk>/", v.invoice_detail, name="invoice_detail"),
+    path("invoices/<int:pk>/csv/", v.invoice_download, name="invoice_csv"),
+    path("invoices/<int:pk>/finalize/", v.invoice_finalize, name="invoice_finalize"),
+    path("deployments/", v.deployments, name="deployments"),
+    path("charts/", v.charts, name="charts"),
+]

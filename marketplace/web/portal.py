@@ -1,0 +1,506 @@
+"""The tenant portal: server-rendered pages over the services and selectors (views stay thin).
+
+Every read goes through a selector or ``visible_to``; every object is looked up with
+get_object_or_404 on such a queryset, so another tenant's id is a 404. The current tenant comes
+from ?tenant=<slug>, then the session, then the user's first membership.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from datetime import timedelta
+from functools import wraps
+
+from django.contrib import messages
+from django.contrib.auth.decorators import login_required
+from django.core.exceptions import PermissionDenied
+from django.http import HttpResponse
+from django.shortcuts import get_object_or_404, redirect, render
+from django.urls import reverse
+from django.utils import timezone
+from django.views.decorators.http import require_POST
+
+from marketplace import placement as engine
+from marketplace.api.billing import invoice_csv
+from marketplace.models import Allocation, Gpu, Node
+from marketplace.selectors import billing as billing_sel
+from marketplace.selectors import orders as order_sel
+from marketplace.services import billing, deployments, orders
+from marketplace.services.fleet import _gpu_states
+from marketplace.web.tables import Column, table
+from telemetry import charts
+from telemetry.selectors import usage_summary
+from tenants import services as tenant_services
+from tenants.errors import Forbidden, ServiceError
+from tenants.models import ApiKey, Invitation, Membership, Tenant
+from tenants.roles import Role, Scope
+from tenants.scoping import principal_for
+
+SESSION_KEY = "portal_tenant"
+FINAL_SLICE_STATES = {"active", "failed", "released"}
+MOVING_DEPLOYMENT_STATES = {"pending", "loading", "unloading"}
+STEPS = ["requested", "placed", "provisioning", "ready", "active"]
+
+
+# --- plumbing ---------------------------------------------------------------------------------
+
+def current_tenant(request, principal) -> Tenant | None:
+    tenants = list(Tenant.objects.visible_to(principal).order_by("name"))
+    request.portal_tenants = tenants
+    by_slug = {t.slug: t for t in tenants}
+    tenant = (by_slug.get(request.GET.get("tenant", "")) or by_slug.get(request.session.get(SESSION_KEY, ""))
+              or (tenants[0] if tenants else None))
+    if tenant is not None and request.session.get(SESSION_KEY) != tenant.slug:
+        request.session[SESSION_KEY] = tenant.slug
+    return tenant
+
+
+def use_tenant(request, tenant_id: int) -> Tenant:
+    """An object of one of the user's tenants was opened: that tenant becomes the current one."""
+    for t in request.portal_tenants:
+        if t.pk == tenant_id:
+            request.tenant = t
+            request.session[SESSION_KEY] = t.slug
+    return request.tenant
+
+
+def portal_view(view):
+    @login_required
+    @wraps(view)
+    def wrapper(request, *args, **kwargs):
+        principal = principal_for(request)
+        if principal.is_operator:
+            return redirect("console:overview")
+        request.principal = principal
+        request.tenant = current_tenant(request, principal)
+        if request.tenant is None:
+            return render(request, "portal/no_tenant.html", status=403)
+        try:
+            return view(request, *args, **kwargs)
+        except Forbidden as exc:
+            raise PermissionDenied(exc.message) from None
+    return wrapper
+
+
+def require(request, capability: str, tenant_id: int | None = None) -> None:
+    if not request.principal.can(capability, tenant_id or request.tenant.pk):
+        raise PermissionDenied("Your role does not allow this.")
+
+
+def ctx(request, **extra) -> dict:
+    p, t = request.principal, request.tenant
+    caps = {c: p.can(c, t.pk) for c in ("read", "deploy", "billing", "manage_keys", "manage_members")}
+    return {"tenant": t, "tenants": request.portal_tenants, "can": caps, "role": p.role_in(t.pk), **extra}
+
+
+def error_text(exc: ServiceError) -> str:
+    if not exc.field or exc.field in ("non_field_errors", "tenant"):
+        return exc.message
+    return f"{exc.field}: {exc.message}"
+
+
+# --- home ---------------------------------------------------------------------------------------
+
+@portal_view
+def home(request):
+    p, t = request.principal, request.tenant
+    spend = billing.spend_status(t) if p.can("billing", t.pk) else None
+    if spend and spend["limit"]:
+        spend["percent"] = min(100, int(spend["ratio"] * 100))
+        spend["warn_at"] = t.spend_warn_ratio * spend["limit"]
+        spend["block_at"] = t.spend_block_ratio * spend["limit"]
+    slices = order_sel.allocations(p).filter(tenant=t)
+    live = slices.filter(state__in=("requested", "placed", "provisioning", "ready", "active", "releasing"))
+    models = order_sel.deployments(p).filter(tenant=t).exclude(state="removed").select_related("allocation__tier")
+    return render(request, "portal/home.html", ctx(
+        request, spend=spend, active_count=live.filter(state="active").count(), live=list(live[:10]),
+        models=list(models[:10]), model_count=models.count()))
+
+
+# --- catalog and orders -------------------------------------------------------------------------
+
+def availability(tiers) -> dict[int, int]:
+    """Free placements now per tier: every start where the tier's profile fits, over the healthy
+    GPUs of ready nodes (one query for the GPUs and one for their instances)."""
+    gpus = list(Gpu.objects.filter(state=Gpu.State.OK, node__state=Node.State.READY)
+                .select_related("gpu_model").prefetch_related("instances__placement__profile"))
+    fleets = {}
+    for (model_id, mig), group in _group(gpus).items():
+        fleets[(model_id, mig)] = (engine.Fleet(_gpu_states(group)), [g.pk for g in group])
+    out = {}
+    for tier in tiers:
+        whole = tier.profile_id is None
+        fleet, ids = fleets.get((tier.gpu_model_id, not whole), (None, []))
+        pid = None if whole else tier.profile.profile_id
+        out[tier.pk] = sum(len(fleet.free_starts(g, pid)) for g in ids) if fleet else 0
+    return out
+
+
+def _group(gpus):
+    groups = defaultdict(list)
+    for g in gpus:
+        groups[(g.gpu_model_id, g.mig_mode)].append(g)
+    return groups
+
+
+def price_of(tier, currency: str):
+    now = timezone.now()
+    for plan in tier.plans.all():  # prefetched, newest first
+        if plan.currency == currency and plan.kind == "on_demand" and plan.effective_from <= now:
+            return plan
+    return None
+
+
+@portal_view
+def catalog(request):
+    return _catalog(request)
+
+
+def _catalog(request, errors=None, status=200):
+    t = request.tenant
+    tiers = list(order_sel.tiers().filter(active=True).order_by("gpu_model__key", "name"))
+    free = availability(tiers)
+    rows = [{"tier": tr, "plan": price_of(tr, t.currency), "free": free.get(tr.pk, 0),
+             "error": (errors or {}).get(tr.pk)} for tr in tiers]
+    return render(request, "portal/catalog.html", ctx(request, rows=rows), status=status)
+
+
+@require_POST
+@portal_view
+def order(request, tier_id):
+    t = request.tenant
+    require(request, "deploy")
+    tier = get_object_or_404(order_sel.tiers().filter(active=True), pk=tier_id)
+    try:
+        quantity = int(request.POST.get("quantity", "1"))
+    except ValueError:
+        quantity = 0
+    try:
+        o = orders.create_order(request.principal, tenant=t, tier=tier, quantity=quantity)
+    except ServiceError as exc:
+        if isinstance(exc, Forbidden):
+            raise
+        messages.error(request, f"Not ordered — {error_text(exc)}")
+        return _catalog(request, errors={tier.pk: exc.message}, status=400)
+    allocs = list(o.allocations.order_by("pk"))
+    messages.success(request, f"Ordered {o.quantity} × {tier.name}.")
+    if len(allocs) == 1:
+        return redirect("portal:slice", pk=allocs[0].pk)
+    return redirect("portal:slices")
+
+
+# --- slices -------------------------------------------------------------------------------------
+
+SLICE_COLUMNS = [Column("id", "#"), Column("tier__name", "Tier"), Column("state", "State"),
+                 Column("created_at", "Ordered"), Column("activated_at", "Active since"), Column("", "Models")]
+
+
+@portal_view
+def slices(request):
+    qs = order_sel.allocations(request.principal).filter(tenant=request.tenant).prefetch_related("deployments")
+    state = request.GET.get("state", "")
+    if state in Allocation.State.values:
+        qs = qs.filter(state=state)
+    tbl = table(request, qs, SLICE_COLUMNS, default_sort="-created_at")
+    return render(request, "portal/slices.html", ctx(request, table=tbl, state=state,
+                                                     states=Allocation.State.choices))
+
+
+def _slice(request, pk):
+    a = get_object_or_404(order_sel.allocations(request.principal), pk=pk)
+    use_tenant(request, a.tenant_id)
+    return a
+
+
+def _progress(a):
+    events = list(a.events.all())
+    reached = {e.to_state for e in events}
+    steps = [{"state": s, "done": s in reached, "current": a.state == s} for s in STEPS]
+    return {"slice": a, "events": events, "steps": steps, "moving": a.state not in FINAL_SLICE_STATES}
+
+
+@portal_view
+def slice_detail(request, pk):
+    a = _slice(request, pk)
+    deps = order_sel.deployments(request.principal).filter(allocation=a).exclude(state="removed")
+    return render(request, "portal/slice.html", ctx(request, deployments=list(deps),
+                                                    templates=list(deployments.TEMPLATES), **_progress(a)))
+
+
+@portal_view
+def slice_status(request, pk):
+    a = _slice(request, pk)
+    response = render(request, "portal/_slice_status.html", _progress(a))
+    if a.state in FINAL_SLICE_STATES and request.headers.get("HX-Request"):
+        response["HX-Refresh"] = "true"  # the page shows what the final state allows (deploy, release)
+    return response
+
+
+@require_POST
+@portal_view
+def slice_release(request, pk):
+    a = _slice(request, pk)
+    require(request, "deploy", a.tenant_id)
+    try:
+        orders.release(request.principal, a)
+        messages.success(request, f"Slice #{a.pk} is being released.")
+    except ServiceError as exc:
+        if isinstance(exc, Forbidden):
+            raise
+        messages.error(request, error_text(exc))
+    return redirect("portal:slice", pk=a.pk)
+
+
+# --- deployments ("Models") -----------------------------------------------------------------------
+
+DEPLOYMENT_COLUMNS = [Column("name", "Model"), Column("allocation_id", "Slice"), Column("state", "State"),
+                      Column("memory_mb", "Memory (MiB)"), Column("created_at", "Deployed"), Column("", "")]
+
+
+@portal_view
+def deployment_list(request):
+    return _deployment_list(request)
+
+
+def _deployment_list(request, form=None, status=200):
+    p, t = request.principal, request.tenant
+    qs = order_sel.deployments(p).filter(tenant=t).exclude(state="removed").select_related("allocation__tier")
+    tbl = table(request, qs, DEPLOYMENT_COLUMNS, default_sort="-created_at")
+    active = order_sel.allocations(p).filter(tenant=t, state="active").order_by("pk")
+    return render(request, "portal/deployments.html", ctx(
+        request, table=tbl, active_slices=list(active), templates=list(deployments.TEMPLATES),
+        form=form or {"name": "", "allocation": request.GET.get("slice", ""), "template": "tiny-gen"}),
+        status=status)
+
+
+@require_POST
+@portal_view
+def deployment_create(request):
+    p, t = request.principal, request.tenant
+    require(request, "deploy")
+    form = {k: request.POST.get(k, "").strip() for k in ("name", "allocation", "template")}
+    form["errors"] = {}
+    alloc = order_sel.allocations(p).filter(tenant=t, pk=form["allocation"]).first() \
+        if form["allocation"].isdigit() else None
+    if alloc is None:
+        form["errors"]["allocation"] = "choose one of your active slices"
+    if not form["name"]:
+        form["errors"]["name"] = "give the model a name"
+    if not form["errors"]:
+        try:
+            dep = deployments.deploy(p, alloc, form["name"], template=form["template"] or "tiny-gen")
+        except ServiceError as exc:
+            if isinstance(exc, Forbidden):
+                raise
+            form["errors"][exc.field if exc.field in ("name", "allocation", "template") else "spec"] = exc.message
+        else:
+            messages.success(request, f"Deploying {dep.name} on slice #{alloc.pk}.")
+            return redirect("portal:deployment", pk=dep.pk)
+    messages.error(request, "The model was not deployed: " + "; ".join(form["errors"].values()))
+    return _deployment_list(request, form=form, status=400)
+
+
+def _deployment(request, pk):
+    dep = get_object_or_404(order_sel.deployments(request.principal).select_related("allocation__tier"), pk=pk)
+    use_tenant(request, dep.tenant_id)
+    return dep
+
+
+@portal_view
+def deployment_detail(request, pk):
+    dep = _deployment(request, pk)
+    moving = dep.state in MOVING_DEPLOYMENT_STATES
+    return render(request, "portal/deployment.html", ctx(request, dep=dep, moving=moving))
+
+
+@portal_view
+def deployment_status(request, pk):
+    dep = _deployment(request, pk)
+    moving = dep.state in MOVING_DEPLOYMENT_STATES
+    return render(request, "portal/_deployment_state.html", {"dep": dep, "moving": moving})
+
+
+@require_POST
+@portal_view
+def deployment_remove(request, pk):
+    dep = _deployment(request, pk)
+    require(request, "deploy", dep.tenant_id)
+    try:
+        deployments.remove(request.principal, dep)
+        messages.success(request, f"Removing {dep.name}.")
+    except ServiceError as exc:
+        if isinstance(exc, Forbidden):
+            raise
+        messages.error(request, error_text(exc))
+    return redirect("portal:deployments")
+
+
+# --- usage --------------------------------------------------------------------------------------
+
+@portal_view
+def usage(request):
+    p, t = request.principal, request.tenant
+    try:
+        days = max(1, min(90, int(request.GET.get("days", "7"))))
+    except ValueError:
+        days = 7
+    end = timezone.now()
+    start = end - timedelta(days=days)
+    chart = None
+    if p.can("billing", t.pk):
+        chart = charts.figure_json("tenant-usage", p, {"tenant": t.slug, "start": start.isoformat(),
+                                                       "end": end.isoformat(), "bucket": "day",
+                                                       "currency": t.currency})
+    rows = usage_summary(p, start, end, "day", {"tenant": t.pk}, capabilities=("read", "billing"))
+    rows.sort(key=lambda r: r["day"], reverse=True)
+    return render(request, "portal/usage.html", ctx(request, chart=chart, rows=rows, days=days,
+                                                    day_choices=[1, 7, 30, 90]))
+
+
+# --- invoices -----------------------------------------------------------------------------------
+
+INVOICE_COLUMNS = [Column("period_start", "Period"), Column("number", "Number"), Column("status", "Status"),
+                   Column("total", "Total"), Column("", "")]
+
+
+@portal_view
+def invoice_list(request):
+    qs = billing_sel.invoices(request.principal).filter(tenant=request.tenant)
+    tbl = table(request, qs, INVOICE_COLUMNS, default_sort="-period_start")
+    return render(request, "portal/invoices.html", ctx(request, table=tbl))
+
+
+def _invoice(request, pk):
+    inv = get_object_or_404(billing_sel.invoices(request.principal), pk=pk)
+    use_tenant(request, inv.tenant_id)
+    return inv
+
+
+@portal_view
+def invoice_detail(request, pk):
+    inv = _invoice(request, pk)
+    return render(request, "portal/invoice.html", ctx(request, invoice=inv, lines=list(inv.lines.all())))
+
+
+@portal_view
+def invoice_download(request, pk):
+    inv = _invoice(request, pk)
+    response = HttpResponse(invoice_csv(inv), content_type="text/csv; charset=utf-8")
+    name = inv.number or f"draft-{inv.tenant.slug}-{inv.period_start:%Y-%m}"
+    response["Content-Disposition"] = f'attachment; filename="{name}.csv"'
+    return response
+
+
+# --- API keys -----------------------------------------------------------------------------------
+
+KEY_COLUMNS = [Column("name", "Name"), Column("prefix", "Prefix"), Column("", "Scopes"), Column("", "Status"),
+               Column("created_at", "Created"), Column("last_used_at", "Last used"), Column("", "")]
+
+
+@portal_view
+def keys(request):
+    return _keys(request)
+
+
+def _keys(request, form=None, status=200):
+    qs = ApiKey.objects.visible_to(request.principal, "manage_keys").filter(tenant=request.tenant) \
+        .select_related("created_by")
+    tbl = table(request, qs, KEY_COLUMNS, default_sort="-created_at")
+    return render(request, "portal/keys.html", ctx(request, table=tbl, scopes=Scope.choices,
+                                                   form=form or {"name": "", "scopes": ["read"]}), status=status)
+
+
+@require_POST
+@portal_view
+def key_create(request):
+    require(request, "manage_keys")
+    form = {"name": request.POST.get("name", "").strip(), "scopes": request.POST.getlist("scopes")}
+    try:
+        key, secret = tenant_services.create_api_key(request.principal, tenant=request.tenant,
+                                                     name=form["name"], scopes=form["scopes"])
+    except ServiceError as exc:
+        if isinstance(exc, Forbidden):
+            raise
+        form["errors"] = {exc.field or "name": exc.message}
+        messages.error(request, f"The key was not created — {error_text(exc)}")
+        return _keys(request, form=form, status=400)
+    response = render(request, "portal/key_created.html", ctx(request, key=key, secret=secret))
+    response["Cache-Control"] = "no-store"
+    return response
+
+
+@require_POST
+@portal_view
+def key_revoke(request, pk):
+    key = get_object_or_404(ApiKey.objects.visible_to(request.principal, "manage_keys"), pk=pk)
+    use_tenant(request, key.tenant_id)
+    try:
+        tenant_services.revoke_api_key(request.principal, key)
+        messages.success(request, f"Key {key.name} ({key.prefix}…) revoked.")
+    except ServiceError as exc:
+        if isinstance(exc, Forbidden):
+            raise
+        messages.error(request, error_text(exc))
+    return redirect("portal:keys")
+
+
+# --- members ------------------------------------------------------------------------------------
+
+MEMBER_COLUMNS = [Column("user__email", "E-mail"), Column("user__full_name", "Name"), Column("role", "Role"),
+                  Column("created_at", "Member since")]
+
+
+@portal_view
+def members(request):
+    return _members(request)
+
+
+def _members(request, form=None, status=200):
+    p, t = request.principal, request.tenant
+    qs = Membership.objects.visible_to(p).filter(tenant=t).select_related("user")
+    tbl = table(request, qs, MEMBER_COLUMNS, default_sort="user__email")
+    pending = (Invitation.objects.visible_to(p, "manage_members").filter(tenant=t)
+               .filter(accepted_at__isnull=True, revoked_at__isnull=True, expires_at__gt=timezone.now())
+               .select_related("invited_by"))
+    roles = [(v, label) for v, label in Role.choices if v != Role.OWNER or p.role_in(t.pk) == Role.OWNER]
+    return render(request, "portal/members.html", ctx(
+        request, table=tbl, invitations=list(pending), roles=roles,
+        form=form or {"email": "", "role": Role.MEMBER}), status=status)
+
+
+@require_POST
+@portal_view
+def member_invite(request):
+    require(request, "manage_members")
+    form = {"email": request.POST.get("email", "").strip(), "role": request.POST.get("role", Role.MEMBER)}
+    if "@" not in form["email"]:
+        form["errors"] = {"email": "enter an e-mail address"}
+    else:
+        try:
+            inv, _token = tenant_services.invite(request.principal, tenant=request.tenant, email=form["email"],
+                                                 role=form["role"])
+        except ServiceError as exc:
+            if isinstance(exc, Forbidden):
+                raise
+            form["errors"] = {exc.field or "email": exc.message}
+        else:
+            messages.success(request, f"Invitation sent to {inv.email} ({inv.role}).")
+            return redirect("portal:members")
+    messages.error(request, "Not invited — " + "; ".join(form["errors"].values()))
+    return _members(request, form=form, status=400)
+
+
+@require_POST
+@portal_view
+def invitation_revoke(request, pk):
+    inv = get_object_or_404(Invitation.objects.visible_to(request.principal, "manage_members"), pk=pk)
+    use_tenant(request, inv.tenant_id)
+    try:
+        tenant_services.revoke_invitation(request.principal, inv)
+        messages.success(request, f"Invitation for {inv.email} revoked.")
+    except ServiceError as exc:
+        if isinstance(exc, Forbidden):
+            raise
+        messages.error(request, error_text(exc))
+    return redirect(reverse("portal:members"))
+

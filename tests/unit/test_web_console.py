@@ -1,0 +1,308 @@
+"""The operator console: access, pages, actions, and query counts independent of the row count."""
+
+from __future__ import annotations
+
+from datetime import date, timedelta
+from decimal import Decimal
+
+import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
+from django.urls import reverse
+from django.utils import timezone
+
+from marketplace.models import Allocation, DriftEvent, Invoice, Order, PricePlan
+from marketplace.services import allocations as alloc_svc
+from marketplace.services import orders
+from tenants.models import Tenant
+from tenants.roles import Role
+from tenants.scoping import principal_for_user
+from tests.factories import TenantFactory
+from tests.fleet_fixtures import make_node
+
+pytestmark = pytest.mark.django_db
+
+PAGES = ["overview", "nodes", "allocations", "allocation_drift", "tenants", "tiers", "invoices", "deployments",
+         "charts"]
+
+
+@pytest.fixture
+def op_client(client, operator):
+    client.force_login(operator)
+    return client
+
+
+@pytest.fixture
+def placed(h100_node, tiers, world, operator):
+    """Two placed allocations of tenant A (on_commit provisioning does not run in these tests)."""
+    order = orders.create_order(principal_for_user(operator), tenant=world["a"], tier=tiers["1g"], quantity=2)
+    return list(order.allocations.order_by("pk"))
+
+
+def _add_rows(n: int, tiers, node) -> None:
+    """n tenants, each with an order, an allocation, an invoice and a drift event."""
+    today = timezone.now().date().replace(day=1)
+    for i in range(n):
+        t = TenantFactory(monthly_spend_limit=Decimal("100") if i % 2 else None)
+        order = Order.objects.create(tenant=t, tier=tiers["1g"])
+        a = Allocation.objects.create(order=order, tenant=t, tier=tiers["1g"], node=node,
+                                      state="failed" if i % 3 == 0 else "active", failure_reason="x")
+        Invoice.objects.create(tenant=t, period_start=today, period_end=(today + timedelta(days=32)).replace(day=1),
+                               currency="USD", total=Decimal(90 + i))
+        DriftEvent.objects.create(node=node, kind="error", detail="d", allocation=a, resolved=False)
+
+
+# --- access -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", PAGES)
+def test_pages_for_operator_tenant_and_anonymous(client, operator, members_a, tiers, name):
+    url = reverse(f"console:{name}")
+    resp = client.get(url)
+    assert resp.status_code == 302 and resp["Location"].startswith("/login/")
+    client.force_login(members_a[Role.OWNER])
+    assert client.get(url).status_code == 403
+    client.force_login(operator)
+    resp = client.get(url)
+    assert resp.status_code == 200
+    assert b"MSP console" in resp.content
+
+
+def test_detail_pages(op_client, placed, world, tiers):
+    a = placed[0]
+    inv = Invoice.objects.create(tenant=world["a"], period_start=date(2024, 1, 1), period_end=date(2024, 2, 1),
+                                 currency="USD")
+    for url in [reverse("console:allocation_detail", args=[a.pk]), reverse("console:tenant_detail",
+                                                                            args=[world["a"].pk]),
+                reverse("console:tier_detail", args=[tiers["1g"].pk]),
+                reverse("console:invoice_detail", args=[inv.pk])]:
+        assert op_client.get(url).status_code == 200, url
+    assert op_client.get(reverse("console:allocation_detail", args=[999999])).status_code == 404
+
+
+def test_tenant_user_cannot_post_actions(client, members_a, placed, world):
+    client.force_login(members_a[Role.OWNER])
+    assert client.post(reverse("console:allocation_release", args=[placed[0].pk])).status_code == 403
+    assert client.post(reverse("console:tenant_suspend", args=[world["a"].pk])).status_code == 403
+    placed[0].refresh_from_db()
+    assert placed[0].state == "placed"
+
+
+def test_actions_are_post_only(op_client, placed, world):
+    assert op_client.get(reverse("console:allocation_release", args=[placed[0].pk])).status_code == 405
+    assert op_client.get(reverse("console:tenant_suspend", args=[world["a"].pk])).status_code == 405
+
+
+# --- pages show what they should ------------------------------------------------------------------
+
+def test_nodes_page_shows_slot_map(op_client, placed):
+    resp = op_client.get(reverse("console:nodes"))
+    html = resp.content.decode()
+    assert "node-a" in html
+    assert html.count('class="slotmap"') == 8
+    assert "alpha" in html and "1g.10gb" in html
+
+
+def test_allocation_filters_and_sort(op_client, placed, world, tiers):
+    other = orders.create_order(principal_for_user(world["owner_b"]), tenant=world["b"], tier=tiers["3g"])
+    b_alloc = other.allocations.get()
+    url = reverse("console:allocations")
+    html = op_client.get(url, {"tenant": "bravo"}).content.decode()
+    assert f"#{b_alloc.pk}<" in html and f"#{placed[0].pk}<" not in html
+    html = op_client.get(url, {"tier": "h100-1g", "state": "placed", "node": "node-a"}).content.decode()
+    assert f"#{placed[0].pk}<" in html and f"#{b_alloc.pk}<" not in html
+    html = op_client.get(url, {"sort": "id"}).content.decode()
+    assert html.index(f"#{placed[0].pk}<") < html.index(f"#{b_alloc.pk}<")
+    assert op_client.get(url, {"tenant": "nope", "sort": "bogus"}).status_code == 200
+
+
+def test_allocation_history_shown(op_client, placed):
+    html = op_client.get(reverse("console:allocation_detail", args=[placed[0].pk])).content.decode()
+    assert "State history" in html and "requested" in html and "placed" in html
+    assert 'id="release"' in html and 'id="retry"' not in html
+
+
+def test_overview_alerts(op_client, placed, world, h100_node):
+    alloc_svc.fail(placed[0], "test", "boom on the GPU")
+    DriftEvent.objects.create(node=h100_node, kind="orphan_destroyed", detail="ghost instance", resolved=False)
+    t = world["a"]
+    t.monthly_spend_limit = Decimal("10")
+    t.save()
+    Invoice.objects.update_or_create(tenant=t, period_start=timezone.now().date().replace(day=1),
+                                     defaults={"period_end": date(2100, 1, 1), "currency": "USD",
+                                               "total": Decimal("9.50")})
+    html = op_client.get(reverse("console:overview")).content.decode()
+    assert "boom on the GPU" in html
+    assert "ghost instance" in html
+    assert "95%" in html
+    assert "9.50 USD" in html
+    assert "H100" in html  # occupancy per GPU model
+
+
+# --- actions ------------------------------------------------------------------------------------
+
+def test_release_from_console(op_client, placed):
+    a = placed[0]
+    resp = op_client.post(reverse("console:allocation_release", args=[a.pk]), {"reason": "ops cleanup"}, follow=True)
+    assert resp.status_code == 200
+    a.refresh_from_db()
+    assert a.state == "releasing"
+    assert a.events.filter(to_state="releasing", reason="ops cleanup", actor="user:op@msp.example").exists()
+    assert "being released" in resp.content.decode()
+    resp = op_client.post(reverse("console:allocation_release", args=[a.pk]), follow=True)
+    assert "msg error" in resp.content.decode()  # releasing -> releasing is refused, shown as a message
+
+
+def test_retry_failed_allocation(op_client, placed):
+    a = placed[0]
+    alloc_svc.fail(a, "test", "create failed")
+    instance = a.instance
+    Allocation.objects.filter(pk=a.pk).update(instance=None)
+    instance.delete()
+    html = op_client.get(reverse("console:allocation_detail", args=[a.pk])).content.decode()
+    assert 'id="retry"' in html
+    resp = op_client.post(reverse("console:allocation_retry", args=[a.pk]), follow=True)
+    assert "being retried" in resp.content.decode()
+    a.refresh_from_db()
+    assert a.state == "placed" and a.instance_id is not None
+
+
+def test_retry_of_a_live_allocation_is_refused(op_client, placed):
+    resp = op_client.post(reverse("console:allocation_retry", args=[placed[0].pk]), follow=True)
+    assert "only failed allocations are retried" in resp.content.decode()
+
+
+def test_suspend_and_activate(op_client, world):
+    t = world["a"]
+    resp = op_client.post(reverse("console:tenant_suspend", args=[t.pk]), {"reason": "unpaid"}, follow=True)
+    assert "is suspended" in resp.content.decode()
+    t.refresh_from_db()
+    assert t.status == Tenant.Status.SUSPENDED and t.suspended_reason == "unpaid"
+    assert 'id="activate"' in resp.content.decode()
+    op_client.post(reverse("console:tenant_activate", args=[t.pk]))
+    t.refresh_from_db()
+    assert t.status == Tenant.Status.ACTIVE
+
+
+def _quota_data(t: Tenant, **over) -> dict:
+    data = {"max_slices": t.max_slices, "max_slices_per_tier": t.max_slices_per_tier,
+            "max_memory_gb": t.max_memory_gb, "monthly_spend_limit": "", "spend_warn_ratio": t.spend_warn_ratio,
+            "spend_block_ratio": t.spend_block_ratio}
+    return data | over
+
+
+def test_quota_change(op_client, world):
+    t = world["a"]
+    resp = op_client.post(reverse("console:tenant_detail", args=[t.pk]),
+                          _quota_data(t, max_slices=32, monthly_spend_limit="500.00"))
+    assert resp.status_code == 302
+    t.refresh_from_db()
+    assert t.max_slices == 32 and t.monthly_spend_limit == Decimal("500.00")
+
+
+@pytest.mark.parametrize("over, message", [
+    ({"max_slices_per_tier": 99}, "cannot exceed max_slices"),  # service check
+    ({"max_slices": "-3"}, "greater than or equal to 0"),  # form check
+    ({"spend_warn_ratio": "2.00", "spend_block_ratio": "1.00"}, "cannot exceed spend_block_ratio"),
+    ({"max_memory_gb": "lots"}, "Enter a whole number"),
+])
+def test_bad_quota_shows_error_and_changes_nothing(op_client, world, over, message):
+    t = world["a"]
+    before = {f: getattr(t, f) for f in ("max_slices", "max_slices_per_tier", "max_memory_gb", "spend_warn_ratio",
+                                         "spend_block_ratio", "monthly_spend_limit")}
+    resp = op_client.post(reverse("console:tenant_detail", args=[t.pk]), _quota_data(t, **over))
+    assert resp.status_code == 400
+    html = resp.content.decode()
+    assert message in html and "errorlist" in html
+    t.refresh_from_db()
+    assert {f: getattr(t, f) for f in before} == before
+
+
+def _plan_data(**over) -> dict:
+    data = {"kind": "on_demand", "currency": "USD", "price_per_slice_hour": "2.5000",
+            "price_per_1m_input_tokens": "0.1000", "price_per_1m_output_tokens": "0.3000", "monthly_commit": "",
+            "effective_from": (timezone.now() + timedelta(days=3)).strftime("%Y-%m-%dT%H:%M")}
+    return data | over
+
+
+def test_add_future_price_plan(op_client, tiers):
+    tier = tiers["1g"]
+    resp = op_client.post(reverse("console:tier_detail", args=[tier.pk]), _plan_data(), follow=True)
+    assert resp.status_code == 200
+    assert tier.plans.count() == 2
+    assert "scheduled" in resp.content.decode() and "in force" in resp.content.decode()
+
+
+@pytest.mark.parametrize("over, message", [
+    ({"effective_from": "2020-01-01T00:00"}, "cannot start in the past"),
+    ({"kind": "reserved"}, "needs a monthly commit"),
+    ({"price_per_slice_hour": "-1"}, "greater than or equal to 0"),
+])
+def test_bad_price_plan_shows_error(op_client, tiers, over, message):
+    tier = tiers["1g"]
+    resp = op_client.post(reverse("console:tier_detail", args=[tier.pk]), _plan_data(**over))
+    assert resp.status_code == 400
+    assert message in resp.content.decode()
+    assert PricePlan.objects.filter(tier=tier).count() == 1
+
+
+def test_invoice_csv_and_finalize(op_client, world, tiers):
+    t = world["a"]
+    old = Invoice.objects.create(tenant=t, period_start=date(2024, 1, 1), period_end=date(2024, 2, 1), currency="USD")
+    open_ = Invoice.objects.create(tenant=t, period_start=timezone.now().date().replace(day=1),
+                                   period_end=date(2100, 1, 1), currency="USD")
+    resp = op_client.get(reverse("console:invoice_csv", args=[old.pk]))
+    assert resp.status_code == 200 and resp["Content-Type"].startswith("text/csv")
+    assert b"total" in resp.content and "attachment" in resp["Content-Disposition"]
+    html = op_client.get(reverse("console:invoice_detail", args=[open_.pk])).content.decode()
+    assert 'id="finalize"' not in html
+    html = op_client.get(reverse("console:invoice_detail", args=[old.pk])).content.decode()
+    assert 'id="finalize"' in html
+    resp = op_client.post(reverse("console:invoice_finalize", args=[old.pk]), follow=True)
+    old.refresh_from_db()
+    assert old.status == "finalized" and old.number
+    assert old.number in resp.content.decode()
+    resp = op_client.post(reverse("console:invoice_finalize", args=[open_.pk]), follow=True)
+    assert "still open" in resp.content.decode()
+
+
+def test_invoice_filters(op_client, world):
+    Invoice.objects.create(tenant=world["a"], period_start=date(2024, 1, 1), period_end=date(2024, 2, 1),
+                           currency="USD", total=Decimal("11.11"))
+    Invoice.objects.create(tenant=world["b"], period_start=date(2024, 2, 1), period_end=date(2024, 3, 1),
+                           currency="USD", total=Decimal("22.22"))
+    url = reverse("console:invoices")
+    html = op_client.get(url, {"tenant": "alpha"}).content.decode()
+    assert "11.11" in html and "22.22" not in html
+    html = op_client.get(url, {"period": "2024-02", "status": "draft"}).content.decode()
+    assert "22.22" in html and "11.11" not in html
+
+
+# --- query counts -------------------------------------------------------------------------------
+
+def _queries(client, url) -> int:
+    with CaptureQueriesContext(connection) as ctx:
+        assert client.get(url).status_code == 200
+    return len(ctx.captured_queries)
+
+
+@pytest.mark.parametrize("name", ["allocations", "tenants", "invoices", "deployments", "allocation_drift",
+                                  "overview", "tiers"])
+def test_query_count_independent_of_rows(op_client, h100_node, tiers, name):
+    url = reverse(f"console:{name}")
+    _add_rows(2, tiers, h100_node)
+    few = _queries(op_client, url)
+    _add_rows(20, tiers, h100_node)
+    many = _queries(op_client, url)
+    assert few == many, f"{name}: {few} queries with few rows, {many} with many"
+
+
+def test_nodes_query_count_independent_of_nodes_and_instances(op_client, h100_node, tiers, world, operator):
+    orders.create_order(principal_for_user(operator), tenant=world["a"], tier=tiers["1g"])
+    url = reverse("console:nodes")
+    few = _queries(op_client, url)
+    for i in range(4):
+        make_node(f"node-x{i}")
+    orders.create_order(principal_for_user(operator), tenant=world["a"], tier=tiers["3g"], quantity=3)
+    orders.create_order(principal_for_user(operator), tenant=world["b"], tier=tiers["1g"], quantity=4)
+    many = _queries(op_client, url)
+    assert few == many
