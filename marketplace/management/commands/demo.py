@@ -98,8 +98,8 @@ class Command(BaseCommand):
         w = self.stdout.write
         w("")
         w(self.style.SUCCESS("Tessera demo"))
-        w(f"  web app        http://{addr}/")
-        w(f"  admin console  http://{addr}/admin/")
+        w(f"  web app        http://{addr}/  (operators land in the console, tenant users in the portal)")
+        w(f"  Django admin   http://{addr}/admin/")
         w(f"  API docs       http://{addr}/api/docs/")
         w(f"  operator login {result.operator_email} / {result.operator_password}")
         w(f"  tenant users   owner@acme.example, ml@acme.example, ops@borealis.example ... / {result.user_password}")
