@@ -447,7 +447,7 @@ def key_revoke(request, pk):
 # --- members ------------------------------------------------------------------------------------
 
 MEMBER_COLUMNS = [Column("user__email", "E-mail"), Column("user__full_name", "Name"), Column("role", "Role"),
-                  Column("created_at", "Member since")]
+                  Column("created_at", "Member since"), Column("", "")]
 
 
 @portal_view
@@ -464,7 +464,7 @@ def _members(request, form=None, status=200):
                .select_related("invited_by"))
     roles = [(v, label) for v, label in Role.choices if v != Role.OWNER or p.role_in(t.pk) == Role.OWNER]
     return render(request, "portal/members.html", ctx(
-        request, table=tbl, invitations=list(pending), roles=roles,
+        request, table=tbl, invitations=list(pending), roles=roles, is_owner=p.role_in(t.pk) == Role.OWNER,
         form=form or {"email": "", "role": Role.MEMBER}), status=status)
 
 
@@ -488,6 +488,38 @@ def member_invite(request):
             return redirect("portal:members")
     messages.error(request, "Not invited — " + "; ".join(form["errors"].values()))
     return _members(request, form=form, status=400)
+
+
+@require_POST
+@portal_view
+def member_role(request, pk):
+    """Owners/admins change a member's role (owner only by owners; the last owner stays)."""
+    m = get_object_or_404(Membership.objects.visible_to(request.principal).select_related("user"), pk=pk)
+    use_tenant(request, m.tenant_id)
+    try:
+        tenant_services.change_role(request.principal, m, request.POST.get("role", ""))
+        messages.success(request, f"{m.user.email} is now {request.POST.get('role')}.")
+    except ServiceError as exc:
+        if isinstance(exc, Forbidden):
+            raise
+        messages.error(request, error_text(exc))
+    return redirect(reverse("portal:members"))
+
+
+@require_POST
+@portal_view
+def member_remove(request, pk):
+    """Owners/admins remove a member; anyone may leave (the last owner stays)."""
+    m = get_object_or_404(Membership.objects.visible_to(request.principal).select_related("user"), pk=pk)
+    use_tenant(request, m.tenant_id)
+    try:
+        tenant_services.remove_member(request.principal, m)
+        messages.success(request, f"{m.user.email} removed.")
+    except ServiceError as exc:
+        if isinstance(exc, Forbidden):
+            raise
+        messages.error(request, error_text(exc))
+    return redirect(reverse("portal:members"))
 
 
 @require_POST

@@ -26,5 +26,7 @@ urlpatterns = [
     path("keys/<int:pk>/revoke/", v.key_revoke, name="key_revoke"),
     path("members/", v.members, name="members"),
     path("members/invite/", v.member_invite, name="member_invite"),
+    path("members/<int:pk>/role/", v.member_role, name="member_role"),
+    path("members/<int:pk>/remove/", v.member_remove, name="member_remove"),
     path("invitations/<int:pk>/revoke/", v.invitation_revoke, name="invitation_revoke"),
 ]

@@ -295,3 +295,32 @@ def test_release_from_slice_page(owner_client, world, tiers, h100_node):
     assert r.status_code == 302
     a.refresh_from_db()
     assert a.state == "releasing"
+
+
+def test_members_role_change_and_removal(as_user, world, members_a):
+    from tenants.models import Membership
+
+    viewer = Membership.objects.get(user=members_a["viewer"])
+    admin = as_user(members_a["admin"])
+    r = admin.post(f"/portal/members/{viewer.pk}/role/", {"role": "member"}, format="multipart")
+    assert r.status_code == 302 and Membership.objects.get(pk=viewer.pk).role == "member"
+    # an admin cannot grant owner; the row is unchanged
+    r = admin.post(f"/portal/members/{viewer.pk}/role/", {"role": "owner"}, format="multipart")
+    assert r.status_code == 403 and Membership.objects.get(pk=viewer.pk).role == "member"
+    # the last owner cannot be demoted: a clear message, nothing changed
+    owner_m = Membership.objects.get(user=members_a["owner"])
+    r = as_user(members_a["owner"]).post(f"/portal/members/{owner_m.pk}/role/", {"role": "viewer"}, format="multipart",
+                                             follow=True)
+    assert "at least one owner" in r.content.decode() and Membership.objects.get(pk=owner_m.pk).role == "owner"
+    # another tenant's member is a 404
+    foreign = Membership.objects.get(user=world["owner_b"])
+    assert admin.post(f"/portal/members/{foreign.pk}/remove/").status_code == 404
+    assert admin.post(f"/portal/members/{viewer.pk}/remove/").status_code == 302
+    assert not Membership.objects.filter(pk=viewer.pk).exists()
+    # a member may leave, but not remove others
+    member = as_user(members_a["member"])
+    billing_m = Membership.objects.get(user=members_a["billing"])
+    assert member.post(f"/portal/members/{billing_m.pk}/remove/").status_code == 403
+    me = Membership.objects.get(user=members_a["member"])
+    assert member.post(f"/portal/members/{me.pk}/remove/").status_code == 302
+    assert not Membership.objects.filter(pk=me.pk).exists()
