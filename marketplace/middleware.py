@@ -28,3 +28,29 @@ class RequestLogMiddleware:
             },
         )
         return response
+
+
+class DatabaseErrorMiddleware:
+    """Pages (the API has its own handler): input the database cannot store is a 400, and a lost
+    database connection a 503 — clean answers, the transaction already rolled back."""
+
+    def __init__(self, get_response):
+        self.get_response = get_response
+
+    def __call__(self, request):
+        return self.get_response(request)
+
+    def process_exception(self, request, exc):
+        from django.db import DataError, InterfaceError, OperationalError
+        from django.http import HttpResponse
+
+        if isinstance(exc, DataError):
+            return HttpResponse("Bad request: the input contains values that cannot be stored.", status=400,
+                                content_type="text/plain")
+        if isinstance(exc, OperationalError | InterfaceError):
+            log.error("database unavailable", extra={"path": request.path})
+            resp = HttpResponse("The database is unavailable; nothing was stored. Try again shortly.", status=503,
+                                content_type="text/plain")
+            resp["Retry-After"] = "5"
+            return resp
+        return None

@@ -9,6 +9,7 @@ ALLOWED_HOSTS          comma-separated (default localhost,127.0.0.1,[::1],testse
 TESSERA_NVML_BACKEND   sim | pynvml (default sim)
 TESSERA_TRITON_BACKEND sim | http (default sim)
 LOG_FORMAT             json | text (default json)
+TESSERA_SECURE         0/1: HTTPS-only cookies, HSTS, SSL redirect (see the Security section)
 """
 
 from __future__ import annotations
@@ -82,7 +83,9 @@ MIDDLEWARE = [
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django_htmx.middleware.HtmxMiddleware",
+    "marketplace.security.ContentSecurityPolicyMiddleware",
     "marketplace.middleware.RequestLogMiddleware",
+    "marketplace.middleware.DatabaseErrorMiddleware",
 ]
 
 ROOT_URLCONF = "marketplace.urls"
@@ -99,6 +102,7 @@ TEMPLATES = [
                 "django.contrib.auth.context_processors.auth",
                 "django.contrib.messages.context_processors.messages",
                 "marketplace.web.context.navigation",
+                "marketplace.security.csp_nonce",
             ],
         },
     },
@@ -171,7 +175,12 @@ if CELERY_BROKER_URL.startswith("filesystem://"):
     }
 else:
     # acks_late: a task whose worker died is delivered again after this many seconds.
-    CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": int(os.environ.get("CELERY_VISIBILITY_TIMEOUT", "3600"))}
+    # unacked_restore_*: running workers look for such tasks every ~10 s (kombu's default is ~100 s).
+    CELERY_BROKER_TRANSPORT_OPTIONS = {
+        "visibility_timeout": int(os.environ.get("CELERY_VISIBILITY_TIMEOUT", "3600")),
+        "unacked_restore_throttle": 1,
+        "unacked_restore_interval": 10,
+    }
 CELERY_RESULT_BACKEND = os.environ.get("CELERY_RESULT_BACKEND") or REDIS_URL or "django-db"
 CELERY_RESULT_EXTENDED = True
 CELERY_TASK_ACKS_LATE = True
@@ -230,6 +239,9 @@ REST_FRAMEWORK = {
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "EXCEPTION_HANDLER": "marketplace.api.errors.exception_handler",
     "TEST_REQUEST_DEFAULT_FORMAT": "json",
+    "DEFAULT_THROTTLE_CLASSES": ["tenants.throttling.ApiKeyRateThrottle"],
+    # Rates come from the Security section below (TESSERA_API_RATE, TESSERA_USAGE_INGEST_RATE).
+    "DEFAULT_THROTTLE_RATES": {},
 }
 SPECTACULAR_SETTINGS = {
     "TITLE": "Tessera API",
@@ -245,6 +257,21 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_DIST": "SIDECAR",
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
+    # One name per model choice set (otherwise drf-spectacular warns about colliding "state"/"kind" enums).
+    "ENUM_NAME_OVERRIDES": {
+        "TenantStatusEnum": "tenants.models.Tenant.Status",
+        "InvoiceStatusEnum": "marketplace.models.billing.Invoice.Status",
+        "InvoiceLineKindEnum": "marketplace.models.billing.InvoiceLine.Kind",
+        "SpendNoticeLevelEnum": "marketplace.models.billing.SpendNotice.Level",
+        "WebhookDeliveryStatusEnum": "marketplace.models.billing.WebhookDelivery.Status",
+        "NodeStateEnum": "marketplace.models.fleet.Node.State",
+        "GpuStateEnum": "marketplace.models.fleet.Gpu.State",
+        "GpuInstanceStateEnum": "marketplace.models.fleet.GpuInstance.State",
+        "PricePlanKindEnum": "marketplace.models.offers.PricePlan.Kind",
+        "AllocationStateEnum": "marketplace.models.orders.Allocation.State",
+        "DriftEventKindEnum": "marketplace.models.orders.DriftEvent.Kind",
+        "ModelDeploymentStateEnum": "marketplace.models.deployments.ModelDeployment.State",
+    },
 }
 
 # --- Tessera ---------------------------------------------------------------------------------
@@ -257,6 +284,56 @@ TESSERA_PROVISION_STUCK_AFTER_S = int(os.environ.get("TESSERA_PROVISION_STUCK_AF
 TESSERA_RECONCILE_INTERVAL_S = int(os.environ.get("TESSERA_RECONCILE_INTERVAL_S", "60"))
 TESSERA_API_KEY_LAST_USED_RESOLUTION_S = 60  # write last_used_at at most once a minute per key
 TESSERA_INVITATION_TTL_DAYS = 7
+
+# --- Security --------------------------------------------------------------------------------
+# API throttling (DRF, counters in the Django cache: Redis in production). Per API key (prefix),
+# else per signed-in user, else per client IP. "<n>/<sec|min|hour|day>"; empty disables.
+TESSERA_API_RATE = os.environ.get("TESSERA_API_RATE", "600/min")
+TESSERA_USAGE_INGEST_RATE = os.environ.get("TESSERA_USAGE_INGEST_RATE", "120/min")  # POST /api/v1/usage/events/
+TESSERA_ANON_RATE = os.environ.get("TESSERA_ANON_RATE", "60/min")
+REST_FRAMEWORK["DEFAULT_THROTTLE_RATES"] = {
+    "api": TESSERA_API_RATE or None,
+    "usage_ingest": TESSERA_USAGE_INGEST_RATE or None,
+    "anon": TESSERA_ANON_RATE or None,
+}
+# Login lockout (web /login/ and /admin/login/): after MAX_FAILURES failed attempts for one
+# (e-mail, client IP) within the window, that pair is locked for LOCKOUT_MINUTES.
+TESSERA_LOGIN_MAX_FAILURES = int(os.environ.get("TESSERA_LOGIN_MAX_FAILURES", "5"))
+TESSERA_LOGIN_LOCKOUT_MINUTES = int(os.environ.get("TESSERA_LOGIN_LOCKOUT_MINUTES", "15"))
+AUTHENTICATION_BACKENDS = ["tenants.lockout.LockoutModelBackend"]
+# Behind a TLS-terminating proxy the client IP is the first X-Forwarded-For hop when this is on.
+TESSERA_TRUST_X_FORWARDED_FOR = env_bool("TESSERA_TRUST_X_FORWARDED_FOR", False)
+
+# TESSERA_SECURE=1 in production (HTTPS): secure cookies, HSTS, HTTPS redirect.
+TESSERA_SECURE = env_bool("TESSERA_SECURE", False)
+SESSION_COOKIE_HTTPONLY = True
+SECURE_CONTENT_TYPE_NOSNIFF = True
+X_FRAME_OPTIONS = "DENY"
+SECURE_REFERRER_POLICY = "same-origin"
+SECURE_CROSS_ORIGIN_OPENER_POLICY = "same-origin"
+if TESSERA_SECURE:
+    SESSION_COOKIE_SECURE = True
+    CSRF_COOKIE_SECURE = True
+    SECURE_HSTS_SECONDS = int(os.environ.get("SECURE_HSTS_SECONDS", "31536000"))
+    SECURE_HSTS_INCLUDE_SUBDOMAINS = True
+    SECURE_HSTS_PRELOAD = env_bool("SECURE_HSTS_PRELOAD", True)  # check --deploy W021; 0 to opt out
+    SECURE_SSL_REDIRECT = env_bool("SECURE_SSL_REDIRECT", True)
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+    # /healthz is probed over plain HTTP inside the cluster.
+    SECURE_REDIRECT_EXEMPT = [r"^healthz$", r"^metrics$"]
+# Content-Security-Policy (marketplace.security): scripts only from 'self' or with the per-request
+# nonce; no inline event handlers. Report-only mode for trying a change: TESSERA_CSP_REPORT_ONLY=1.
+TESSERA_CSP = {
+    "default-src": "'self'",
+    "script-src": "'self' 'nonce-{nonce}'",
+    "style-src": "'self' 'unsafe-inline'",  # Plotly and htmx set inline styles
+    "img-src": "'self' data:",
+    "object-src": "'none'",
+    "base-uri": "'self'",
+    "frame-ancestors": "'none'",
+    "form-action": "'self'",
+}
+TESSERA_CSP_REPORT_ONLY = env_bool("TESSERA_CSP_REPORT_ONLY", False)
 
 # --- Logging (structured) ----------------------------------------------------------------------
 LOG_FORMAT = os.environ.get("LOG_FORMAT", "json")

@@ -1,7 +1,10 @@
 from django.contrib import admin
 from django.contrib.auth.admin import UserAdmin as BaseUserAdmin
 
-from .models import ApiKey, Invitation, Membership, Tenant, User
+from .lockout import LockoutAdminAuthenticationForm
+from .models import ApiKey, AuditEvent, Invitation, Membership, Tenant, User
+
+admin.site.login_form = LockoutAdminAuthenticationForm  # login lockout on /admin/login/ too
 
 
 @admin.register(User)
@@ -46,3 +49,23 @@ class ApiKeyAdmin(admin.ModelAdmin):
 class InvitationAdmin(admin.ModelAdmin):
     list_display = ["email", "tenant", "role", "status", "created_at", "expires_at"]
     readonly_fields = ["token_hash"]
+
+
+@admin.register(AuditEvent)
+class AuditEventAdmin(admin.ModelAdmin):
+    """Read only: the audit log is written by the services, never edited."""
+
+    list_display = ["at", "actor", "action", "target", "tenant"]
+    list_filter = ["action", "tenant"]
+    search_fields = ["actor", "target", "action"]
+    date_hierarchy = "at"
+    readonly_fields = ["at", "actor", "actor_user", "tenant", "action", "target", "detail"]
+
+    def has_add_permission(self, request):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
+        return False

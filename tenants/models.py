@@ -212,3 +212,27 @@ class ApiKey(models.Model):
     @property
     def is_usable(self) -> bool:
         return self.status == "active"
+
+
+class AuditEvent(models.Model):
+    """One staff or tenant-admin action, written in the same transaction as the change it records.
+    Append-only: nothing in the application updates or deletes these rows."""
+
+    at = models.DateTimeField(default=timezone.now, db_index=True)
+    actor = models.CharField(max_length=254, help_text='"user:<email>", "key:<prefix>" or "system:<what>"')
+    actor_user = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL,
+                                   related_name="+")
+    tenant = models.ForeignKey(Tenant, null=True, blank=True, on_delete=models.SET_NULL, related_name="audit_events")
+    action = models.CharField(max_length=64, db_index=True)
+    target = models.CharField(max_length=254, blank=True)
+    detail = models.JSONField(default=dict, blank=True)
+
+    objects = TenantScopedQuerySet.as_manager()
+    tenant_path = "tenant_id"
+
+    class Meta:
+        ordering = ["-at", "-pk"]
+        indexes = [models.Index(fields=["tenant", "-at"])]
+
+    def __str__(self) -> str:
+        return f"{self.at:%Y-%m-%d %H:%M:%S} {self.actor} {self.action} {self.target}"

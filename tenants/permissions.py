@@ -25,7 +25,11 @@ def required_capability(view, request) -> str:
 
 
 def object_tenant_id(obj) -> int | None:
-    path = type(obj).tenant_path
+    """The tenant an object belongs to; None for shared objects (catalog, fleet, tiers), for which the
+    capability itself decides (e.g. only operators hold "operate")."""
+    path = getattr(type(obj), "tenant_path", None)
+    if path is None:
+        return None
     value = obj
     for part in path.replace("__", ".").split("."):
         value = getattr(value, part)

@@ -15,10 +15,13 @@ class Role(models.TextChoices):
 
 # Capabilities: read (see the tenant's objects), manage_tenant (edit the tenant profile),
 # manage_members (invite, change roles, remove), manage_keys (create/revoke API keys),
-# billing (invoices, usage, spend), deploy (order slices, deploy models), usage (report usage events).
+# billing (invoices, usage, spend), deploy (order slices, deploy models), usage (report usage events),
+# audit (read the tenant's audit log).
 CAPABILITIES: dict[str, frozenset[str]] = {
-    Role.OWNER: frozenset({"read", "manage_tenant", "manage_members", "manage_keys", "billing", "deploy", "usage"}),
-    Role.ADMIN: frozenset({"read", "manage_tenant", "manage_members", "manage_keys", "billing", "deploy", "usage"}),
+    Role.OWNER: frozenset({"read", "manage_tenant", "manage_members", "manage_keys", "billing", "deploy", "usage",
+                           "audit"}),
+    Role.ADMIN: frozenset({"read", "manage_tenant", "manage_members", "manage_keys", "billing", "deploy", "usage",
+                           "audit"}),
     Role.MEMBER: frozenset({"read", "deploy", "usage"}),
     Role.BILLING: frozenset({"read", "billing"}),
     Role.VIEWER: frozenset({"read"}),

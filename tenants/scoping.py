@@ -66,7 +66,7 @@ class Principal:
 ANONYMOUS = Principal()
 # What a suspended tenant may still do: read, see billing, and report usage (its slices may still be
 # serving, and usage it reports must not be lost to billing).
-READ_ONLY_CAPS = frozenset({"read", "billing", "usage"})
+READ_ONLY_CAPS = frozenset({"read", "billing", "usage", "audit"})
 
 
 class TenantScopedQuerySet(models.QuerySet):

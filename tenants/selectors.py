@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.db.models import Count, Q
 
-from .models import ApiKey, Invitation, Membership, Tenant
+from .models import ApiKey, AuditEvent, Invitation, Membership, Tenant
 from .scoping import Principal
 
 
@@ -25,3 +25,8 @@ def invitations(principal: Principal):
 
 def api_keys(principal: Principal):
     return ApiKey.objects.visible_to(principal, "manage_keys").select_related("tenant", "created_by")
+
+
+def audit_events(principal: Principal):
+    """Operators: every event; tenant owners/admins: their tenants' events."""
+    return AuditEvent.objects.visible_to(principal, "audit").select_related("tenant", "actor_user")

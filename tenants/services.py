@@ -10,7 +10,7 @@ from django.core.mail import send_mail
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from . import keys
+from . import audit, keys
 from .errors import Conflict, Forbidden, ServiceError
 from .models import ApiKey, Invitation, Membership, Tenant, User
 from .roles import Role, Scope
@@ -53,6 +53,7 @@ def create_tenant(principal: Principal, *, owner_email: str | None = None, **fie
     tenant = Tenant.objects.create(**fields)
     if owner_email:
         invite(principal, tenant=tenant, email=owner_email, role=Role.OWNER)
+    audit.record(principal, "tenant.create", f"tenant:{tenant.slug}", tenant, owner_email=owner_email)
     log.info("tenant created", extra={"tenant": tenant.slug})
     return tenant
 
@@ -72,6 +73,7 @@ def update_tenant(principal: Principal, tenant: Tenant, **fields) -> Tenant:
     for name, value in fields.items():
         setattr(tenant, name, value)
     tenant.save(update_fields=list(fields))
+    audit.record(principal, "tenant.update", f"tenant:{tenant.slug}", tenant, fields=fields)
     return tenant
 
 
@@ -85,6 +87,7 @@ def suspend_tenant(principal: Principal, tenant: Tenant, reason: str = "") -> Te
     tenant.suspended_at = timezone.now()
     tenant.suspended_reason = reason
     tenant.save(update_fields=["status", "suspended_at", "suspended_reason"])
+    audit.record(principal, "tenant.suspend", f"tenant:{tenant.slug}", tenant, reason=reason)
     log.info("tenant suspended", extra={"tenant": tenant.slug, "reason": reason})
     return tenant
 
@@ -99,6 +102,7 @@ def activate_tenant(principal: Principal, tenant: Tenant) -> Tenant:
     tenant.suspended_at = None
     tenant.suspended_reason = ""
     tenant.save(update_fields=["status", "suspended_at", "suspended_reason"])
+    audit.record(principal, "tenant.activate", f"tenant:{tenant.slug}", tenant)
     return tenant
 
 
@@ -125,8 +129,11 @@ def change_role(principal: Principal, membership: Membership, role: str) -> Memb
             raise Forbidden("only an owner can change an owner's role", field="role")
         if _owners(membership.tenant_id).count() <= 1:
             raise ServiceError("a tenant must keep at least one owner", field="role")
+    old_role = membership.role
     membership.role = role
     membership.save(update_fields=["role"])
+    audit.record(principal, "member.role_change", f"user:{membership.user.email}", membership.tenant_id,
+                 old_role=old_role, role=role)
     return membership
 
 
@@ -141,6 +148,8 @@ def remove_member(principal: Principal, membership: Membership) -> None:
             raise Forbidden("only an owner can remove an owner")
         if _owners(membership.tenant_id).count() <= 1:
             raise ServiceError("a tenant must keep at least one owner")
+    audit.record(principal, "member.remove", f"user:{membership.user.email}", membership.tenant_id,
+                 role=membership.role, self_removal=self_removal)
     membership.delete()
 
 
@@ -165,6 +174,7 @@ def invite(principal: Principal, *, tenant: Tenant, email: str, role: str = Role
             )
     except IntegrityError:
         raise Conflict("an invitation for this e-mail is already pending", field="email") from None
+    audit.record(principal, "invitation.create", f"invitation:{invitation.pk}", tenant, email=email, role=role)
     if send:
         transaction.on_commit(lambda: _send_invitation(invitation, token))
     return invitation, token
@@ -213,6 +223,8 @@ def revoke_invitation(principal: Principal, invitation: Invitation) -> Invitatio
         raise Conflict(f"this invitation is {invitation.status}")
     invitation.revoked_at = timezone.now()
     invitation.save(update_fields=["revoked_at"])
+    audit.record(principal, "invitation.revoke", f"invitation:{invitation.pk}", invitation.tenant_id,
+                 email=invitation.email)
     return invitation
 
 
@@ -241,6 +253,7 @@ def create_api_key(principal: Principal, *, tenant: Tenant | None, name: str, sc
         tenant=tenant, name=name.strip(), prefix=prefix, hashed_key=hashed, scopes=scopes,
         created_by=principal.user, expires_at=expires_at,
     )
+    audit.record(principal, "api_key.create", f"key:{prefix}", tenant, name=key.name, scopes=scopes)
     log.info("api key created", extra={"prefix": prefix, "tenant": tenant.slug if tenant else None})
     return key, secret
 
@@ -256,5 +269,6 @@ def revoke_api_key(principal: Principal, key: ApiKey) -> ApiKey:
     key.revoked_at = timezone.now()
     key.revoked_by = principal.user
     key.save(update_fields=["revoked_at", "revoked_by"])
+    audit.record(principal, "api_key.revoke", f"key:{key.prefix}", key.tenant_id, name=key.name)
     log.info("api key revoked", extra={"prefix": key.prefix})
     return key

@@ -11,6 +11,15 @@ pytest_plugins = ["tests.fleet_fixtures"]
 ROLES = [Role.OWNER, Role.ADMIN, Role.MEMBER, Role.BILLING, Role.VIEWER]
 
 
+@pytest.fixture(autouse=True)
+def _fresh_cache():
+    """Rate-limit and login-lockout counters live in the cache: each test starts with none."""
+    from django.core.cache import cache
+
+    cache.clear()
+    yield
+
+
 @pytest.fixture
 def api():
     return APIClient()

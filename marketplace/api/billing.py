@@ -119,7 +119,8 @@ class InvoiceViewSet(ScopedViewSetMixin, viewsets.ReadOnlyModelViewSet):
     @extend_schema(request=None, responses=InvoiceSerializer)
     @action(detail=True, methods=["post"])
     def finalize(self, request, pk=None):
-        invoice = billing.finalize(self.get_object(), force=request.query_params.get("force") == "1")
+        invoice = billing.finalize(self.get_object(), force=request.query_params.get("force") == "1",
+                                   principal=principal_for(request))
         return Response(InvoiceSerializer(self.get_queryset().get(pk=invoice.pk)).data)
 
 

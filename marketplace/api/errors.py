@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from django.core.exceptions import ValidationError as DjangoValidationError
+from django.db import DataError, InterfaceError, OperationalError
 from rest_framework import status
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
@@ -16,4 +17,14 @@ def exception_handler(exc, context):
     if isinstance(exc, DjangoValidationError):
         data = exc.message_dict if hasattr(exc, "error_dict") else {"non_field_errors": exc.messages}
         return Response(data, status=status.HTTP_400_BAD_REQUEST)
+    if isinstance(exc, DataError):
+        # Input the database cannot hold (e.g. a NUL byte in text); the transaction was rolled back.
+        return Response({"detail": "the input contains values the database cannot store (e.g. NUL bytes)"},
+                        status=status.HTTP_400_BAD_REQUEST)
+    if isinstance(exc, OperationalError | InterfaceError):
+        # The database went away mid-request: the transaction was rolled back, nothing is stored.
+        resp = Response({"detail": "database unavailable; nothing was stored, retry"},
+                        status=status.HTTP_503_SERVICE_UNAVAILABLE)
+        resp["Retry-After"] = "5"
+        return resp
     return drf_exception_handler(exc, context)

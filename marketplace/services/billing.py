@@ -22,6 +22,7 @@ from django.utils import timezone
 
 from marketplace.models import Allocation, Invoice, InvoiceLine, InvoiceSequence, PricePlan, SpendNotice, Tier
 from telemetry.models import UsageHourly
+from tenants import audit
 from tenants.errors import Conflict, ServiceError
 from tenants.models import Tenant
 
@@ -225,8 +226,9 @@ def _next_number(year: int) -> str:
     return f"TSR-{year}-{seq.last:06d}"
 
 
-def finalize(invoice: Invoice, *, now: datetime | None = None, force: bool = False) -> Invoice:
-    """Rate one last time, number and freeze the invoice, mark the usage it charged as billed."""
+def finalize(invoice: Invoice, *, now: datetime | None = None, force: bool = False, principal=None) -> Invoice:
+    """Rate one last time, number and freeze the invoice, mark the usage it charged as billed.
+    principal: who finalizes (audited); None for the monthly beat."""
     now = now or timezone.now()
     with transaction.atomic():
         invoice = Invoice.objects.select_for_update().select_related("tenant").get(pk=invoice.pk)
@@ -254,6 +256,9 @@ def finalize(invoice: Invoice, *, now: datetime | None = None, force: bool = Fal
         invoice.finalized_at = now
         invoice.rated_at = now
         invoice.save()
+        audit.record(principal if principal is not None else "system:beat", "invoice.finalize",
+                     f"invoice:{invoice.number}", invoice.tenant, total=invoice.total, currency=invoice.currency,
+                     forced=force)
         from marketplace.services import webhooks  # noqa: PLC0415
 
         webhooks.emit(invoice.tenant, "invoice.finalized", f"invoice:{invoice.pk}", invoice_payload(invoice))

@@ -6,6 +6,7 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from marketplace.models import PricePlan, Tier
+from tenants import audit
 from tenants.errors import Conflict, Forbidden, ServiceError
 from tenants.scoping import Principal
 
@@ -23,7 +24,9 @@ def create_tier(principal: Principal, **fields) -> Tier:
         raise ServiceError(f"{profile.name} is not a {fields['gpu_model'].name} profile", field="profile")
     if Tier.objects.filter(key=fields["key"]).exists():
         raise Conflict("a tier with this key exists", field="key")
-    return Tier.objects.create(**fields)
+    tier = Tier.objects.create(**fields)
+    audit.record(principal, "tier.create", f"tier:{tier.key}")
+    return tier
 
 
 @transaction.atomic
@@ -36,6 +39,7 @@ def update_tier(principal: Principal, tier: Tier, **fields) -> Tier:
     for k, v in fields.items():
         setattr(tier, k, v)
     tier.save(update_fields=list(fields) or None)
+    audit.record(principal, "tier.update", f"tier:{tier.key}", fields=fields)
     return tier
 
 
@@ -54,7 +58,10 @@ def add_price_plan(principal: Principal, *, tier: Tier, effective_from=None, **f
         raise ServiceError("only reserved plans have a monthly commit", field="monthly_commit")
     try:
         with transaction.atomic():
-            return PricePlan.objects.create(tier=tier, effective_from=effective_from, **fields)
+            plan = PricePlan.objects.create(tier=tier, effective_from=effective_from, **fields)
+            audit.record(principal, "price_plan.add", f"price_plan:{plan.pk}", tier=tier.key,
+                         effective_from=effective_from, **fields)
+            return plan
     except IntegrityError:
         raise Conflict("a plan for this tier, kind and currency already starts then", field="effective_from") from None
 
@@ -64,4 +71,5 @@ def withdraw_price_plan(principal: Principal, plan: PricePlan) -> None:
     _operator(principal)
     if plan.effective_from <= timezone.now():
         raise Conflict("this price is or was in force; add a new plan instead of removing it")
+    audit.record(principal, "price_plan.withdraw", f"price_plan:{plan.pk}", tier=plan.tier.key)
     plan.delete()

@@ -12,6 +12,7 @@ from django.utils import timezone
 from marketplace.models import Allocation, Order, PricePlan, Tier
 from marketplace.models.orders import LIVE_STATES
 from marketplace.services import allocations, billing, fleet
+from tenants import audit
 from tenants.errors import Conflict, Forbidden, ServiceError
 from tenants.models import Tenant
 from tenants.scoping import Principal
@@ -112,6 +113,8 @@ def release(principal: Principal, allocation: Allocation, reason: str = "release
         raise Forbidden("Your role or API-key scopes do not allow releasing this allocation.")
     with transaction.atomic():
         allocation = Allocation.objects.select_for_update().get(pk=allocation.pk)
+        audit.record(principal, "allocation.release", f"allocation:{allocation.pk}", allocation.tenant_id,
+                     reason=reason, state=allocation.state)
         if allocation.state == Allocation.State.FAILED and allocation.instance_id is None:
             return allocations.mark_released(allocation, actor_of(principal), "nothing was left on the GPU")
         allocations.begin_release(allocation, actor_of(principal), reason)
@@ -132,5 +135,7 @@ def retry(principal: Principal, allocation: Allocation) -> Allocation:
             t = allocation.tier
             instance = fleet.place_instance(allocation.tenant, t.gpu_model, t.profile, dedicated=t.dedicated)
             allocations.place(allocation, instance, actor_of(principal))
+        audit.record(principal, "allocation.retry", f"allocation:{allocation.pk}", allocation.tenant_id,
+                     instance=allocation.instance_id)
         transaction.on_commit(lambda: enqueue_provision(allocation))
     return allocation

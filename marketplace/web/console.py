@@ -509,7 +509,7 @@ def invoice_download(request, pk: int):
 def invoice_finalize(request, pk: int):
     invoice = get_object_or_404(billing_sel.invoices(request.principal), pk=pk)
     try:
-        invoice = billing.finalize(invoice)
+        invoice = billing.finalize(invoice, principal=request.principal)
         messages.success(request, f"Invoice {invoice.number} finalized: {invoice.total} {invoice.currency}.")
     except ServiceError as exc:
         _service_error(request, exc)

@@ -2,7 +2,7 @@ import django_filters
 from django.db.models import Q
 from django.utils import timezone
 
-from ..models import ApiKey, Invitation, Membership, Tenant
+from ..models import ApiKey, AuditEvent, Invitation, Membership, Tenant
 
 
 class TenantFilter(django_filters.FilterSet):
@@ -50,3 +50,15 @@ class ApiKeyFilter(django_filters.FilterSet):
         if value == "expired":
             return qs.filter(revoked_at__isnull=True).filter(expired)
         return qs.filter(revoked_at__isnull=True).exclude(expired)
+
+
+class AuditEventFilter(django_filters.FilterSet):
+    tenant = django_filters.CharFilter(field_name="tenant__slug")
+    action = django_filters.CharFilter(field_name="action")
+    action_prefix = django_filters.CharFilter(field_name="action", lookup_expr="startswith")
+    since = django_filters.IsoDateTimeFilter(field_name="at", lookup_expr="gte")
+    until = django_filters.IsoDateTimeFilter(field_name="at", lookup_expr="lt")
+
+    class Meta:
+        model = AuditEvent
+        fields = ["tenant", "action", "action_prefix", "since", "until"]

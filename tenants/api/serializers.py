@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from rest_framework import serializers
 
-from ..models import ApiKey, Invitation, Membership, Tenant
+from ..models import ApiKey, AuditEvent, Invitation, Membership, Tenant
 from ..roles import Role, Scope
 from ..scoping import principal_for
 
@@ -63,6 +63,11 @@ class ScopedTenantField(serializers.SlugRelatedField):
         request = self.context["request"]
         return Tenant.objects.visible_to(principal_for(request))
 
+    def to_internal_value(self, data):
+        if isinstance(data, str) and "\x00" in data:  # no slug has one, and PostgreSQL refuses it in a query
+            self.fail("does_not_exist", slug_name=self.slug_field, value=data.replace("\x00", "\\x00"))
+        return super().to_internal_value(data)
+
 
 class InvitationSerializer(serializers.ModelSerializer):
     tenant = ScopedTenantField()
@@ -110,3 +115,12 @@ class MeSerializer(serializers.Serializer):
 
 
 ROLE_CHOICES = Role.choices
+
+
+class AuditEventSerializer(serializers.ModelSerializer):
+    tenant = serializers.SlugRelatedField(slug_field="slug", read_only=True)
+
+    class Meta:
+        model = AuditEvent
+        fields = ["id", "at", "actor", "tenant", "action", "target", "detail"]
+        read_only_fields = fields

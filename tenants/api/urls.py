@@ -8,6 +8,7 @@ router.register("tenants", views.TenantViewSet, basename="tenant")
 router.register("memberships", views.MembershipViewSet, basename="membership")
 router.register("invitations", views.InvitationViewSet, basename="invitation")
 router.register("api-keys", views.ApiKeyViewSet, basename="apikey")
+router.register("audit", views.AuditEventViewSet, basename="auditevent")
 
 urlpatterns = [
     path("me/", views.MeView.as_view(), name="me"),

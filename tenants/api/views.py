@@ -11,7 +11,7 @@ from rest_framework.views import APIView
 from marketplace.api.viewsets import ScopedModelViewSet, ScopedViewSetMixin
 
 from .. import selectors, services
-from ..models import ApiKey, Invitation, Membership, Tenant
+from ..models import ApiKey, AuditEvent, Invitation, Membership, Tenant
 from ..scoping import principal_for
 from . import filters, serializers
 
@@ -184,3 +184,17 @@ class MeView(APIView):
                 "expires_at": key.expires_at,
             },
         })
+
+
+class AuditEventViewSet(ScopedViewSetMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin,
+                        viewsets.GenericViewSet):
+    """The audit log (read only): operators see every event, tenant owners/admins their tenants'."""
+
+    queryset_model = AuditEvent
+    selector = selectors.audit_events
+    serializer_class = serializers.AuditEventSerializer
+    filterset_class = filters.AuditEventFilter
+    search_fields = ["actor", "target", "action"]
+    ordering_fields = ["at", "action"]
+    ordering = ["-at", "-id"]
+    capabilities = {"list": "audit", "retrieve": "audit"}

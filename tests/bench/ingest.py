@@ -53,6 +53,8 @@ def configure() -> str:
         c.execute(f"CREATE DATABASE {DB_NAME}")
     os.environ["DATABASE_URL"] = f"{base}/{DB_NAME}"
     os.environ.setdefault("LOG_LEVEL", "WARNING")
+    os.environ.setdefault("TESSERA_USAGE_INGEST_RATE", "")  # measure ingest, not the rate limit
+    os.environ.setdefault("TESSERA_API_RATE", "")
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "marketplace.settings")
     import django
 

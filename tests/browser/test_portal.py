@@ -9,6 +9,7 @@ from datetime import timedelta
 
 import pytest
 from django.utils import timezone
+from playwright.sync_api import expect
 
 from marketplace.models import Allocation, ModelDeployment
 from marketplace.services import billing
@@ -50,8 +51,8 @@ def test_tenant_owner_journey(page, shot, login, live_server, portal_world, node
     shot(page, "portal-catalog")
     card.locator("button[type=submit]").click()
     page.wait_for_url(re.compile(r"/portal/slices/\d+/$"))
-    page.wait_for_function("document.querySelector('#slice-state').textContent.trim() === 'active'",
-                           timeout=60_000)
+    # expect() polls from Playwright's own world: the page's CSP forbids wait_for_function's string eval.
+    expect(page.locator("#slice-state")).to_have_text("active", timeout=60_000)
     page.wait_for_load_state("networkidle")
     page.locator("#slice-state").wait_for()
     assert page.locator("#slice-state").inner_text() == "active"
@@ -65,8 +66,7 @@ def test_tenant_owner_journey(page, shot, login, live_server, portal_world, node
     page.click("#deploy-form button[type=submit]")
     page.wait_for_url(re.compile(r"/portal/models/\d+/$"))
     dep_id = int(page.url.rstrip("/").split("/")[-1])
-    page.wait_for_function(f"document.querySelector('#dep-state-{dep_id}').textContent.trim() === 'ready'",
-                           timeout=60_000)
+    expect(page.locator(f"#dep-state-{dep_id}")).to_have_text("ready", timeout=60_000)
     page.goto(f"{base}/portal/models/")
     assert "ready" in page.locator("table.data").inner_text()
     shot(page, "portal-models")

@@ -112,3 +112,13 @@ def test_good_tenant_with_owner_invites_owner(as_user, world, operator, mailoutb
     inv = Invitation.objects.get(tenant__slug="new-co")
     assert inv.email == "boss@new.example" and inv.role == Role.OWNER
     assert len(mailoutbox) == 1 and "boss@new.example" in mailoutbox[0].to
+
+
+def test_nul_bytes_are_a_400_not_a_500(as_user, world, members_a):
+    api = as_user(members_a[Role.OWNER])
+    before = snapshot()
+    r = api.post("/api/v1/api-keys/", {"tenant": "al\x00pha", "name": "k", "scopes": ["read"]})
+    assert r.status_code == 400 and "tenant" in r.json()
+    r = api.get("/api/v1/memberships/", {"tenant": "al\x00pha"})
+    assert r.status_code in (200, 400)
+    assert snapshot() == before

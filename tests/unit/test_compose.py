@@ -1,0 +1,171 @@
+"""docker/compose.yaml and docker/Dockerfile, checked without a Docker engine (this machine has the docker
+CLI but no compose plugin and no daemon): the compose file against the Compose Specification JSON schema
+(docker/compose-spec.schema.json, from the docker-compose 1.29.2 wheel), then its structure against the
+code: services, one queue per node worker, commands as in the README, environment variables the code reads."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCKER = ROOT / "docker"
+COMPOSE = DOCKER / "compose.yaml"
+APP_DIRS = ("marketplace", "tenants", "telemetry")
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+@pytest.fixture(scope="module")
+def services(compose) -> dict:
+    return compose["services"]
+
+
+def tessera_services(services) -> dict:
+    return {k: s for k, s in services.items() if s.get("image") == "tessera:latest"}
+
+
+def node_workers(services) -> dict:
+    return {k: s for k, s in services.items() if k.startswith("node-")}
+
+
+def env_names_read_by_the_code() -> set[str]:
+    names: set[str] = set()
+    pattern = re.compile(r"""(?:environ\.get|environ\[|getenv|env_bool|env_list|setdefault)\(?\s*"""
+                         r"""["']([A-Z][A-Z0-9_]+)""")
+    for d in APP_DIRS:
+        for path in (ROOT / d).rglob("*.py"):
+            names.update(pattern.findall(path.read_text()))
+    return names
+
+
+def test_compose_file_is_valid_against_the_compose_spec_schema(compose):
+    schema = json.loads((DOCKER / "compose-spec.schema.json").read_text())
+    errors = sorted(jsonschema.Draft201909Validator(schema).iter_errors(compose), key=lambda e: e.json_path)
+    assert not errors, "\n".join(f"{e.json_path}: {e.message}" for e in errors)
+
+
+def test_the_schema_catches_mistakes(compose):
+    """The schema is strict enough to matter: an unknown service key and a bad depends_on are refused."""
+    schema = json.loads((DOCKER / "compose-spec.schema.json").read_text())
+    validator = jsonschema.Draft201909Validator(schema)
+    bad = json.loads(json.dumps(compose))
+    bad["services"]["web"]["comand"] = ["x"]
+    assert not validator.is_valid(bad)
+    bad = json.loads(json.dumps(compose))
+    bad["services"]["web"]["depends_on"]["migrate"]["condition"] = "service_finished"
+    assert not validator.is_valid(bad)
+
+
+@pytest.mark.skipif(shutil.which("docker") is None, reason="no docker CLI")
+def test_docker_compose_config_where_the_plugin_exists():
+    probe = subprocess.run(["docker", "compose", "version"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"the docker CLI has no compose plugin here: {(probe.stderr or probe.stdout).strip()[:200]}")
+    r = subprocess.run(["docker", "compose", "-f", str(COMPOSE), "config", "-q"], capture_output=True, text=True,
+                       env={"PATH": "/usr/bin:/bin:/usr/local/bin", "SECRET_KEY": "x", "POSTGRES_PASSWORD": "x"})
+    assert r.returncode == 0, r.stderr
+
+
+def test_the_services_are_there(services):
+    for name in ("postgres", "redis", "migrate", "web", "control", "demo", "triton-slice-example"):
+        assert name in services, name
+    assert len(node_workers(services)) >= 2
+    assert services["demo"]["profiles"] == ["demo"]
+    assert all(s["profiles"] == ["gpu"] for s in node_workers(services).values())
+
+
+def test_web_runs_gunicorn_after_migrations(services):
+    web = services["web"]
+    assert web["command"][:2] == ["gunicorn", "marketplace.wsgi:application"]
+    assert (ROOT / "marketplace" / "wsgi.py").exists()
+    assert web["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
+    assert services["migrate"]["command"] == ["python", "manage.py", "migrate", "--noinput"]
+
+
+def test_exactly_one_beat_on_the_control_queue(services):
+    beats = [k for k, s in services.items() if isinstance(s.get("command"), list) and "-B" in s["command"]]
+    assert beats == ["control"]
+    cmd = services["control"]["command"]
+    readme = (ROOT / "README.md").read_text()
+    assert "celery -A marketplace worker -Q control -B" in readme
+    assert cmd[:7] == ["celery", "-A", "marketplace", "worker", "-Q", "control", "-B"]
+
+
+def test_each_node_worker_consumes_its_own_queue(services):
+    from marketplace.models import Node
+
+    queues = []
+    for name, s in node_workers(services).items():
+        host = s["environment"]["TESSERA_NODE_HOSTNAME"]
+        cmd = s["command"]
+        assert cmd[:4] == ["celery", "-A", "marketplace", "worker"]
+        queue = cmd[cmd.index("-Q") + 1]
+        assert queue == Node.queue_for(host) == f"node.{host}", name
+        assert "," not in queue, f"{name} must consume only its node's queue"
+        assert cmd[cmd.index("-c") + 1] == "1"
+        assert cmd[cmd.index("-n") + 1] == f"{host}@%h"
+        assert name == f"node-{host}" and s["hostname"] == host
+        assert s["environment"]["TESSERA_NVML_BACKEND"] == "pynvml"
+        devices = s["deploy"]["resources"]["reservations"]["devices"]
+        assert any("gpu" in d["capabilities"] for d in devices)
+        assert any(v.endswith(":/data") and v.split(":")[0] == name for v in s["volumes"]), "its own volume"
+        queues.append(queue)
+    assert len(set(queues)) == len(queues)
+
+
+def test_triton_per_slice_sees_one_mig_device(services):
+    t = services["triton-slice-example"]
+    assert re.fullmatch(r"nvcr\.io/nvidia/tritonserver:\$\{TRITON_TAG:-\d\d\.\d\d\}-py3", t["image"])
+    assert t["environment"]["NVIDIA_VISIBLE_DEVICES"].split(":-")[-1].startswith("MIG-")
+    assert "--model-control-mode=explicit" in t["command"]
+
+
+def test_environment_variables_are_ones_the_code_reads(services):
+    known = env_names_read_by_the_code()
+    settings_src = (ROOT / "marketplace" / "settings.py").read_text()
+    for name, s in tessera_services(services).items():
+        for var in s.get("environment", {}):
+            if var.startswith("NVIDIA_"):  # read by the NVIDIA Container Toolkit, not by Tessera
+                continue
+            assert var in known, f"{name}: {var} is not read anywhere in {', '.join(APP_DIRS)}"
+    for var in ("DATABASE_URL", "REDIS_URL", "CELERY_VISIBILITY_TIMEOUT", "TESSERA_NVML_BACKEND",
+                "TESSERA_NODE_HOSTNAME", "TESSERA_TRITON_BACKEND", "SECRET_KEY", "ALLOWED_HOSTS"):
+        assert f'"{var}"' in settings_src, var
+
+
+def test_dockerfile_builds_one_non_root_image_for_every_role():
+    text = (DOCKER / "Dockerfile").read_text()
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("#")]
+    assert lines[0] == "FROM python:3.11-slim"
+    assert "pip install" in text and "pip install --no-deps -e ." in text
+    assert "collectstatic" in text
+    users = [ln.split()[1] for ln in lines if ln.startswith("USER ")]
+    assert users and users[-1] not in ("root", "0", "0:0")
+    assert '"gunicorn", "marketplace.wsgi:application"' in text
+    for ln in lines:
+        if ln.startswith("COPY "):
+            for src in ln.split()[1:-1]:
+                assert (ROOT / src).exists(), f"COPY {src}: not in the repository"
+    for pkg in APP_DIRS:  # every package pyproject installs is copied
+        assert f"COPY {pkg} " in text
+    ignore = (DOCKER / "Dockerfile.dockerignore").read_text().split()
+    assert ".venv" in ignore and "var" in ignore
+
+
+def test_readme_commands_match_the_compose_file(services):
+    readme = (DOCKER / "README.md").read_text()
+    for needle in ("register_node", "TESSERA_NVML_BACKEND=pynvml", "--profile demo", "--scale", "-Q node.<hostname>"):
+        assert needle in readme, needle
+    example = next(iter(node_workers(services)))
+    assert f"--profile gpu up -d {example}" in readme
