@@ -39,6 +39,8 @@ def test_deploy_on_a_real_triton_server(h100_node, tiers, settings):
         assert server.is_model_ready("tiny-gen") and server.is_model_ready("tiny-gen-b")
         outs = [server.infer_text("tiny-gen", "tokens are metered per tenant", max_tokens=5) for _ in range(3)]
         assert all(o["input_tokens"] == 5 and o["output_tokens"] == 5 and o["text"] for o in outs)
+        # statistics are recorded when Triton releases a request, a moment after the response
+        wait_for(lambda: server.statistics("tiny-gen")["inference_count"] >= 3, 10, "statistics to count 3")
         assert server.statistics("tiny-gen")["inference_count"] == 3
         assert server.statistics("tiny-gen-b")["inference_count"] == 0
         line = 'nv_inference_count{model="tiny-gen",version="1"} 3'

@@ -22,6 +22,7 @@ from marketplace.hardware.triton import (
     write_repository,
 )
 from tests.triton_server import running_tritonserver, tritonserver_available
+from tests.worker_process import wait_for
 
 AVAILABLE, REASON = tritonserver_available()
 
@@ -82,6 +83,10 @@ def test_lifecycle_load_infer_statistics_metrics_unload(triton):
     assert triton.infer_text(MODEL, "hello big world", 5)["text"] == "world big hello world big"
     sent = len(prompts) + 1
 
+    # Triton records a request's statistics when it releases the request, which can be a moment after
+    # the client has the response: wait (bounded) for the count to settle.
+    wait_for(lambda: triton.statistics(MODEL)["inference_count"] - before["inference_count"] >= sent, 10,
+             "Triton's statistics to count every request")
     after = triton.statistics(MODEL)
     assert after["name"] == MODEL and after["version"] == "1"
     assert after["inference_count"] - before["inference_count"] == sent
@@ -114,6 +119,8 @@ def test_model_error_is_500_but_counted_as_success(triton):
         with pytest.raises(InferenceServerException, match="max_tokens must be between 0 and 1024") as info:
             triton.infer_text(MODEL, "hello", -1)
         assert info.value.status() == "500"
+        wait_for(lambda: triton.statistics(MODEL)["inference_count"] > before["inference_count"], 10,
+                 "the failed request to be counted")
         after = triton.statistics(MODEL)
         assert after["inference_count"] - before["inference_count"] == 1
         assert after["success_count"] - before["success_count"] == 1
@@ -141,6 +148,7 @@ def test_simulator_gives_the_same_answers_and_errors(triton, repo, tmp_path):
     try:
         for text, max_tokens in [("a b c", 7), ("", 4), ("x", 0)]:
             assert triton.infer_text(MODEL, text, max_tokens) == sim.infer_text(MODEL, text, max_tokens)
+        wait_for(lambda: triton.statistics(MODEL)["inference_count"] >= 3, 10, "statistics to count 3")
         assert triton.statistics(MODEL)["inference_count"] == sim.statistics(MODEL)["inference_count"] == 3
         for name in ("no-such-model", "no-config"):
             errors = []
