@@ -93,6 +93,19 @@ def ctx(request, **extra) -> dict:
     return {"tenant": t, "tenants": request.portal_tenants, "can": caps, "role": p.role_in(t.pk), **extra}
 
 
+def act(request, call, success: str) -> bool:
+    """A POST action's service call: a success or an error message (Forbidden stays a 403)."""
+    try:
+        call()
+    except Forbidden:
+        raise
+    except ServiceError as exc:
+        messages.error(request, error_text(exc))
+        return False
+    messages.success(request, success)
+    return True
+
+
 def error_text(exc: ServiceError) -> str:
     if not exc.field or exc.field in ("non_field_errors", "tenant"):
         return exc.message
@@ -241,13 +254,7 @@ def slice_status(request, pk):
 def slice_release(request, pk):
     a = _slice(request, pk)
     require(request, "deploy", a.tenant_id)
-    try:
-        orders.release(request.principal, a)
-        messages.success(request, f"Slice #{a.pk} is being released.")
-    except ServiceError as exc:
-        if isinstance(exc, Forbidden):
-            raise
-        messages.error(request, error_text(exc))
+    act(request, lambda: orders.release(request.principal, a), f"Slice #{a.pk} is being released.")
     return redirect("portal:slice", pk=a.pk)
 
 
@@ -325,13 +332,7 @@ def deployment_status(request, pk):
 def deployment_remove(request, pk):
     dep = _deployment(request, pk)
     require(request, "deploy", dep.tenant_id)
-    try:
-        deployments.remove(request.principal, dep)
-        messages.success(request, f"Removing {dep.name}.")
-    except ServiceError as exc:
-        if isinstance(exc, Forbidden):
-            raise
-        messages.error(request, error_text(exc))
+    act(request, lambda: deployments.remove(request.principal, dep), f"Removing {dep.name}.")
     return redirect("portal:deployments")
 
 
@@ -434,13 +435,8 @@ def key_create(request):
 def key_revoke(request, pk):
     key = get_object_or_404(ApiKey.objects.visible_to(request.principal, "manage_keys"), pk=pk)
     use_tenant(request, key.tenant_id)
-    try:
-        tenant_services.revoke_api_key(request.principal, key)
-        messages.success(request, f"Key {key.name} ({key.prefix}…) revoked.")
-    except ServiceError as exc:
-        if isinstance(exc, Forbidden):
-            raise
-        messages.error(request, error_text(exc))
+    act(request, lambda: tenant_services.revoke_api_key(request.principal, key),
+        f"Key {key.name} ({key.prefix}…) revoked.")
     return redirect("portal:keys")
 
 
@@ -496,13 +492,8 @@ def member_role(request, pk):
     """Owners/admins change a member's role (owner only by owners; the last owner stays)."""
     m = get_object_or_404(Membership.objects.visible_to(request.principal).select_related("user"), pk=pk)
     use_tenant(request, m.tenant_id)
-    try:
-        tenant_services.change_role(request.principal, m, request.POST.get("role", ""))
-        messages.success(request, f"{m.user.email} is now {request.POST.get('role')}.")
-    except ServiceError as exc:
-        if isinstance(exc, Forbidden):
-            raise
-        messages.error(request, error_text(exc))
+    role = request.POST.get("role", "")
+    act(request, lambda: tenant_services.change_role(request.principal, m, role), f"{m.user.email} is now {role}.")
     return redirect(reverse("portal:members"))
 
 
@@ -512,13 +503,7 @@ def member_remove(request, pk):
     """Owners/admins remove a member; anyone may leave (the last owner stays)."""
     m = get_object_or_404(Membership.objects.visible_to(request.principal).select_related("user"), pk=pk)
     use_tenant(request, m.tenant_id)
-    try:
-        tenant_services.remove_member(request.principal, m)
-        messages.success(request, f"{m.user.email} removed.")
-    except ServiceError as exc:
-        if isinstance(exc, Forbidden):
-            raise
-        messages.error(request, error_text(exc))
+    act(request, lambda: tenant_services.remove_member(request.principal, m), f"{m.user.email} removed.")
     return redirect(reverse("portal:members"))
 
 
@@ -527,12 +512,7 @@ def member_remove(request, pk):
 def invitation_revoke(request, pk):
     inv = get_object_or_404(Invitation.objects.visible_to(request.principal, "manage_members"), pk=pk)
     use_tenant(request, inv.tenant_id)
-    try:
-        tenant_services.revoke_invitation(request.principal, inv)
-        messages.success(request, f"Invitation for {inv.email} revoked.")
-    except ServiceError as exc:
-        if isinstance(exc, Forbidden):
-            raise
-        messages.error(request, error_text(exc))
+    act(request, lambda: tenant_services.revoke_invitation(request.principal, inv),
+        f"Invitation for {inv.email} revoked.")
     return redirect(reverse("portal:members"))
 
