@@ -323,12 +323,17 @@ class SimNvml:
         data = self._read_file() if stamp is not None else None
         if data is None:
             with self._file_lock():
-                data = self._read_file()
-                if data is None:
-                    data = self._fresh_state()
-                    self._write_file(data)
+                data = self._read_or_create()
         self._state = data
         self._stamp = self._file_stamp()
+        return data
+
+    def _read_or_create(self) -> dict:
+        """Under the file lock: the stored state, or a fresh GPU's written down."""
+        data = self._read_file()
+        if data is None:
+            data = self._fresh_state()
+            self._write_file(data)
         return data
 
     @contextlib.contextmanager
@@ -339,10 +344,7 @@ class SimNvml:
                 yield self._load()
                 return
             with self._file_lock():
-                data = self._read_file()
-                if data is None:
-                    data = self._fresh_state()
-                    self._write_file(data)
+                data = self._read_or_create()
                 # pin the cache to this copy so reads inside the body see (and mutate) it
                 self._state = data
                 self._stamp = self._file_stamp()

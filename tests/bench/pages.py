@@ -16,11 +16,9 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import random
 import shutil
 import sys
-import tempfile
 import time
 from datetime import timedelta
 from decimal import Decimal
@@ -28,32 +26,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-SCRATCH = Path(tempfile.mkdtemp(prefix="tessera-bench-pages-"))
+
+from tests.bench.scratch import setup_django  # noqa: E402
+
+SCRATCH: Path | None = None  # set by configure()
 TARGET_P95_MS = 150.0
 
 
 def configure() -> None:
-    url = os.environ.get("DATABASE_URL", "")
-    if url.startswith("postgres"):
-        import psycopg
-
-        base, _, _name = url.rpartition("/")
-        with psycopg.connect(f"{base}/postgres", autocommit=True) as c:
-            c.execute("DROP DATABASE IF EXISTS tessera_bench_pages")
-            c.execute("CREATE DATABASE tessera_bench_pages")
-        os.environ["DATABASE_URL"] = f"{base}/tessera_bench_pages"
-    else:
-        os.environ["DATABASE_URL"] = f"sqlite:///{SCRATCH / 'bench.sqlite3'}"
-    os.environ["TESSERA_VAR_DIR"] = str(SCRATCH / "var")
-    os.environ["TESSERA_SIM_DIR"] = str(SCRATCH / "sim")
-    os.environ.setdefault("LOG_LEVEL", "WARNING")
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "marketplace.settings")
-    import django
-
-    django.setup()
-    from django.core.management import call_command
-
-    call_command("migrate", verbosity=0)
+    global SCRATCH
+    SCRATCH = setup_django("tessera_bench_pages", "tessera-bench-pages-")
 
 
 def build(n_nodes: int, n_tenants: int) -> dict:

@@ -13,37 +13,20 @@ import argparse
 import os
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-SCRATCH = Path(tempfile.mkdtemp(prefix="tessera-bench-"))
+
+from tests.bench.scratch import setup_django  # noqa: E402
+
+SCRATCH: Path | None = None  # set by configure()
 
 
 def configure() -> None:
-    url = os.environ.get("DATABASE_URL", "")
-    if url.startswith("postgres"):
-        import psycopg
-
-        base, _, _name = url.rpartition("/")
-        with psycopg.connect(f"{base}/postgres", autocommit=True) as c:
-            c.execute("DROP DATABASE IF EXISTS tessera_bench")
-            c.execute("CREATE DATABASE tessera_bench")
-        os.environ["DATABASE_URL"] = f"{base}/tessera_bench"
-    else:
-        os.environ["DATABASE_URL"] = f"sqlite:///{SCRATCH / 'bench.sqlite3'}"
-    os.environ["TESSERA_SIM_DIR"] = str(SCRATCH / "sim")
-    os.environ["TESSERA_TRITON_REPO_ROOT"] = str(SCRATCH / "triton")
-    os.environ.setdefault("LOG_LEVEL", "WARNING")
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "marketplace.settings")
-    import django
-
-    django.setup()
-    from django.core.management import call_command
-
-    call_command("migrate", verbosity=0)
+    global SCRATCH
+    SCRATCH = setup_django("tessera_bench", "tessera-bench-")
 
 
 def main() -> None:
