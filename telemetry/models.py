@@ -76,6 +76,8 @@ class TritonServedHourly(models.Model):
     hour = models.DateTimeField()
     requests = models.BigIntegerField(default=0, help_text="inference_count increase within the hour")
     failures = models.BigIntegerField(default=0)
+    execution_ns = models.BigIntegerField(
+        default=0, help_text="model execution time within the hour (Triton batch_stats compute input+infer+output)")
 
     objects = TenantScopedQuerySet.as_manager()
     tenant_path = "tenant_id"
@@ -95,6 +97,7 @@ class TritonCounter(models.Model):
                                       related_name="triton_counter")
     inference_count = models.BigIntegerField(default=0)
     fail_count = models.BigIntegerField(default=0)
+    execution_ns = models.BigIntegerField(default=0)
     scraped_at = models.DateTimeField(default=timezone.now)
 
     def __str__(self) -> str:

@@ -730,7 +730,7 @@ def demo_text_model(name: str = "tiny-gen", *, memory_mb: int = 64, version: int
 # --------------------------------------------------------------------------------------------------
 
 STAT_KEYS = ("inference_count", "execution_count", "success_count", "fail_count", "success_ns", "queue_ns",
-             "compute_input_ns", "compute_infer_ns", "compute_output_ns", "last_inference")
+             "compute_input_ns", "compute_infer_ns", "compute_output_ns", "execution_ns", "last_inference")
 
 
 def flatten_statistics(model_stat: dict[str, Any]) -> dict[str, Any]:
@@ -739,6 +739,11 @@ def flatten_statistics(model_stat: dict[str, Any]) -> dict[str, Any]:
 
     def part(key: str, sub: str) -> int:
         return int((inf.get(key) or {}).get(sub, 0))
+
+    # Time the model spent executing: per batch size, the executions' compute input + infer + output.
+    # (inference_stats charge a batched execution's time to every request in it; batch_stats do not.)
+    execution_ns = sum(int((b.get(k) or {}).get("ns", 0)) for b in model_stat.get("batch_stats") or []
+                       for k in ("compute_input", "compute_infer", "compute_output"))
 
     return {
         "name": model_stat.get("name"),
@@ -752,6 +757,7 @@ def flatten_statistics(model_stat: dict[str, Any]) -> dict[str, Any]:
         "compute_input_ns": part("compute_input", "ns"),
         "compute_infer_ns": part("compute_infer", "ns"),
         "compute_output_ns": part("compute_output", "ns"),
+        "execution_ns": execution_ns,
         "last_inference": int(model_stat.get("last_inference", 0)),  # ms since the epoch, 0 = never
     }
 
@@ -928,15 +934,18 @@ class SimTritonBackend(TritonBackend):
 
     ``memory_mb``: the slice's memory; loading refuses a model whose declared memory (``tessera_memory_mb``)
     does not fit next to the models already loaded. None = unlimited. Statistics count like Triton's (one
-    request of batch 1 = one inference, one execution); durations are deterministic.
+    request of batch 1 = one inference, one execution); durations are deterministic. ``tokens_per_s``: the
+    slice's throughput (the simulator's performance model; Tessera passes the tier's modelled capacity):
+    an execution then takes (input + output tokens) / tokens_per_s; None: 200 µs + 10 µs per output token.
     """
 
     kind = "sim"
 
     def __init__(self, repo_dir: str | os.PathLike, memory_mb: int | None = None, *,
-                 clock: Any = time.time) -> None:
+                 clock: Any = time.time, tokens_per_s: float | None = None) -> None:
         self.repo_dir = Path(repo_dir)
         self.memory_mb = memory_mb
+        self.tokens_per_s = tokens_per_s
         self.clock = clock
         self.server_ready = True  # set False to simulate a server that is down
         self._models: dict[str, _SimModel] = {}
@@ -1064,7 +1073,10 @@ class SimTritonBackend(TritonBackend):
                 # error for the client, yet Triton counts the request as executed and *successful*.
                 error, n_out = str(exc), 0
             queue, c_in, c_out = 20_000, 5_000, 5_000
-            c_infer = 200_000 + 10_000 * n_out
+            if self.tokens_per_s:
+                c_infer = max(1, round((n_in + n_out) / self.tokens_per_s * 1e9) - c_in - c_out)
+            else:
+                c_infer = 200_000 + 10_000 * n_out
             s["inference_count"] += 1
             s["execution_count"] += 1
             s["success_count"] += 1
@@ -1072,6 +1084,7 @@ class SimTritonBackend(TritonBackend):
             s["compute_input_ns"] += c_in
             s["compute_infer_ns"] += c_infer
             s["compute_output_ns"] += c_out
+            s["execution_ns"] += c_in + c_infer + c_out
             s["success_ns"] += queue + c_in + c_infer + c_out + 10_000
             if error is not None:
                 raise InferenceServerException(error, status="500")
@@ -1143,7 +1156,8 @@ _SIM_LOCK = threading.Lock()
 
 
 def get_triton_backend(kind: str | None = None, url: str | None = None, repo_dir: str | os.PathLike | None = None,
-                       *, metrics_url: str | None = None, memory_mb: int | None = None) -> TritonBackend:
+                       *, metrics_url: str | None = None, memory_mb: int | None = None,
+                       tokens_per_s: float | None = None) -> TritonBackend:
     """``"sim"`` -> the process-wide simulator for ``repo_dir`` (same object for the same folder and memory,
     so a load in one task is seen by the next); ``"http"`` -> a new ``HttpTritonBackend(url, metrics_url)``.
     ``kind`` defaults to the ``TESSERA_TRITON_BACKEND`` setting/environment variable, else "sim".
@@ -1160,7 +1174,9 @@ def get_triton_backend(kind: str | None = None, url: str | None = None, repo_dir
         with _SIM_LOCK:
             backend = _SIM_BACKENDS.get(key)
             if backend is None:
-                backend = _SIM_BACKENDS[key] = SimTritonBackend(repo_dir, memory_mb)
+                backend = _SIM_BACKENDS[key] = SimTritonBackend(repo_dir, memory_mb, tokens_per_s=tokens_per_s)
+            elif tokens_per_s is not None:
+                backend.tokens_per_s = tokens_per_s
             return backend
     raise ValueError(f"unknown Triton backend {kind!r}; expected one of {', '.join(BACKEND_KINDS)}")
 

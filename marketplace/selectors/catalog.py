@@ -2,10 +2,23 @@
 
 from __future__ import annotations
 
+from django.conf import settings
 from django.db.models import Count, Prefetch, Q
 
 from marketplace.models import Gpu, GpuInstance, GpuModel, MigPlacement, MigProfile, Node, ServerPlatform
 from tenants.scoping import Principal
+
+DEFAULT_TOKENS_PER_S_PER_TBPS = 3000.0  # whole GPU; decode is memory-bound: H100 ~10k tok/s, H200 ~14k
+
+
+def modelled_tokens_per_s(gpu_model: GpuModel, profile: MigProfile | None) -> float:
+    """What one slice serves flat out, in tokens/s, by the model (not a measurement):
+    TESSERA_TOKENS_PER_S_PER_TBPS x the GPU's memory bandwidth x the slice's share of the compute
+    slices (a whole GPU: all of them). The simulated Triton runs at this rate; the planner uses it
+    where a shape has no measurement."""
+    per_tbps = float(getattr(settings, "TESSERA_TOKENS_PER_S_PER_TBPS", DEFAULT_TOKENS_PER_S_PER_TBPS))
+    share = 1.0 if profile is None else profile.compute_slices / gpu_model.compute_slices
+    return per_tbps * float(gpu_model.bandwidth_tbps) * share
 
 
 def gpu_models():

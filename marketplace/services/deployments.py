@@ -16,6 +16,7 @@ from tritonclient.utils import InferenceServerException
 from marketplace.hardware import triton
 from marketplace.models import Allocation, ModelDeployment
 from marketplace.models.deployments import LIVE_DEPLOYMENT_STATES
+from marketplace.selectors.catalog import modelled_tokens_per_s
 from tenants.errors import Conflict, Forbidden, ServiceError
 from tenants.scoping import Principal
 
@@ -42,7 +43,10 @@ def backend_for(allocation: Allocation) -> triton.TritonBackend:
             raise RuntimeError(f"allocation {allocation.pk} has no Triton server URL yet")
         return triton.get_triton_backend("http", url=allocation.triton_url,
                                          metrics_url=allocation.triton_metrics_url or None)
-    return triton.get_triton_backend("sim", repo_dir=repo_dir(allocation), memory_mb=slice_memory_mb(allocation))
+    tier = allocation.tier
+    rate = modelled_tokens_per_s(tier.gpu_model, tier.profile if tier.profile_id else None)
+    return triton.get_triton_backend("sim", repo_dir=repo_dir(allocation), memory_mb=slice_memory_mb(allocation),
+                                     tokens_per_s=rate)
 
 
 def build_spec(name: str, *, template: str | None = None, spec: dict | None = None) -> triton.ModelSpec:

@@ -20,27 +20,22 @@ from __future__ import annotations
 import logging
 from datetime import datetime, timedelta
 
-from django.conf import settings
 from django.db.models import F, Sum
 from django.utils import timezone
 from pynvml import NVMLError
 
 from marketplace.models import Allocation, GpuInstance, ModelDeployment, Node
+from marketplace.selectors.catalog import modelled_tokens_per_s
 from marketplace.services import nodes
 from telemetry.models import CollectorError, GpuSample, MigSample, Resolution, UsageHourly
 
 log = logging.getLogger("tessera.telemetry.collector")
 MIB = 1024 * 1024
-DEFAULT_TOKENS_PER_S_PER_TBPS = 3000.0  # whole GPU; decode is memory-bound: H100 ~10k tok/s, H200 ~14k
 
 
 def tier_capacity_tokens_per_s(tier) -> float:
-    """What a slice of the tier serves flat out, in tokens/s: TESSERA_TOKENS_PER_S_PER_TBPS x the
-    GPU's memory bandwidth x the slice's share of the compute slices (a whole GPU: all of them)."""
-    per_tbps = float(getattr(settings, "TESSERA_TOKENS_PER_S_PER_TBPS", DEFAULT_TOKENS_PER_S_PER_TBPS))
-    model = tier.gpu_model
-    share = 1.0 if tier.profile_id is None else tier.profile.compute_slices / model.compute_slices
-    return per_tbps * float(model.bandwidth_tbps) * share
+    """What a slice of the tier serves flat out, in tokens/s (the model: selectors.catalog.modelled_tokens_per_s)."""
+    return modelled_tokens_per_s(tier.gpu_model, tier.profile if tier.profile_id else None)
 
 
 def _window(now: datetime) -> tuple[datetime, float]:

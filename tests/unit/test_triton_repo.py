@@ -517,8 +517,12 @@ class TestFactory:
     def test_statistics_flattening(self):
         raw = {"name": "m", "version": "2", "last_inference": 5, "inference_count": 7, "execution_count": 3,
                "inference_stats": {"success": {"count": 6, "ns": 100}, "fail": {"count": 1, "ns": 9},
-                                   "queue": {"count": 6, "ns": 10}, "compute_infer": {"count": 3, "ns": 50}}}
+                                   "queue": {"count": 6, "ns": 10}, "compute_infer": {"count": 3, "ns": 50}},
+               # two executions of batch 1 and one of batch 4: execution time is what batch_stats add up to
+               "batch_stats": [{"batch_size": 1, "compute_input": {"count": 2, "ns": 4},
+                                "compute_infer": {"count": 2, "ns": 30}, "compute_output": {"count": 2, "ns": 2}},
+                               {"batch_size": 4, "compute_infer": {"count": 1, "ns": 20}}]}
         flat = t.flatten_statistics(raw)
         assert flat == {"name": "m", "version": "2", "inference_count": 7, "execution_count": 3, "success_count": 6,
                         "fail_count": 1, "success_ns": 100, "queue_ns": 10, "compute_input_ns": 0,
-                        "compute_infer_ns": 50, "compute_output_ns": 0, "last_inference": 5}
+                        "compute_infer_ns": 50, "compute_output_ns": 0, "execution_ns": 56, "last_inference": 5}
