@@ -331,6 +331,50 @@ def tenant_usage(per: Period, principal: Principal, params: dict | None = None):
     return fig, {"bucket": bucket, "currency": per.currency, "tenants": numbers}
 
 
+# --- capacity planner ------------------------------------------------------------------------------
+
+def capacity_plan(report):
+    """The planner's answer (marketplace.selectors.planner.PlanReport): cost per 1K tokens of each
+    scenario, split into GPU-hours and power, with the GPUs each needs; and the optimum's GPUs by layout."""
+    cur = report.request.currency
+    feasible = [s for s in report.scenarios if s.result.feasible]
+    best = report.best.result
+    rows = [(f"{u.gpu_model.split('-')[0].upper()}: {u.layout}", u) for u in best.layouts]
+    fig = make_subplots(rows=2, cols=1, row_heights=[0.55, 0.45], vertical_spacing=0.2,
+                        subplot_titles=(f"cost per 1K tokens ({cur}) by fleet", "optimal fleet: GPUs by MIG layout"))
+    labels = [s.label for s in feasible]
+
+    def per_1k(s, part):
+        r = s.result
+        return part / (r.tokens_per_s * 3.6) if r.tokens_per_s else None
+
+    gpus_text = [", ".join(f"{n}× {k.split('-')[0].upper()}" for k, n in sorted(s.result.gpus.items()))
+                 for s in feasible]
+    fig.add_trace(go.Bar(x=labels, y=[per_1k(s, s.result.gpu_cost_per_hour) for s in feasible], name="GPU-hours",
+                         marker_color="#1f77b4", hovertext=gpus_text), 1, 1)
+    fig.add_trace(go.Bar(x=labels, y=[per_1k(s, s.result.power_cost_per_hour) for s in feasible], name="power",
+                         marker_color="#ff7f0e", text=gpus_text, textposition="outside", cliponaxis=False), 1, 1)
+    colors = {m: c for m, c in zip(sorted({u.gpu_model for _l, u in rows}), ("#2ca02c", "#9467bd", "#8c564b"),
+                                   strict=False)}
+    for model in sorted(colors):
+        mine = [(label, u) for label, u in rows if u.gpu_model == model]
+        fig.add_trace(go.Bar(y=[label for label, _u in mine], x=[u.gpus for _l, u in mine], orientation="h",
+                             name=f"{model} GPUs", marker_color=colors[model], text=[u.gpus for _l, u in mine],
+                             textposition="auto"), 2, 1)
+    longest = max((len(label) for label, _u in rows), default=10)
+    fig.update_layout(**{**LAYOUT, "margin": {**LAYOUT["margin"], "l": min(420, 40 + 6 * longest)}},
+                      barmode="stack", title="Capacity plan: lowest cost per 1K tokens",
+                      legend={"orientation": "h", "y": -0.12})
+    fig.update_yaxes(autorange="reversed", row=2, col=1)
+    fig.update_xaxes(title_text="GPUs", dtick=1 if sum(u.gpus for _l, u in rows) <= 10 else None, row=2, col=1)
+    numbers = {s.key: {"label": s.label, "feasible": s.result.feasible, "gpus": s.result.gpus,
+                       "cost_per_1k_tokens": s.result.cost_per_1k_tokens,
+                       "gpu_cost_per_hour": s.result.gpu_cost_per_hour,
+                       "power_cost_per_hour": s.result.power_cost_per_hour} for s in report.scenarios}
+    return fig, {"currency": cur, "scenarios": numbers,
+                 "layouts": [{"gpu_model": u.gpu_model, "layout": u.layout, "gpus": u.gpus} for u in best.layouts]}
+
+
 # --- registry --------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 from django.urls import path
 from rest_framework.routers import SimpleRouter
 
-from . import billing, catalog, deployments, orders
+from . import billing, catalog, deployments, orders, planner
 
 router = SimpleRouter()
 router.register("catalog/gpu-models", catalog.GpuModelViewSet, basename="gpumodel")
@@ -24,5 +24,7 @@ router.register("webhooks", billing.WebhookEndpointViewSet, basename="webhook")
 urlpatterns = [
     path("billing/spend/", billing.SpendView.as_view(), name="billing-spend"),
     path("billing/usage/", billing.UsageSummaryView.as_view(), name="billing-usage"),
+    path("planner/", planner.PlannerView.as_view(), name="planner"),
+    path("planner/inputs/", planner.PlannerInputsView.as_view(), name="planner-inputs"),
     *router.urls,
 ]

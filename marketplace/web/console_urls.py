@@ -3,6 +3,7 @@
 from django.urls import path
 
 from . import console as v
+from . import planner
 
 urlpatterns = [
     path("", v.overview, name="overview"),
@@ -24,4 +25,5 @@ urlpatterns = [
     path("invoices/<int:pk>/finalize/", v.invoice_finalize, name="invoice_finalize"),
     path("deployments/", v.deployments, name="deployments"),
     path("charts/", v.charts, name="charts"),
+    path("planner/", planner.planner_page, name="planner"),
 ]

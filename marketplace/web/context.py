@@ -7,7 +7,7 @@ from tenants.scoping import principal_for
 CONSOLE = [
     ("console:overview", "Overview"), ("console:nodes", "Nodes & GPUs"), ("console:allocations", "Allocations"),
     ("console:tenants", "Tenants"), ("console:tiers", "Tiers & prices"), ("console:invoices", "Invoices"),
-    ("console:deployments", "Deployments"), ("console:charts", "Charts"),
+    ("console:deployments", "Deployments"), ("console:charts", "Charts"), ("console:planner", "Planner"),
 ]
 PORTAL = [
     ("portal:home", "Overview"), ("portal:catalog", "Catalog"), ("portal:slices", "Slices"),

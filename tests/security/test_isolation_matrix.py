@@ -152,7 +152,8 @@ CLASSIFICATION: dict[str, str] = {
     "console:overview": OPERATOR, "console:nodes": OPERATOR, "console:allocations": OPERATOR,
     "console:allocation_drift": OPERATOR, "console:tenants": OPERATOR, "console:tiers": OPERATOR,
     "console:tier_detail": OPERATOR, "console:invoices": OPERATOR, "console:deployments": OPERATOR,
-    "console:charts": OPERATOR,
+    "console:charts": OPERATOR, "console:planner": OPERATOR, "api:planner": OPERATOR,
+    "api:planner-inputs": OPERATOR,
 }
 
 

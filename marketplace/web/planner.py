@@ -1,0 +1,174 @@
+"""Console: the capacity and cost-per-token planner (GET form: a plan is a shareable URL; nothing is stored)."""
+
+from __future__ import annotations
+
+import json
+
+from django import forms
+from django.shortcuts import render
+from django.views.decorators.http import require_GET
+
+from marketplace import planner
+from marketplace.models import GpuModel
+from marketplace.selectors import planner as sel
+from marketplace.web.console import operator_required
+from telemetry.charts import capacity_plan
+from telemetry.services.energy import price_per_kwh
+from tenants.models import CURRENCIES
+
+
+def _models() -> list[GpuModel]:
+    return list(GpuModel.objects.order_by("memory_gb", "key"))
+
+
+class WorkloadForm(forms.Form):
+    name = forms.CharField(max_length=80, required=False)
+    tokens_per_s = forms.FloatField(required=False, min_value=0.001, max_value=1e9, label="Tokens/s")
+    min_memory_gib = forms.FloatField(required=False, min_value=0, max_value=10_000, label="Memory per replica (GiB)")
+    gpu_model = forms.ChoiceField(required=False, label="GPU model")
+
+    def __init__(self, *args, models=(), **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fields["gpu_model"].choices = [("", "any")] + [(m.key, m.name) for m in models]
+
+    def clean(self):
+        data = super().clean()
+        given = [data.get(k) not in (None, "") for k in ("name", "tokens_per_s", "min_memory_gib")]
+        if any(given) and not all(given):
+            raise forms.ValidationError("give the name, tokens/s and memory of the workload (or leave the row empty)")
+        data["empty"] = not any(given)
+        return data
+
+
+def _blank(form) -> bool:
+    """An untouched extra row (not validated: no cleaned data) or one left empty."""
+    return not form.cleaned_data or form.cleaned_data.get("empty", False)
+
+
+class BaseWorkloadFormSet(forms.BaseFormSet):
+    def clean(self):
+        if any(self.errors):
+            return
+        names = [f.cleaned_data["name"] for f in self.forms if not _blank(f)]
+        if not names:
+            raise forms.ValidationError("give at least one workload")
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise forms.ValidationError(f"workload names must be unique: {', '.join(dup)}")
+
+
+WorkloadFormSet = forms.formset_factory(WorkloadForm, formset=BaseWorkloadFormSet, extra=2, max_num=sel.MAX_WORKLOADS,
+                                        validate_max=True, absolute_max=sel.MAX_WORKLOADS)
+
+
+def _shape_field(key: str) -> str:
+    return "tps_" + key.replace("/", "__")
+
+
+class SettingsForm(forms.Form):
+    target_utilization = forms.FloatField(min_value=1, max_value=100, initial=sel.DEFAULT_TARGET_UTILIZATION * 100,
+                                          label="Target utilization (%)",
+                                          help_text="replicas are added before a slice runs above this load")
+    growth = forms.FloatField(min_value=0.01, max_value=10_000, initial=1, label="Demand growth (×)")
+    window_days = forms.FloatField(min_value=0.05, max_value=366, initial=sel.DEFAULT_WINDOW_DAYS,
+                                   label="Measurement window (days)")
+    price_per_kwh = forms.DecimalField(min_value=0, max_digits=8, decimal_places=4, label="Energy price per kWh")
+    currency = forms.ChoiceField(choices=CURRENCIES, initial="USD")
+    gpu_models = forms.MultipleChoiceField(required=False, widget=forms.CheckboxSelectMultiple,
+                                           label="GPU models the fleet may use")
+
+    def __init__(self, *args, models=(), shapes=(), **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fields["price_per_kwh"].initial = price_per_kwh()
+        self.fields["gpu_models"].choices = [(m.key, m.name) for m in models]
+        self.fields["gpu_models"].initial = [m.key for m in models]
+        self.cost_fields, self.tps_fields = [], []
+        for m in models:
+            name = f"cost_{m.key}"
+            self.fields[name] = forms.DecimalField(min_value=0, max_digits=10, decimal_places=4,
+                                                   initial=sel.default_gpu_hour_cost(m.key),
+                                                   label=f"{m.name}: cost per GPU-hour",
+                                                   help_text="hardware + hosting, power excluded")
+            self.cost_fields.append(name)
+        for f in shapes:
+            name = _shape_field(f.key)
+            hint = forms.NumberInput(attrs={"placeholder": f"{f.tokens_per_s:.0f}"})
+            self.fields[name] = forms.FloatField(required=False, min_value=0.001, max_value=1e9, label=f.label,
+                                                 widget=hint)
+            self.tps_fields.append(name)
+
+    def clean_gpu_models(self):
+        chosen = self.cleaned_data.get("gpu_models") or []
+        if self.is_bound and not chosen:
+            raise forms.ValidationError("choose at least one GPU model")
+        return chosen
+
+
+def _request(workloads, settings_form, models, shapes) -> sel.PlanRequest:
+    d = settings_form.cleaned_data
+    by_model = {m.key for m in models}
+    return sel.PlanRequest(
+        workloads=workloads,
+        target_utilization=d["target_utilization"] / 100,
+        growth=d["growth"],
+        window_days=d["window_days"],
+        price_per_kwh=float(d["price_per_kwh"]),
+        currency=d["currency"],
+        gpu_models=tuple(k for k in d["gpu_models"] if k in by_model) or None,
+        gpu_hour_cost={m.key: float(d[f"cost_{m.key}"]) for m in models},
+        throughput={f.key: d[_shape_field(f.key)] for f in shapes if d.get(_shape_field(f.key))},
+    )
+
+
+def _workloads(formset) -> list[planner.Workload]:
+    out = []
+    for f in formset.forms:
+        if _blank(f):
+            continue
+        d = f.cleaned_data
+        out.append(planner.Workload(d["name"], d["tokens_per_s"], d["min_memory_gib"],
+                                    (d["gpu_model"],) if d.get("gpu_model") else ()))
+    return out
+
+
+@require_GET
+@operator_required
+def planner_page(request):
+    models = _models()
+    since, until = sel.window()
+    shapes = sel.shape_figures(since, until)
+    bound = "plan" in request.GET
+    report = error = None
+    if bound:
+        formset = WorkloadFormSet(request.GET, prefix="w", form_kwargs={"models": models})
+        settings_form = SettingsForm(request.GET, models=models, shapes=shapes)
+        if formset.is_valid() and settings_form.is_valid():
+            try:
+                report = sel.build_plan(_request(_workloads(formset), settings_form, models, shapes))
+            except planner.PlanError as exc:
+                error = exc.message
+    else:
+        demand = sel.measured_demand(since, until)
+        initial = [{"name": d["name"], "tokens_per_s": d["tokens_per_s"], "min_memory_gib": d["min_memory_gib"]}
+                   for d in demand]
+        formset = WorkloadFormSet(prefix="w", initial=initial, form_kwargs={"models": models})
+        settings_form = SettingsForm(models=models, shapes=shapes)
+        if demand:
+            try:
+                report = sel.build_plan(sel.PlanRequest(workloads=[
+                    planner.Workload(d["name"], d["tokens_per_s"], d["min_memory_gib"]) for d in demand]))
+            except planner.PlanError as exc:
+                error = exc.message
+    ctx = {"formset": formset, "settings_form": settings_form, "report": report, "error": error,
+           "base_fields": [settings_form[n] for n in ("target_utilization", "growth", "window_days", "price_per_kwh",
+                                                      "currency", "gpu_models")],
+           "cost_fields": [settings_form[n] for n in settings_form.cost_fields],
+           "tps_fields": [settings_form[n] for n in settings_form.tps_fields],
+           "measured_default": not bound}
+    if report is not None:
+        fig, _numbers = capacity_plan(report)
+        ctx["figure"] = json.loads(fig.to_json())
+        ctx["plan"] = sel.report_dict(report)
+        ctx["best"] = report.best
+        ctx["shape_rows"] = ctx["plan"]["shapes"]
+    return render(request, "console/planner.html", ctx)
