@@ -88,7 +88,7 @@ class AllocationEventInline(admin.TabularInline):
     model = AllocationEvent
     extra = 0
     can_delete = False
-    readonly_fields = ["from_state", "to_state", "actor", "reason", "at"]
+    readonly_fields = ["from_state", "to_state", "actor", "reason", "detail", "at"]
 
 
 @admin.register(Allocation)

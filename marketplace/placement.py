@@ -26,6 +26,10 @@ Policy ``"best"`` (the default), for a request of profile *p*:
   which becomes dedicated to it (until it is empty again, unless the dedication is sticky); a
   whole-GPU request needs an empty GPU.
 
+Two texts per answer: ``reason`` is the operator's diagnostic (GPU and node ids, fill, candidates,
+fleet size, GPUs dedicated to other tenants) and must never reach a tenant; ``summary`` is what the
+tenant may read: its own request and outcome only, no id, no fleet figure, no other tenant.
+
 Policy ``"first_fit"`` is the baseline for the benchmark: the lowest GPU id that may legally host
 the request (same tenancy rules), at its first legal start.
 
@@ -58,6 +62,8 @@ __all__ = [
     "Request",
     "layout_problems",
     "legal_starts",
+    "no_capacity_summary",
+    "placed_summary",
     "valid_layout",
 ]
 
@@ -122,7 +128,8 @@ class Decision:
     dedicated: bool  # the GPU is dedicated to this tenant (after this placement)
     newly_dedicated: bool  # this placement made the GPU dedicated to the tenant
     candidates: int  # GPUs that could have hosted the request (including this one)
-    reason: str
+    reason: str  # operators only: names GPU and node ids and fleet figures
+    summary: str = ""  # tenant-safe: the request and its outcome, nothing about the fleet
     ok = True
 
     def __bool__(self) -> bool:
@@ -137,7 +144,8 @@ class NoCapacity:
     dedicated: bool
     gpus_of_model: int
     dedicated_to_others: int
-    reason: str
+    reason: str  # operators only: fleet size, GPUs dedicated to other tenants, the tenant's id
+    summary: str = ""  # tenant-safe: what was asked for and what to try, nothing about the fleet
     ok = False
 
     def __bool__(self) -> bool:
@@ -149,6 +157,25 @@ class Released:
     gpu_id: int
     instance: Instance
     dedication_ended: bool  # the GPU went back to the shared pool
+
+
+def placed_summary(model_name: str, profile_name: str | None, dedicated: bool) -> str:
+    """The tenant-safe account of a placement: what the tenant got, on which kind of GPU.
+    ``profile_name`` None: a whole GPU. Never an id, a count or another tenant."""
+    if profile_name is None:
+        return f"a whole {model_name} GPU is reserved for you"
+    kind = "dedicated (no other tenant shares it)" if dedicated else "shared"
+    return f"{profile_name} slice placed on a {kind} {model_name} GPU"
+
+
+def no_capacity_summary(model_name: str, profile_name: str | None, dedicated: bool) -> str:
+    """The tenant-safe refusal: what was asked for and what to try. It says the same whether the
+    fleet has no GPU of the model, all of them are full or other tenants hold them."""
+    what = f"a whole {model_name} GPU" if profile_name is None else f"{model_name} {profile_name}"
+    if dedicated:
+        return (f"No capacity for {what} right now: no room on your dedicated GPUs and no free GPU to "
+                f"dedicate; try another tier or later")
+    return f"No capacity for {what} right now; try another tier or later"
 
 
 # --------------------------------------------------------------------------------------------
@@ -671,6 +698,7 @@ class Fleet:
             newly,
             candidates,
             reason,
+            placed_summary(t.geo.name, None if pid is WHOLE_GPU else shape.name, dedicated),
         )
 
     def _find(self, t: _Tables, pool: _Pool | None, pid: int | None, first_fit: bool):
@@ -743,7 +771,9 @@ class Fleet:
             reason = f"no {t.geo.name} GPU is empty (a whole GPU needs one); {tail}"
         else:
             reason = f"no {t.geo.name} GPU has a free {shape.name} placement; {tail}"
-        return NoCapacity(geo, shape.pid, request.tenant_id, request.dedicated, total, others, reason)
+        summary = no_capacity_summary(t.geo.name, None if shape.pid is WHOLE_GPU else shape.name,
+                                      request.dedicated)
+        return NoCapacity(geo, shape.pid, request.tenant_id, request.dedicated, total, others, reason, summary)
 
     def _commit(self, d: Decision) -> None:
         g = self._gpus[d.gpu_id]

@@ -116,7 +116,7 @@ def metered_vs_served(principal: Principal, since: datetime, until: datetime, te
     """Per deployment over hours in [since, until): requests the tenant's gateway reported (metered,
     from UsageHourly) against requests its Triton server reported serving (from TritonServedHourly),
     and the difference (metered - served: negative = served but not metered). Operators see every
-    tenant; a tenant principal its own."""
+    tenant and the node each deployment runs on; a tenant principal its own, without the node."""
     metered_qs = _visible(UsageHourly.objects.all(), principal, ("read", "billing")).filter(
         hour__gte=since, hour__lt=until)
     served_qs = _visible(TritonServedHourly.objects.all(), principal, ("read", "billing")).filter(
@@ -129,6 +129,7 @@ def metered_vs_served(principal: Principal, since: datetime, until: datetime, te
     served = {r["deployment_id"]: r for r in served_qs.values("deployment_id").annotate(
         requests=Sum("requests"), failures=Sum("failures"))}
     ids = set(metered) | set(served)
+    operator = principal.is_operator  # a node's hostname is fleet-internal: tenants get None
     deps = {d["pk"]: d for d in ModelDeployment.objects.filter(pk__in=ids).values(
         "pk", "name", "state", "tenant__slug", "allocation_id", "allocation__node__hostname")}
     rows = []
@@ -138,7 +139,7 @@ def metered_vs_served(principal: Principal, since: datetime, until: datetime, te
         s = int((served.get(pk) or {}).get("requests") or 0)
         rows.append({
             "deployment": pk, "model": d.get("name"), "state": d.get("state"), "tenant": d.get("tenant__slug"),
-            "allocation": d.get("allocation_id"), "node": d.get("allocation__node__hostname"),
+            "allocation": d.get("allocation_id"), "node": d.get("allocation__node__hostname") if operator else None,
             "metered_requests": m, "served_requests": s, "difference": m - s,
             "served_failures": int((served.get(pk) or {}).get("failures") or 0),
             "metered_input_tokens": int((metered.get(pk) or {}).get("input_tokens") or 0),

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import django_filters
 from rest_framework import permissions, serializers, viewsets
 
 from marketplace.models import Gpu, GpuInstance, GpuModel, MigProfile, Node, ServerPlatform
 from marketplace.selectors import catalog as selectors
 
+from .disclosure import OperatorOnlyFieldsMixin, OperatorOnlyFiltersMixin
 from .viewsets import ScopedReadOnlyViewSet
 
 
@@ -88,9 +91,13 @@ class NodeSerializer(serializers.ModelSerializer):
         fields = ["id", "hostname", "platform", "queue", "state", "last_heartbeat", "gpu_count", "used_slots"]
 
 
-class SlotInstanceSerializer(serializers.ModelSerializer):
+class SlotInstanceSerializer(OperatorOnlyFieldsMixin, serializers.ModelSerializer):
     tenant = serializers.SlugRelatedField(slug_field="slug", read_only=True)
     profile = serializers.CharField(source="placement.profile.name", default="whole GPU", read_only=True)
+    start = serializers.IntegerField(read_only=True, allow_null=True, help_text="operators only (null for tenants)")
+    reason = serializers.CharField(read_only=True, help_text="operators only (blank for tenants): why the engine "
+                                   "chose this GPU and start")
+    operator_only: ClassVar = {"start": None, "gi_id": None, "ci_id": None, "reason": ""}
 
     class Meta:
         model = GpuInstance
@@ -136,9 +143,10 @@ class GpuFilter(django_filters.FilterSet):
         fields = ["node", "gpu_model", "mig_mode", "state", "dedicated_tenant"]
 
 
-class InstanceFilter(django_filters.FilterSet):
+class InstanceFilter(OperatorOnlyFiltersMixin, django_filters.FilterSet):
     tenant = django_filters.CharFilter(field_name="tenant__slug")
-    node = django_filters.CharFilter(field_name="gpu__node__hostname")
+    node = django_filters.CharFilter(field_name="gpu__node__hostname", method="operator_only",
+                                     help_text="node hostname (operators only)")
     gpu_model = django_filters.CharFilter(field_name="gpu__gpu_model__key")
 
     class Meta:
@@ -173,9 +181,14 @@ class GpuViewSet(ScopedReadOnlyViewSet):
 
 
 class GpuInstanceSerializer(SlotInstanceSerializer):
-    gpu = serializers.CharField(source="gpu.uuid", read_only=True)
-    node = serializers.CharField(source="gpu.node.hostname", read_only=True)
+    """Tenants list their own instances: profile, size, state and MIG device, not where they run."""
+
+    gpu = serializers.CharField(source="gpu.uuid", read_only=True, allow_null=True,
+                                help_text="the GPU's UUID; operators only (null for tenants)")
+    node = serializers.CharField(source="gpu.node.hostname", read_only=True, allow_null=True,
+                                 help_text="operators only (null for tenants)")
     gpu_model = serializers.CharField(source="gpu.gpu_model.key", read_only=True)
+    operator_only: ClassVar = {**SlotInstanceSerializer.operator_only, "gpu": None, "node": None}
 
     class Meta(SlotInstanceSerializer.Meta):
         fields = [*SlotInstanceSerializer.Meta.fields, "gpu", "node", "gpu_model", "created_at"]

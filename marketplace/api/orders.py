@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import django_filters
 from drf_spectacular.utils import extend_schema
 from rest_framework import mixins, permissions, serializers, status, viewsets
@@ -15,6 +17,7 @@ from marketplace.services import offers, orders
 from tenants.api.serializers import ScopedTenantField
 from tenants.scoping import principal_for
 
+from .disclosure import OperatorOnlyFieldsMixin, OperatorOnlyFiltersMixin
 from .viewsets import ScopedViewSetMixin
 
 
@@ -128,23 +131,35 @@ class PricePlanViewSet(OperatorWritesMixin, mixins.ListModelMixin, mixins.Retrie
         offers.withdraw_price_plan(self.principal, instance)
 
 
-class AllocationEventSerializer(serializers.ModelSerializer):
+class AllocationEventSerializer(OperatorOnlyFieldsMixin, serializers.ModelSerializer):
+    detail = serializers.CharField(read_only=True, help_text="operators only (blank for tenants): the diagnostic")
+    operator_only: ClassVar = {"detail": ""}
+
     class Meta:
         model = AllocationEvent
-        fields = ["from_state", "to_state", "actor", "reason", "at"]
+        fields = ["from_state", "to_state", "actor", "reason", "detail", "at"]
 
 
-class AllocationSerializer(serializers.ModelSerializer):
+class AllocationSerializer(OperatorOnlyFieldsMixin, serializers.ModelSerializer):
+    """A tenant reads its slice's tier, state, MIG device and history; where in the fleet it runs
+    (node, GPU, start) and the engine's diagnostic are the operators'."""
+
     tenant = serializers.SlugRelatedField(slug_field="slug", read_only=True)
     tier = serializers.SlugRelatedField(slug_field="key", read_only=True)
-    node = serializers.SlugRelatedField(slug_field="hostname", read_only=True)
+    node = serializers.SlugRelatedField(slug_field="hostname", read_only=True, allow_null=True,
+                                        help_text="operators only (null for tenants)")
+    gpu_uuid = serializers.CharField(read_only=True, help_text="operators only (blank for tenants)")
+    start = serializers.IntegerField(read_only=True, allow_null=True, help_text="operators only (null for tenants)")
+    placement_detail = serializers.CharField(read_only=True, help_text="operators only (blank for tenants): the "
+                                             "placement engine's diagnostic")
     events = AllocationEventSerializer(many=True, read_only=True)
+    operator_only: ClassVar = {"node": None, "gpu_uuid": "", "start": None, "placement_detail": ""}
 
     class Meta:
         model = Allocation
         fields = ["id", "order", "tenant", "tier", "state", "node", "gpu_uuid", "mig_uuid", "start", "size",
-                  "placement_reason", "failure_reason", "attempts", "created_at", "updated_at", "activated_at",
-                  "released_at", "events"]
+                  "placement_reason", "placement_detail", "failure_reason", "attempts", "created_at", "updated_at",
+                  "activated_at", "released_at", "events"]
 
 
 class OrderSerializer(serializers.ModelSerializer):
@@ -191,10 +206,11 @@ class OrderViewSet(ScopedViewSetMixin, mixins.ListModelMixin, mixins.RetrieveMod
         return Response(self.get_serializer(order).data, status=status.HTTP_201_CREATED)
 
 
-class AllocationFilter(django_filters.FilterSet):
+class AllocationFilter(OperatorOnlyFiltersMixin, django_filters.FilterSet):
     tenant = django_filters.CharFilter(field_name="tenant__slug")
     tier = django_filters.CharFilter(field_name="tier__key")
-    node = django_filters.CharFilter(field_name="node__hostname")
+    node = django_filters.CharFilter(field_name="node__hostname", method="operator_only",
+                                     help_text="node hostname (operators only)")
 
     class Meta:
         model = Allocation

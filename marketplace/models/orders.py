@@ -2,6 +2,10 @@
 
 requested -> placed -> provisioning -> ready -> active -> releasing -> released; any step but
 released can go to failed. Transitions are made only by services.allocations (one function each).
+
+Tenants read their allocations and events: ``reason``, ``placement_reason`` and ``failure_reason``
+are written for them; what only operators may read (the placement engine's diagnostic, with GPU and
+node ids and fleet figures) goes to ``detail`` / ``placement_detail``.
 """
 
 from __future__ import annotations
@@ -68,7 +72,10 @@ class Allocation(models.Model):
     mig_uuid = models.CharField(max_length=64, blank=True)
     start = models.PositiveSmallIntegerField(null=True, blank=True)
     size = models.PositiveSmallIntegerField(null=True, blank=True)
-    placement_reason = models.CharField(max_length=500, blank=True)
+    placement_reason = models.CharField(max_length=500, blank=True,
+                                        help_text="tenant-safe: what was placed, on which kind of GPU")
+    placement_detail = models.CharField(max_length=500, blank=True,
+                                        help_text="operators only: the placement engine's diagnostic")
     triton_url = models.CharField(max_length=200, blank=True,
                                   help_text="HTTP endpoint of the slice's Triton server (http backend)")
     triton_metrics_url = models.CharField(max_length=200, blank=True, help_text="its Prometheus metrics endpoint")
@@ -95,7 +102,9 @@ class AllocationEvent(models.Model):
     from_state = models.CharField(max_length=16, blank=True)
     to_state = models.CharField(max_length=16)
     actor = models.CharField(max_length=200, help_text='"user:<email>", "key:<prefix>", "task:<name>", "reconcile"')
-    reason = models.CharField(max_length=1000, blank=True)
+    reason = models.CharField(max_length=1000, blank=True, help_text="tenant-safe: why, as the tenant may read it")
+    detail = models.CharField(max_length=1000, blank=True,
+                              help_text="operators only: the diagnostic (GPU and node ids, fleet figures)")
     at = models.DateTimeField(default=timezone.now)
 
     objects = TenantScopedQuerySet.as_manager()

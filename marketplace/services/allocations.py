@@ -8,6 +8,7 @@ import logging
 from django.db import transaction
 from django.utils import timezone
 
+from marketplace import placement as engine
 from marketplace.models import Allocation, AllocationEvent
 from tenants.errors import Conflict
 
@@ -31,15 +32,16 @@ class IllegalTransition(Conflict):
     pass
 
 
-def _move(allocation: Allocation, to: str, actor: str, reason: str = "", **fields) -> Allocation:
-    """Lock the row, check the transition against the current state, apply it, record the event."""
+def _move(allocation: Allocation, to: str, actor: str, reason: str = "", detail: str = "", **fields) -> Allocation:
+    """Lock the row, check the transition against the current state, apply it, record the event.
+    ``reason`` is shown to the tenant; ``detail`` (fleet internals allowed) to operators only."""
     with transaction.atomic():
         current = Allocation.objects.select_for_update().get(pk=allocation.pk)
         if to not in TRANSITIONS[current.state]:
             raise IllegalTransition(f"an allocation cannot go from {current.state} to {to}", field="state")
         now = timezone.now()
         AllocationEvent.objects.create(allocation=current, from_state=current.state, to_state=to,
-                                       actor=actor[:200], reason=reason[:1000], at=now)
+                                       actor=actor[:200], reason=reason[:1000], detail=detail[:1000], at=now)
         current.state = to
         current.updated_at = now
         for name, value in fields.items():
@@ -56,9 +58,19 @@ def record_created(allocation: Allocation, actor: str) -> AllocationEvent:
 
 
 def place(allocation: Allocation, instance, actor: str) -> Allocation:
-    return _move(allocation, S.PLACED, actor, instance.reason, instance=instance, node_id=instance.gpu.node_id,
-                 gpu_uuid=instance.gpu.uuid, start=instance.start, size=instance.size,
-                 placement_reason=instance.reason, failure_reason="")
+    """The engine's diagnostic (``instance.reason``: GPU and node ids, fleet figures) is kept for
+    operators; the tenant reads the summary (``instance.summary``, set by fleet.place_instance)."""
+    summary = getattr(instance, "summary", "") or placed_summary(allocation.tier, instance)
+    return _move(allocation, S.PLACED, actor, summary, instance.reason, instance=instance,
+                 node_id=instance.gpu.node_id, gpu_uuid=instance.gpu.uuid, start=instance.start, size=instance.size,
+                 placement_reason=summary[:500], placement_detail=instance.reason[:500], failure_reason="")
+
+
+def placed_summary(tier, instance) -> str:
+    """The tenant-safe placement text for an instance placed without the engine's summary."""
+    gpu = instance.gpu
+    profile = instance.placement.profile.name if instance.placement_id else None
+    return engine.placed_summary(tier.gpu_model.name, profile, gpu.dedicated_tenant_id == instance.tenant_id)
 
 
 def begin_provisioning(allocation: Allocation, actor: str, reason: str = "") -> Allocation:
@@ -81,5 +93,6 @@ def mark_released(allocation: Allocation, actor: str, reason: str = "") -> Alloc
     return _move(allocation, S.RELEASED, actor, reason, released_at=timezone.now(), instance=None)
 
 
-def fail(allocation: Allocation, actor: str, reason: str) -> Allocation:
-    return _move(allocation, S.FAILED, actor, reason, failure_reason=reason[:1000])
+def fail(allocation: Allocation, actor: str, reason: str, detail: str = "") -> Allocation:
+    """``reason`` is the tenant's (no fleet internals); ``detail`` the operators'."""
+    return _move(allocation, S.FAILED, actor, reason, detail, failure_reason=reason[:1000])

@@ -25,7 +25,8 @@ PLACEMENT_ATTEMPTS = 5
 
 
 class NoCapacityError(Conflict):
-    """No GPU can host the request now (the message says why)."""
+    """No GPU can host the request now. The message is the tenant-safe summary; the engine's
+    diagnostic (GPU ids, fleet size, GPUs dedicated to other tenants) is the operators' only."""
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,10 @@ def candidate_gpus(gpu_model: GpuModel, whole_gpu: bool):
 
 def place_instance(tenant: Tenant, gpu_model: GpuModel, profile: MigProfile | None, *, dedicated: bool = False,
                    policy: str = engine.BEST_FIT) -> GpuInstance:
-    """Reserve slots for a new GPU instance (profile None: a whole GPU). Raises NoCapacityError."""
+    """Reserve slots for a new GPU instance (profile None: a whole GPU). Raises NoCapacityError.
+
+    The instance's ``reason`` is the engine's diagnostic (operators only); ``summary``, set on the
+    returned object and not stored on it, is the tenant-safe account the allocation records."""
     if profile is not None and profile.gpu_model_id != gpu_model.pk:
         raise ServiceError(f"{profile.name} is not a {gpu_model.name} profile", field="profile")
     request = engine.Request(
@@ -109,13 +113,18 @@ def place_instance(tenant: Tenant, gpu_model: GpuModel, profile: MigProfile | No
         fleet = engine.Fleet(_gpu_states(candidate_gpus(gpu_model, profile is None)), policy=policy)
         decision = fleet.choose(request)
         if not decision:
-            raise NoCapacityError(decision.reason, field="profile")
+            raise NoCapacityError(decision.summary, field="profile", diagnostic=decision.reason)
         try:
-            return _reserve(tenant, profile, decision)
+            inst = _reserve(tenant, profile, decision)
         except (IntegrityError, _StaleState) as exc:  # another writer took it first: re-plan
             last_reason = str(exc)
             log.info("placement raced, re-planning", extra={"gpu": decision.gpu_id, "why": last_reason})
-    raise NoCapacityError(f"the fleet changed under {PLACEMENT_ATTEMPTS} attempts; try again ({last_reason})")
+            continue
+        inst.summary = decision.summary
+        return inst
+    raise NoCapacityError("capacity changed while placing this order; try again",
+                          diagnostic=f"the fleet changed under {PLACEMENT_ATTEMPTS} attempts; try again "
+                                     f"({last_reason})")
 
 
 class _StaleState(Exception):

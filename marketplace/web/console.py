@@ -58,7 +58,7 @@ def _page(request, template: str, ctx: dict, status: int = 200):
 
 
 def _service_error(request, exc: ServiceError) -> None:
-    messages.error(request, exc.message)
+    messages.error(request, exc.text_for(operator=True))  # the console is for operators: the diagnostic
 
 
 def tenant_color(slug: str) -> str:

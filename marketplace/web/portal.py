@@ -132,20 +132,35 @@ def home(request):
 
 # --- catalog and orders -------------------------------------------------------------------------
 
-def availability(tiers) -> dict[int, int]:
-    """Free placements now per tier: every start where the tier's profile fits, over the healthy
-    GPUs of ready nodes (one query for the GPUs and one for their instances)."""
+#: The catalog shows free places up to this many ("10+" beyond): an exact count would tell a
+#: tenant the fleet's size and load.
+AVAILABILITY_CAP = 10
+
+
+def availability(tiers, tenant_id: int) -> dict[int, int | str]:
+    """Free places now per tier for this tenant: every start where the tier's profile fits, over
+    the healthy GPUs of ready nodes that the placement engine would give the tenant (not GPUs
+    dedicated to another tenant; for a dedicated tier, the tenant's own dedicated GPUs and empty
+    shared ones), capped at AVAILABILITY_CAP (one query for the GPUs and one for their instances)."""
     gpus = list(Gpu.objects.filter(state=Gpu.State.OK, node__state=Node.State.READY)
                 .select_related("gpu_model").prefetch_related("instances__placement__profile"))
     fleets = {}
     for (model_id, mig), group in _group(gpus).items():
         fleets[(model_id, mig)] = (engine.Fleet(_gpu_states(group)), [g.pk for g in group])
-    out = {}
+    out: dict[int, int | str] = {}
     for tier in tiers:
         whole = tier.profile_id is None
         fleet, ids = fleets.get((tier.gpu_model_id, not whole), (None, []))
         pid = None if whole else tier.profile.profile_id
-        out[tier.pk] = sum(len(fleet.free_starts(g, pid)) for g in ids) if fleet else 0
+        n = 0
+        for g in ids:
+            owner = fleet.dedicated_tenant(g)
+            usable = owner == tenant_id or (owner is None and (not tier.dedicated or not fleet.used_mask(g)))
+            if usable:
+                n += len(fleet.free_starts(g, pid))
+                if n > AVAILABILITY_CAP:
+                    break
+        out[tier.pk] = n if n <= AVAILABILITY_CAP else f"{AVAILABILITY_CAP}+"
     return out
 
 
@@ -172,10 +187,11 @@ def catalog(request):
 def _catalog(request, errors=None, status=200):
     t = request.tenant
     tiers = list(order_sel.tiers().filter(active=True).order_by("gpu_model__key", "name"))
-    free = availability(tiers)
+    free = availability(tiers, t.pk)
     rows = [{"tier": tr, "plan": price_of(tr, t.currency), "free": free.get(tr.pk, 0),
              "error": (errors or {}).get(tr.pk)} for tr in tiers]
-    return render(request, "portal/catalog.html", ctx(request, rows=rows), status=status)
+    return render(request, "portal/catalog.html", ctx(request, rows=rows, availability_cap=AVAILABILITY_CAP),
+                  status=status)
 
 
 @require_POST

@@ -1,0 +1,43 @@
+"""What a tenant may read about the fleet: its own slices, never the fleet's internals.
+
+Node hostnames, GPU UUIDs and ids, placement starts, GPU-instance and compute-instance ids and the
+placement engine's diagnostics (which name GPU and node ids, fleet sizes and how many GPUs other
+tenants hold) are for MSP operators. A serializer lists such fields in ``operator_only`` with the
+value everyone else gets instead (the field stays in the response, so the schema holds for both).
+A serializer without a request in its context treats the reader as a tenant.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from tenants.scoping import principal_for
+
+
+def reader_is_operator(context: dict | None) -> bool:
+    request = (context or {}).get("request")
+    return request is not None and principal_for(request).is_operator
+
+
+class OperatorOnlyFieldsMixin:
+    #: field name -> the value a non-operator reads instead
+    operator_only: ClassVar[dict[str, Any]] = {}
+
+    def to_representation(self, instance):
+        data = super().to_representation(instance)
+        if self.operator_only and not reader_is_operator(self.context):
+            for name, value in self.operator_only.items():
+                if name in data:
+                    data[name] = value
+        return data
+
+
+class OperatorOnlyFiltersMixin:
+    """FilterSet mixin: ``CharFilter(field_name="node__hostname", method="operator_only")`` filters
+    operators' lists by a fleet field; for anyone else it matches nothing, so a tenant cannot use
+    it to confirm a guessed hostname."""
+
+    def operator_only(self, queryset, name, value):
+        if not reader_is_operator({"request": self.request}):
+            return queryset.none()
+        return queryset.filter(**{name: value})
