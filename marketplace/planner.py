@@ -40,6 +40,7 @@ from marketplace.hardware.geometry import GpuGeometry, all_geometries
 
 WHOLE = None  # profile name of a whole GPU (MIG off)
 HOURS_PER_MONTH = 730
+ALTERNATIVE_TIME_LIMIT_S = 3.0
 MIP_GAP = 1e-3  # relative gap at which HiGHS stops: within 0.1% of the proven lower bound
 SLICE_EPSILON = 1e-6  # $ per slice-hour: among equal-cost plans, prefer fewer slices (no gratuitous ones)
 
@@ -438,11 +439,14 @@ def scenarios(inp: PlanInput) -> list[Scenario]:
     out = [Scenario("optimal", "Optimal (all models, MIG layouts)", solve(inp))]
     names = {g.gpu_model: g.name for g in inp.gpus}
     allowed = inp.gpu_models if inp.gpu_models is not None else tuple(names)
+    quick = min(inp.time_limit_s, ALTERNATIVE_TIME_LIMIT_S)  # comparisons: a good answer fast is enough
     if len(allowed) > 1:
         for m in allowed:
-            out.append(Scenario(f"only-{m}", f"{names[m]} only", solve(_replace(inp, gpu_models=(m,)))))
+            out.append(Scenario(f"only-{m}", f"{names[m]} only",
+                                solve(_replace(inp, gpu_models=(m,), time_limit_s=quick))))
     if inp.mig and inp.whole:
-        out.append(Scenario("whole-gpus", "Whole GPUs only (MIG off)", solve(_replace(inp, mig=False))))
+        out.append(Scenario("whole-gpus", "Whole GPUs only (MIG off)",
+                            solve(_replace(inp, mig=False, time_limit_s=quick))))
     return out
 
 

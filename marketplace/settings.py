@@ -284,6 +284,12 @@ TESSERA_PROVISION_STUCK_AFTER_S = int(os.environ.get("TESSERA_PROVISION_STUCK_AF
 TESSERA_RECONCILE_INTERVAL_S = int(os.environ.get("TESSERA_RECONCILE_INTERVAL_S", "60"))
 TESSERA_API_KEY_LAST_USED_RESOLUTION_S = 60  # write last_used_at at most once a minute per key
 TESSERA_INVITATION_TTL_DAYS = 7
+# Capacity planner: what one GPU-hour costs the MSP (hardware amortisation + hosting, power excluded),
+# per GPU model key: "h100-sxm-80gb=1.89,h200-sxm-141gb=2.50" (defaults: public marketplace rental
+# prices of 2025-26, an upper bound for an owner's cost; set your own).
+TESSERA_PLANNER_GPU_HOUR_COST = {
+    k.strip(): v.strip() for k, _, v in (item.partition("=") for item in
+                                         os.environ.get("TESSERA_PLANNER_GPU_HOUR_COST", "").split(",")) if v.strip()}
 
 # --- Security --------------------------------------------------------------------------------
 # API throttling (DRF, counters in the Django cache: Redis in production). Per API key (prefix),
