@@ -125,6 +125,7 @@ class DriftEvent(models.Model):
         MISSING_RECREATED = "missing_recreated", "Missing GPU instance re-created"
         ADOPTED = "adopted", "GPU instance adopted"
         STUCK_REQUEUED = "stuck_requeued", "Stuck allocation re-queued"
+        MODEL_RELOADED = "model_reloaded", "Model reloaded on its Triton server"
         UNREACHABLE = "unreachable", "Node unreachable"
         ERROR = "error", "Reconcile error"
 

@@ -2,7 +2,9 @@
 
 - a GPU instance on the GPU that no database instance explains is an orphan: destroyed;
 - a database instance that was created but is gone from the GPU is re-created at its placement;
-- an allocation stuck in placed/provisioning/releasing past the threshold is re-queued.
+- an allocation stuck in placed/provisioning/releasing past the threshold is re-queued;
+- a model Tessera marks ready that the slice's Triton server does not have loaded (the server
+  restarted: explicit model control loads nothing by itself) is loaded again from its repository.
 Every finding is a DriftEvent the console shows.
 """
 
@@ -15,8 +17,8 @@ from django.conf import settings
 from django.utils import timezone
 from pynvml import NVMLError
 
-from marketplace.models import Allocation, DriftEvent, GpuInstance, Node
-from marketplace.services import nodes
+from marketplace.models import Allocation, DriftEvent, GpuInstance, ModelDeployment, Node
+from marketplace.services import deployments, nodes
 
 log = logging.getLogger("tessera.reconcile")
 S = Allocation.State
@@ -34,7 +36,7 @@ def fan_out() -> int:
 
 def reconcile_node(node_id: int) -> dict:
     node = Node.objects.select_related("platform__gpu_model").get(pk=node_id)
-    found = {"orphans_destroyed": 0, "recreated": 0, "requeued": 0, "errors": 0}
+    found = {"orphans_destroyed": 0, "recreated": 0, "requeued": 0, "models_reloaded": 0, "errors": 0}
     desired = {}
     for inst in (GpuInstance.objects.filter(gpu__node=node, placement__isnull=False)
                  .select_related("gpu", "placement__profile")):
@@ -52,6 +54,7 @@ def reconcile_node(node_id: int) -> dict:
         DriftEvent.objects.create(node=node, kind=DriftEvent.Kind.UNREACHABLE, detail=str(exc), resolved=False)
         return {**found, "errors": found["errors"] + 1}
     found["requeued"] = _requeue_stuck(node)
+    _reconcile_models(node, found)
     Node.objects.filter(pk=node.pk).update(last_heartbeat=timezone.now())
     if any(found.values()):
         log.info("reconciled with drift", extra={"node": node.hostname, **found})
@@ -95,3 +98,28 @@ def _requeue_stuck(node: Node) -> int:
                                   detail=f"allocation {a.pk} was {a.state} since {a.updated_at:%H:%M:%S}; re-queued")
         n += 1
     return n
+
+
+def _reconcile_models(node: Node, found: dict) -> None:
+    ready = (ModelDeployment.objects
+             .filter(allocation__node=node, allocation__state=S.ACTIVE, state=ModelDeployment.State.READY)
+             .select_related("allocation__tier__profile", "allocation__tier__gpu_model").order_by("pk"))
+    for dep in ready:
+        try:
+            if deployments.backend_for(dep.allocation).is_model_ready(dep.name):
+                continue
+        except Exception as exc:  # noqa: BLE001 - one unreachable server must not stop the others
+            found["errors"] += 1
+            DriftEvent.objects.create(node=node, kind=DriftEvent.Kind.ERROR, allocation=dep.allocation,
+                                      detail=f"the Triton server of allocation {dep.allocation_id} did not answer "
+                                             f"for model {dep.name}: {exc.__class__.__name__}: {exc}"[:1000],
+                                      resolved=False)
+            continue
+        ModelDeployment.objects.filter(pk=dep.pk, state=ModelDeployment.State.READY).update(
+            state=ModelDeployment.State.LOADING)
+        outcome = deployments.load(dep.pk)
+        found["models_reloaded"] += 1
+        DriftEvent.objects.create(node=node, kind=DriftEvent.Kind.MODEL_RELOADED, allocation=dep.allocation,
+                                  resolved=outcome == "ready",
+                                  detail=f"model {dep.name} (deployment {dep.pk}) was not loaded on its Triton "
+                                         f"server (restarted?); loaded again: {outcome}")
