@@ -365,6 +365,7 @@ def capacity_plan(report):
     fig.update_layout(**{**LAYOUT, "margin": {**LAYOUT["margin"], "l": min(420, 40 + 6 * longest)}},
                       barmode="stack", title="Capacity plan: lowest cost per 1K tokens",
                       legend={"orientation": "h", "y": -0.12})
+    fig.update_yaxes(tickformat=".6f", exponentformat="none", row=1, col=1)
     fig.update_yaxes(autorange="reversed", row=2, col=1)
     fig.update_xaxes(title_text="GPUs", dtick=1 if sum(u.gpus for _l, u in rows) <= 10 else None, row=2, col=1)
     numbers = {s.key: {"label": s.label, "feasible": s.result.feasible, "gpus": s.result.gpus,

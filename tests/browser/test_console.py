@@ -104,3 +104,36 @@ def test_operator_console(page, live_server, login, shot, fleet):
     page.wait_for_load_state("networkidle")
     assert "cannot start in the past" in page.content()
     shot(page, "console-tier")
+
+
+def test_capacity_planner(page, live_server, login, shot, catalog):
+    op = OperatorFactory(email="planner@msp.example")
+    make_tier("h100-3g", "h100-sxm-80gb", "3g.40gb")
+    make_tier("h200-whole", "h200-sxm-141gb", None)
+    base = live_server.url
+    login(page, op.email)
+    page.click("nav.mainnav >> text=Planner")
+    page.wait_for_url(f"{base}/console/planner/")
+    assert "No demand measured in the window yet" in page.content()
+    rows = [("chat-70b", "30000", "75"), ("embed", "2500", "8")]
+    for i, (name, tps, gib) in enumerate(rows):
+        page.fill(f"#id_w-{i}-name", name)
+        page.fill(f"#id_w-{i}-tokens_per_s", tps)
+        page.fill(f"#id_w-{i}-min_memory_gib", gib)
+    page.select_option("#id_w-1-gpu_model", "h100-sxm-80gb")
+    page.click("#run-plan")
+    page.wait_for_load_state("networkidle")
+    assert page.locator("#best-cost").inner_text().endswith("USD")
+    assert page.locator("#scenarios tbody tr").count() == 4
+    assert page.locator("#assignments tbody tr").count() == 2
+    embed = page.locator("#assignments tbody tr", has_text="embed").inner_text()
+    assert "h100-sxm-80gb/" in embed
+    page.wait_for_selector("#plan-chart svg.main-svg")  # Plotly drew the figure (CSP allowed the script)
+    assert page.locator("#plan-chart .bars path").count() >= 4
+    shot(page, "console-planner")
+    # a workload no GPU can hold: said plainly, the form kept
+    page.fill("#id_w-0-min_memory_gib", "500")
+    page.click("#run-plan")
+    page.wait_for_load_state("networkidle")
+    assert "chat-70b needs 500 GiB per replica" in page.locator(".msg.error").inner_text()
+    assert page.locator("#id_w-0-name").input_value() == "chat-70b"
