@@ -30,14 +30,17 @@ class Worker:
         self.queue, self.sim_dir, self.log_path, self.env = queue, sim_dir, log_path, env
         self.proc: subprocess.Popen | None = None
 
-    def start(self, **extra_env: str) -> Worker:
+    def start(self, pool: str = "solo", **extra_env: str) -> Worker:
+        """``pool="solo"``: the task runs in the worker process itself; ``"prefork"``: in one pool child
+        (``-c 1``), which the main process replaces if it dies (see pool_pids)."""
         env = {**os.environ, "DATABASE_URL": test_database_url(), "TESSERA_SIM_DIR": str(self.sim_dir),
                "TESSERA_TRITON_REPO_ROOT": str(self.sim_dir.parent / "triton"),
                "CELERY_VISIBILITY_TIMEOUT": "5", "TESSERA_PROVISION_STUCK_AFTER_S": "1",
                "LOG_FORMAT": "text", "LOG_LEVEL": "INFO", **self.env, **extra_env}
         log = open(self.log_path, "ab")  # noqa: SIM115 - the process owns it
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "marketplace", "worker", "-P", "solo", "-Q", self.queue,
+            [sys.executable, "-m", "celery", "-A", "marketplace", "worker", "-P", pool,
+             *(["-c", "1"] if pool == "prefork" else []), "-Q", self.queue,
              "-n", f"{self.queue.split(',')[0]}@test", "--without-mingle", "--without-gossip", "-l", "INFO"],
             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
@@ -56,6 +59,20 @@ class Worker:
                 self.proc.wait(15)
             except subprocess.TimeoutExpired:
                 self.kill()
+
+    def pool_pids(self) -> list[int]:
+        """The worker's child processes (the prefork pool's; none with the solo pool), from /proc."""
+        if not self.proc or self.proc.poll() is not None:
+            return []
+        pids = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue  # gone meanwhile
+            if int(fields[1]) == self.proc.pid:  # fields: state, ppid, ...
+                pids.append(int(stat.parent.name))
+        return sorted(pids)
 
     def log_tail(self, n: int = 40) -> str:
         try:

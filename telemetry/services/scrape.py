@@ -1,20 +1,29 @@
 """Triton statistics scraper (runs on the node's own queue: the only code that talks to the node's
 Triton servers). For each ready model on the node's active slices it reads the cumulative
-inference_count / fail_count and model execution time (batch_stats), takes the increase since the
-last scrape (TritonCounter) and adds it to the current hour's TritonServedHourly. A counter that went
-down means the server restarted: the new value is all that was served since. The first scrape of a
-deployment counts everything since it was loaded (Tessera loads every model itself, so the counters
-start at its deployment)."""
+inference_count / fail_count and model execution time (Triton's batch_stats: what the capacity planner
+divides metered tokens by), takes the increase since the last scrape (TritonCounter) and adds it to the
+current hour's TritonServedHourly. A counter that went down means the server restarted: the new value
+is all that was served since. The first scrape of a deployment counts everything since it was
+loaded (Tessera loads every model itself, so the counters start at its deployment).
+
+Triton is read while the deployment's counter row is locked (see record_counters): concurrent scrapes of
+one deployment fold their readings in the order they took them. The cost is a row lock held for one
+statistics call (a local HTTP request; the client's timeout bounds it), blocking only other scrapes of
+the same deployment. Known limit: a restart is seen only when a counter went down, so a server that
+restarted and served at least as many requests again (new >= last stored value) before the next scrape
+is undercounted: new - last instead of new + what it served between the last scrape and the restart."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from datetime import datetime
 
 from django.db import IntegrityError, transaction
 from django.db.models import F
 from django.utils import timezone
 
+from marketplace.hardware.triton import TritonBackend
 from marketplace.models import Allocation, ModelDeployment, Node
 from marketplace.services.deployments import backend_for
 from telemetry.models import TritonCounter, TritonServedHourly
@@ -22,39 +31,41 @@ from telemetry.models import TritonCounter, TritonServedHourly
 log = logging.getLogger("tessera.scrape")
 
 
-def _delta(new: int, old: int | None) -> int:
-    if old is None:
-        return new
-    return new - old if new >= old else new  # went down: the server restarted
-
-
-def record_counters(dep: ModelDeployment, inference_count: int, fail_count: int,
-                    now: datetime | None = None, execution_ns: int = 0) -> tuple[int, int]:
+def record_counters(dep: ModelDeployment, read: Callable[[], tuple[int, ...]],
+                    now: datetime | None = None) -> tuple[int, int]:
     """Fold one cumulative reading into the counter and the current hour; returns (requests, failures)
-    added. ``execution_ns`` is the cumulative model execution time (batch_stats), folded the same way.
-    Safe against a concurrent scrape of the same deployment (the counter row is locked)."""
-    now = now or timezone.now()
-    hour = now.replace(minute=0, second=0, microsecond=0)
+    added.
+
+    ``read()`` asks Triton for ``(inference_count, fail_count[, execution_ns])``; it is called only once this
+    deployment's TritonCounter row is locked (created first if need be), so readings are folded in the order they were
+    taken. Reading before the lock let two scrapes of one deployment at once (two workers on a node queue,
+    ``-c 2``, a redelivered task next to the scheduled one) fold an older, lower reading after a newer one:
+    that looked like a server restart, and the older reading was counted a second time.
+
+    Everything is one transaction: a worker killed before COMMIT leaves neither the counter nor the hour
+    changed, and the task's replay reads Triton again, so what was served is counted once; a replay after
+    COMMIT finds the counter already moved and adds only what was served since."""
     with transaction.atomic():
         counter = TritonCounter.objects.select_for_update().filter(deployment=dep).first()
+        first = False
         if counter is None:
             try:
                 with transaction.atomic():
-                    counter = TritonCounter.objects.create(deployment=dep, inference_count=0, fail_count=0,
-                                                           scraped_at=now)
-                old_inf = old_fail = old_exec = None
-            except IntegrityError:  # another scrape created it first
+                    counter = TritonCounter.objects.create(deployment=dep, inference_count=0, fail_count=0)
+                first = True
+            except IntegrityError:  # another scrape created it first (and has committed: we waited for it)
                 counter = TritonCounter.objects.select_for_update().get(deployment=dep)
-                old_inf, old_fail, old_exec = counter.inference_count, counter.fail_count, counter.execution_ns
-        else:
-            old_inf, old_fail, old_exec = counter.inference_count, counter.fail_count, counter.execution_ns
-        restarted = old_inf is not None and (inference_count < old_inf or fail_count < old_fail
-                                             or execution_ns < old_exec)
-        if restarted:
+        reading = tuple(int(v) for v in read())
+        inference_count, fail_count = reading[0], reading[1]
+        execution_ns = reading[2] if len(reading) > 2 else counter.execution_ns  # not read: unchanged
+        now = now or timezone.now()
+        hour = now.replace(minute=0, second=0, microsecond=0)
+        old_inf, old_fail, old_exec = counter.inference_count, counter.fail_count, counter.execution_ns
+        restarted = not first and (inference_count < old_inf or fail_count < old_fail or execution_ns < old_exec)
+        if first or restarted:  # all that was served since the model was loaded (or the server restarted)
             d_inf, d_fail, d_exec = inference_count, fail_count, execution_ns
         else:
-            d_inf, d_fail = _delta(inference_count, old_inf), _delta(fail_count, old_fail)
-            d_exec = _delta(execution_ns, old_exec)
+            d_inf, d_fail, d_exec = inference_count - old_inf, fail_count - old_fail, execution_ns - old_exec
         TritonCounter.objects.filter(pk=counter.pk).update(inference_count=inference_count, fail_count=fail_count,
                                                            execution_ns=execution_ns, scraped_at=now)
         if d_inf or d_fail or d_exec:
@@ -74,6 +85,13 @@ def record_counters(dep: ModelDeployment, inference_count: int, fail_count: int,
     return d_inf, d_fail
 
 
+def _reader(server: TritonBackend, name: str) -> Callable[[], tuple[int, int, int]]:
+    def read() -> tuple[int, int, int]:
+        stats = server.statistics(name)
+        return int(stats["inference_count"]), int(stats["fail_count"]), int(stats.get("execution_ns") or 0)
+    return read
+
+
 def scrape_node(node_id: int) -> dict:
     """Scrape every ready model on the node's active slices. One broken server is logged and skipped."""
     deps = (ModelDeployment.objects
@@ -82,12 +100,10 @@ def scrape_node(node_id: int) -> dict:
             .select_related("allocation__tier__profile", "allocation__tier__gpu_model")
             .order_by("pk"))
     found = {"deployments": 0, "requests": 0, "failures": 0, "errors": 0}
-    now = timezone.now()
     for dep in deps:
         try:
-            stats = backend_for(dep.allocation).statistics(dep.name)
-            d_inf, d_fail = record_counters(dep, int(stats["inference_count"]), int(stats["fail_count"]), now,
-                                            execution_ns=int(stats.get("execution_ns") or 0))
+            with backend_for(dep.allocation) as server:
+                d_inf, d_fail = record_counters(dep, _reader(server, dep.name))
         except Exception as exc:  # noqa: BLE001 - one server's failure must not stop the others
             found["errors"] += 1
             log.warning("triton scrape failed", extra={"node": node_id, "deployment": dep.pk, "model": dep.name,

@@ -1,8 +1,10 @@
 """A process killed (SIGKILL) in the middle of ingesting a 10,000-event batch -> nothing of that batch
 is counted; replaying the same batch afterwards counts every event exactly once.
 
-(Worker killed during provisioning -> converges: tests/integration/test_worker.py::
-test_worker_killed_mid_provision_converges_without_orphans; not repeated here.)
+(Celery workers killed: during provisioning -> converges: tests/integration/test_worker.py::
+test_worker_killed_mid_provision_converges_without_orphans; during the ingest work workers do, the Triton
+statistics scrape, inside its transaction and after a commit before the ack -> served counted exactly
+once: tests/faults/test_worker_killed_scrape.py. Neither is repeated here.)
 
 The ingesting process is a real OS process on the test database. It reports its PostgreSQL backend pid;
 the test polls pg_stat_activity until that backend is inside the ingest transaction (it has a

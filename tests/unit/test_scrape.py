@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
+import threading
 from datetime import timedelta
 from unittest import mock
 
 import pytest
+from django.db import connection
 from django.db.models import Sum
 from django.utils import timezone
 
-from marketplace.models import Allocation, ModelDeployment
+from marketplace.models import Allocation, ModelDeployment, Order
 from marketplace.services import deployments, orders, provisioning
 from telemetry import selectors, tasks
 from telemetry.models import TritonCounter, TritonServedHourly
 from telemetry.services import ingest, scrape
 from tenants.roles import Role
 from tenants.scoping import principal_for_key, principal_for_user
+from tests.factories import TenantFactory
+from tests.fleet_fixtures import make_tier
+from tests.worker_process import wait_for
 
 pytestmark = pytest.mark.django_db
 
@@ -133,3 +138,74 @@ def test_fleet_fan_out_routes_to_node_queues(two):
         assert tasks.scrape_triton_fleet() == 1
     send.assert_called_once_with(args=[two["node"].pk], queue=two["node"].queue)
     assert tasks.scrape_triton_node(two["node"].pk)["deployments"] == 3
+
+
+@pytest.fixture
+def lone_dep(catalog):
+    """A ready deployment on an active slice, nothing else (the readings are given by the test)."""
+    tenant = TenantFactory()
+    tier = make_tier("sc-1g", "h100-sxm-80gb", "1g.10gb")
+    alloc = Allocation.objects.create(order=Order.objects.create(tenant=tenant, tier=tier), tenant=tenant, tier=tier,
+                                      state=Allocation.State.ACTIVE)
+    return ModelDeployment.objects.create(allocation=alloc, tenant=tenant, name="m", backend="python", spec={},
+                                          memory_mb=1, state=ModelDeployment.State.READY)
+
+
+def test_a_scrape_that_dies_before_its_commit_leaves_nothing_and_its_replay_counts_once(lone_dep):
+    dep = lone_dep
+    with mock.patch.object(TritonServedHourly.objects, "create", side_effect=RuntimeError("worker died")), \
+            pytest.raises(RuntimeError):
+        scrape.record_counters(dep, lambda: (5, 1))  # the counter row was created and moved, then it died
+    assert not TritonCounter.objects.filter(deployment=dep).exists() and served(dep) == 0
+    assert scrape.record_counters(dep, lambda: (7, 1)) == (7, 1)  # the replay reads Triton again
+    assert scrape.record_counters(dep, lambda: (7, 1)) == (0, 0)  # a replay after the commit adds nothing
+    assert served(dep) == 7 and TritonCounter.objects.get(deployment=dep).fail_count == 1
+
+
+def _blocked_by_me() -> bool:
+    """Another backend waits for a lock this connection holds (PostgreSQL)."""
+    with connection.cursor() as cur:
+        cur.execute("SELECT pg_stat_clear_snapshot()")  # pg_stat_activity is cached per transaction
+        cur.execute("SELECT count(*) FROM pg_stat_activity WHERE pg_backend_pid() = ANY(pg_blocking_pids(pid))")
+        return cur.fetchone()[0] > 0
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.skipif(connection.vendor != "postgresql", reason="needs PostgreSQL's row locks and pg_blocking_pids")
+@pytest.mark.parametrize("earlier", [None, 10], ids=["first-scrape", "later-scrape"])
+def test_concurrent_scrapes_fold_their_readings_in_the_order_taken(lone_dep, earlier):
+    """Two scrapes of one deployment at once (two workers on the node queue, -c 2, a replay next to the
+    scheduled run): A takes its reading (11), B takes a newer one (12). When readings were taken before
+    the counter row was locked, B could fold 12 and commit before A folded 11; A then saw the counter go
+    down, took it for a server restart and added its 11 again (23 served for 12). Now Triton is read with
+    the row locked, so B waits for A and reads after it."""
+    dep = lone_dep
+    if earlier is not None:
+        scrape.record_counters(dep, lambda: (earlier, 0))
+    seen: list = []
+    b_done = threading.Event()
+
+    def scrape_b():
+        def read_b():
+            seen.append("B reads 12")
+            return 12, 0
+        try:
+            seen.append(("B adds", scrape.record_counters(dep, read_b)))
+        finally:
+            connection.close()
+            b_done.set()
+
+    b = threading.Thread(target=scrape_b)
+
+    def read_a():
+        b.start()  # B starts while A is reading; it must wait for A's lock (or it finished: the bug)
+        wait_for(lambda: b_done.is_set() or _blocked_by_me(), 30, "scrape B to wait for A or finish")
+        seen.append("A reads 11")
+        return 11, 0
+
+    added_a = scrape.record_counters(dep, read_a)
+    b.join(30)
+    assert not b.is_alive()
+    assert served(dep) == 12 and TritonCounter.objects.get(deployment=dep).inference_count == 12
+    assert added_a == (11 - (earlier or 0), 0)
+    assert seen == ["A reads 11", "B reads 12", ("B adds", (1, 0))]
