@@ -168,6 +168,7 @@ def unload(deployment_id: int) -> str:
     if dep.state == D.REMOVED:
         return "already removed"
     allocation = dep.allocation
+    _final_scrape(dep)
     try:
         backend_for(allocation).unload_model(dep.name)  # unloading an unloaded model is a no-op
     except InferenceServerException as exc:
@@ -175,6 +176,18 @@ def unload(deployment_id: int) -> str:
     triton.remove_model(repo_dir(allocation), dep.name)
     _set(dep, D.REMOVED)
     return "removed"
+
+
+def _final_scrape(dep: ModelDeployment) -> None:
+    """What the model served since the last scrape, counted before unloading takes its statistics away."""
+    from telemetry.services import scrape  # noqa: PLC0415 - telemetry builds on this module
+
+    try:
+        with backend_for(dep.allocation) as server:
+            if server.is_model_ready(dep.name):
+                scrape.record_counters(dep, scrape.reader(server, dep.name))
+    except Exception as exc:  # noqa: BLE001 - the unload goes on; the lost count is logged
+        log.warning("final Triton scrape before unload failed", extra={"deployment": dep.pk, "err": str(exc)})
 
 
 def prepare_slice(allocation: Allocation) -> None:

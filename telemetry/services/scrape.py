@@ -85,7 +85,7 @@ def record_counters(dep: ModelDeployment, read: Callable[[], tuple[int, ...]],
     return d_inf, d_fail
 
 
-def _reader(server: TritonBackend, name: str) -> Callable[[], tuple[int, int, int]]:
+def reader(server: TritonBackend, name: str) -> Callable[[], tuple[int, int, int]]:
     def read() -> tuple[int, int, int]:
         stats = server.statistics(name)
         return int(stats["inference_count"]), int(stats["fail_count"]), int(stats.get("execution_ns") or 0)
@@ -103,7 +103,7 @@ def scrape_node(node_id: int) -> dict:
     for dep in deps:
         try:
             with backend_for(dep.allocation) as server:
-                d_inf, d_fail = record_counters(dep, _reader(server, dep.name))
+                d_inf, d_fail = record_counters(dep, reader(server, dep.name))
         except Exception as exc:  # noqa: BLE001 - one server's failure must not stop the others
             found["errors"] += 1
             log.warning("triton scrape failed", extra={"node": node_id, "deployment": dep.pk, "model": dep.name,

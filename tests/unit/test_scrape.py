@@ -209,3 +209,27 @@ def test_concurrent_scrapes_fold_their_readings_in_the_order_taken(lone_dep, ear
     assert served(dep) == 12 and TritonCounter.objects.get(deployment=dep).inference_count == 12
     assert added_a == (11 - (earlier or 0), 0)
     assert seen == ["A reads 11", "B reads 12", ("B adds", (1, 0))]
+
+
+def test_execution_time_is_folded_like_the_counters(two):
+    dep = two["a1"]
+    hour_row = lambda: TritonServedHourly.objects.get(deployment=dep)  # noqa: E731
+    assert scrape.record_counters(dep, lambda: (2, 0, 500)) == (2, 0)
+    assert hour_row().execution_ns == 500
+    scrape.record_counters(dep, lambda: (5, 0, 1_700))
+    assert hour_row().execution_ns == 1_700 and TritonCounter.objects.get(deployment=dep).execution_ns == 1_700
+    scrape.record_counters(dep, lambda: (5, 0, 1_700))  # nothing new
+    assert hour_row().execution_ns == 1_700
+    scrape.record_counters(dep, lambda: (1, 0, 100))  # restarted: all of it is new
+    assert hour_row().execution_ns == 1_800 and served(dep) == 6
+
+
+def test_what_was_served_before_removal_is_counted(two, members_a):
+    dep = two["a1"]
+    infer(dep, 4)
+    scrape.scrape_node(two["node"].pk)
+    infer(dep, 3)  # served after the last scrape, then the tenant removes the model
+    deployments.remove(principal_for_user(members_a[Role.OWNER]), dep)
+    deployments.unload(dep.pk)
+    assert ModelDeployment.objects.get(pk=dep.pk).state == ModelDeployment.State.REMOVED
+    assert served(dep) == 7
