@@ -265,6 +265,14 @@ class ScenarioReport:
     unpriced: list[str] = field(default_factory=list)  # shapes used that no tier on sale prices
 
     @property
+    def price_per_1k_tokens(self) -> float | None:
+        """What the tenants pay per 1K tokens at the on-demand list prices (slice-hours + tokens)."""
+        r = self.result
+        if self.revenue_per_hour is None or not r.feasible or r.tokens_per_s <= 0:
+            return None
+        return self.revenue_per_hour / (r.tokens_per_s * 3.6)
+
+    @property
     def margin_per_hour(self) -> float | None:
         if self.revenue_per_hour is None or not self.result.feasible:
             return None
@@ -373,6 +381,10 @@ def shape_dict(f: ShapeFigures) -> dict:
     }
 
 
+def _round(x: float | None, places: int) -> float | None:
+    return None if x is None else round(x, places)
+
+
 def power_dict(p: PowerFigures) -> dict:
     return {"idle_w": round(p.idle_w, 3), "max_w": round(p.max_w, 3), "source": p.source, "samples": p.samples}
 
@@ -389,7 +401,8 @@ def report_dict(report: PlanReport) -> dict:
         "power": {k: power_dict(p) for k, p in report.power.items()},
         "fleet_gpus": report.fleet,
         "scenarios": [{"key": s.key, "label": s.label, **s.result.as_dict(),
-                       "revenue_per_hour": None if s.revenue_per_hour is None else round(s.revenue_per_hour, 6),
-                       "margin_per_hour": None if s.margin_per_hour is None else round(s.margin_per_hour, 6),
+                       "revenue_per_hour": _round(s.revenue_per_hour, 6),
+                       "margin_per_hour": _round(s.margin_per_hour, 6),
+                       "price_per_1k_tokens": _round(s.price_per_1k_tokens, 8),
                        "unpriced_shapes": sorted(set(s.unpriced))} for s in report.scenarios],
     }

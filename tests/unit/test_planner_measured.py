@@ -165,6 +165,7 @@ def test_build_plan_uses_overrides_and_prices(busy):
     tokens_m = 8_000 * 3600 / 1e6
     assert report.best.revenue_per_hour == pytest.approx(1.0 + tokens_m * (0.10 * share + 0.40 * (1 - share)))
     assert report.best.margin_per_hour == pytest.approx(report.best.revenue_per_hour - 2.0)
+    assert report.best.price_per_1k_tokens == pytest.approx(report.best.revenue_per_hour / (8_000 * 3.6))
     body = sel.report_dict(report)
     assert body["scenarios"][0]["gpus"] == {H100: 1}
 
