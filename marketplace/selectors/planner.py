@@ -112,8 +112,10 @@ def _tier_path(prefix: str = "deployment__allocation__tier__") -> tuple[str, str
     return f"{prefix}gpu_model_id", f"{prefix}profile_id"
 
 
-def shape_figures(since: datetime, until: datetime, currency: str = "USD") -> list[ShapeFigures]:
-    """Every MIG profile (``+me`` left out) and the whole GPU of every GPU model, with its figures."""
+def shape_figures(since: datetime, until: datetime, currency: str = "USD", *,
+                  measure: bool = True) -> list[ShapeFigures]:
+    """Every MIG profile (``+me`` left out) and the whole GPU of every GPU model, with its figures
+    (``measure=False``: the catalog and the modelled figure only, no reads of usage or Triton rows)."""
     models = list(GpuModel.objects.prefetch_related("profiles").order_by("memory_gb", "key"))
     out: dict[tuple[int, int | None], ShapeFigures] = {}
     for m in models:
@@ -121,6 +123,8 @@ def shape_figures(since: datetime, until: datetime, currency: str = "USD") -> li
             if not p.media_extensions:
                 out[(m.pk, p.pk)] = ShapeFigures(m, p, modelled_tokens_per_s(m, p))
         out[(m.pk, None)] = ShapeFigures(m, None, modelled_tokens_per_s(m, None))
+    if not measure:
+        return list(out.values())
 
     g, p = _tier_path()
     served = TritonServedHourly.objects.filter(deployment=OuterRef("deployment"), hour=OuterRef("hour"),

@@ -136,7 +136,7 @@ def _workloads(formset) -> list[planner.Workload]:
 def planner_page(request):
     models = _models()
     since, until = sel.window()
-    shapes = sel.shape_figures(since, until)
+    shapes = sel.shape_figures(since, until, measure=False)  # the form's fields; the plan measures
     bound = "plan" in request.GET
     report = error = None
     if bound:
@@ -166,6 +166,9 @@ def planner_page(request):
            "tps_fields": [settings_form[n] for n in settings_form.tps_fields],
            "measured_default": not bound}
     if report is not None:
+        for f in report.shapes:  # hint the measured (or modelled) figure an override replaces
+            hint = f.measured_tps if f.measured_tps is not None else f.modelled_tps
+            settings_form.fields[_shape_field(f.key)].widget.attrs["placeholder"] = f"{hint:.0f}"
         fig, _numbers = capacity_plan(report)
         ctx["figure"] = json.loads(fig.to_json())
         ctx["plan"] = sel.report_dict(report)

@@ -284,3 +284,32 @@ def test_profiles_left_out_are_the_media_extension_ones(catalog):
     assert me.exists() and not any(f"{m}/{n}" in keys for m, n in me)
     assert len(keys) == 14  # 6 MIG profiles + whole GPU, for each of the two models
     assert principal_for_user(None).is_operator is False
+
+
+def test_console_planner_queries_do_not_grow_with_deployments(client, operator, busy):
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from marketplace.models import ModelDeployment
+
+    dep = busy["dep"]
+
+    def add_usage(d):
+        UsageHourly.objects.create(tenant=d.tenant, deployment=d, hour=_hour() - timedelta(hours=1),
+                                   input_tokens=36_000, output_tokens=0, requests=1, events=1)
+
+    add_usage(dep)
+    client.force_login(operator)
+
+    def count() -> int:
+        with CaptureQueriesContext(connection) as ctx:
+            r = client.get("/console/planner/")
+        assert r.status_code == 200 and r.context["report"] is not None
+        return len(ctx.captured_queries)
+
+    one = count()
+    for i in range(5):
+        add_usage(ModelDeployment.objects.create(allocation=dep.allocation, tenant=dep.tenant, name=f"m{i}",
+                                                 backend="python", spec={}, memory_mb=10, state="ready"))
+    assert len(client.get("/console/planner/").context["report"].request.workloads) == 6
+    assert count() == one
