@@ -53,23 +53,40 @@ class Period:
         return max(1.0, (self.end - self.start).total_seconds())
 
 
-def _dt(value) -> datetime | None:
+def _dt(value, field: str) -> datetime | None:
     if value in (None, ""):
         return None
     if isinstance(value, datetime):
         return value
-    d = parse_datetime(str(value))
+    try:
+        d = parse_datetime(str(value))  # ValueError: well formed but not a date (month 13)
+        # in UTC now, so that comparing and subtracting cannot overflow later (year 1 with an offset)
+        d = None if d is None else (d if d.tzinfo else d.replace(tzinfo=UTC)).astimezone(UTC)
+    except (ValueError, OverflowError):
+        d = None
     if d is None:
-        raise ServiceError(f"not a date-time: {value!r}", field="start")
-    return d if d.tzinfo else d.replace(tzinfo=UTC)
+        raise ServiceError(f"not a date-time: {value!r}", field=field)
+    return d
+
+
+MAX_HOURS = 400 * 24
 
 
 def period(params: dict | None) -> Period:
     p = params or {}
-    end = _dt(p.get("end")) or timezone.now()
-    start = _dt(p.get("start"))
+    end = _dt(p.get("end"), "end") or timezone.now()
+    start = _dt(p.get("start"), "start")
     if start is None:
-        start = end - timedelta(hours=float(p.get("hours") or 24))
+        try:
+            hours = float(p.get("hours") or 24)
+        except ValueError:
+            hours = float("nan")
+        if not 0 < hours <= MAX_HOURS:  # also NaN
+            raise ServiceError(f"hours: a number above 0 and at most {MAX_HOURS}", field="hours")
+        try:
+            start = end - timedelta(hours=hours)
+        except OverflowError:
+            raise ServiceError("hours reach back before the year 1", field="hours") from None
     if start >= end:
         raise ServiceError("start must be before end", field="start")
     res = p.get("resolution")

@@ -70,7 +70,7 @@ class ChartApiView(APIView):
         except Forbidden as exc:
             raise PermissionDenied(str(exc)) from exc
         except ServiceError as exc:
-            raise ValidationError({exc.field or "detail": str(exc)}) from exc
+            raise ValidationError({exc.field or "non_field_errors": [exc.message]}) from exc
         return Response(body)
 
 

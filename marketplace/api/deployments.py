@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import django_filters
+from drf_spectacular.utils import extend_schema
 from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.response import Response
 
@@ -74,6 +75,7 @@ class DeploymentViewSet(ScopedViewSetMixin, mixins.ListModelMixin, mixins.Retrie
                                  spec=data.get("spec"))
         return Response(self.get_serializer(dep).data, status=status.HTTP_201_CREATED)
 
+    @extend_schema(responses={202: DeploymentSerializer})
     def destroy(self, request, *args, **kwargs):
         dep = deployments.remove(self.principal, self.get_object())
         return Response(self.get_serializer(dep).data, status=status.HTTP_202_ACCEPTED)

@@ -1,11 +1,16 @@
-"""API errors: service errors and model validation errors become field errors (400/403/409)."""
+"""API errors: service errors and model validation errors become field errors (400/403/409).
+
+Every error body is an object (documented in marketplace/api/schema.py): {"detail": "..."} or field errors
+{field: [messages]}. A DRF ValidationError raised with a bare message or list (e.g. DRF's own "Null characters
+are not allowed." for ?search=) would be a JSON list; it is given under "non_field_errors" instead."""
 
 from __future__ import annotations
 
 from django.core.exceptions import ValidationError as DjangoValidationError
 from django.db import DataError, InterfaceError, OperationalError
-from rest_framework import status
+from rest_framework import exceptions, status
 from rest_framework.response import Response
+from rest_framework.settings import api_settings
 from rest_framework.views import exception_handler as drf_exception_handler
 
 from tenants.errors import ServiceError
@@ -41,4 +46,7 @@ def exception_handler(exc, context):
                         status=status.HTTP_503_SERVICE_UNAVAILABLE)
         resp["Retry-After"] = "5"
         return resp
-    return drf_exception_handler(exc, context)
+    response = drf_exception_handler(exc, context)
+    if response is not None and isinstance(exc, exceptions.ValidationError) and isinstance(response.data, list):
+        response.data = {api_settings.NON_FIELD_ERRORS_KEY: response.data}
+    return response

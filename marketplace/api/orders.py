@@ -229,13 +229,13 @@ class AllocationViewSet(ScopedViewSetMixin, mixins.ListModelMixin, mixins.Retrie
     ordering = ["-created_at"]
     capabilities = {"release": "deploy", "retry": "operate"}
 
-    @extend_schema(request=None, responses=AllocationSerializer)
+    @extend_schema(request=None, responses={202: AllocationSerializer})
     @action(detail=True, methods=["post"])
     def release(self, request, pk=None):
         a = orders.release(self.principal, self.get_object())
         return Response(self.get_serializer(self.get_queryset().get(pk=a.pk)).data, status=status.HTTP_202_ACCEPTED)
 
-    @extend_schema(request=None, responses=AllocationSerializer)
+    @extend_schema(request=None, responses={202: AllocationSerializer})
     @action(detail=True, methods=["post"])
     def retry(self, request, pk=None):
         a = orders.retry(self.principal, self.get_object())

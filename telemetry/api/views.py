@@ -14,6 +14,7 @@ from rest_framework.response import Response
 from rest_framework.settings import api_settings
 from rest_framework.views import APIView
 
+from marketplace.api.schema import error_response
 from marketplace.api.viewsets import ScopedViewSetMixin
 from telemetry import selectors
 from telemetry.models import UsageHourly
@@ -79,10 +80,10 @@ class UsageEventsView(APIView):
             "tenant": serializers.SlugField(required=False, help_text="for users and operator keys"),
             "events": inline_serializer("UsageEventIn", EVENT_FIELDS, many=True),
         }),
-        responses=inline_serializer("UsageBatchResult", {
+        responses={200: inline_serializer("UsageBatchResult", {
             "new": serializers.IntegerField(), "duplicates": serializers.IntegerField(),
             "rejected": serializers.ListField(child=serializers.DictField()),
-        }),
+        }), 404: error_response(404, "The tenant named in the body does not exist or is not the caller's.")},
     )
     def post(self, request):
         principal = principal_for(request)
@@ -150,6 +151,8 @@ class MeteredVsServedView(APIView):
         OpenApiParameter("since", str, description="ISO 8601 (default: 24 hours ago)"),
         OpenApiParameter("until", str, description="ISO 8601 (default: now)"),
         OpenApiParameter("tenant", str, description="tenant slug"),
+        OpenApiParameter("page", int, description="page number"),
+        OpenApiParameter("page_size", int, description="rows per page"),
     ], responses=inline_serializer("MeteredVsServed", {"results": serializers.ListField(
         child=serializers.DictField())}))
     def get(self, request):
