@@ -77,7 +77,8 @@ def invoice_csv(invoice: Invoice) -> str:
                 f"{invoice.period_start:%Y-%m}", "currency", invoice.currency, "status", invoice.status])
     w.writerow(["kind", "tier", "deployment", "description", "quantity", "unit", "unit_price", "amount",
                 "usage_from", "usage_to"])
-    for li in invoice.lines.all():
+    lines = sorted(invoice.lines.select_related("tier"), key=lambda li: li.kind == InvoiceLine.Kind.COMMITMENT_TOPUP)
+    for li in lines:  # usage first, then commitment top-ups (quantity 1, unit "top-up", unit_price = amount)
         w.writerow([li.kind, li.tier.key, li.deployment_id or "", li.description, li.quantity, li.unit,
                     li.unit_price, li.amount, li.usage_from.isoformat(), li.usage_to.isoformat()])
     w.writerow(["total", "", "", "", "", "", "", invoice.total, "", ""])

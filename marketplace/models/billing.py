@@ -42,12 +42,19 @@ class Invoice(models.Model):
 
 
 class InvoiceLine(models.Model):
+    """One priced line. Usage lines: amount = quantity x unit_price, rounded to the cent. A
+    commitment top-up (reserved plan's monthly minimum not reached by the month's charges at that
+    plan) has quantity 1, unit "top-up" and unit_price = amount; `plan` is the reserved plan,
+    usage_from/usage_to the first and last moment reserved capacity was held under it, and the
+    description says how it was computed (see marketplace.services.billing)."""
+
     class Kind(models.TextChoices):
         SLICE_HOURS = "slice_hours", "Slice hours"
         INPUT_TOKENS = "input_tokens", "Input tokens"
         OUTPUT_TOKENS = "output_tokens", "Output tokens"
         ADJUSTMENT_INPUT = "adjustment_input", "Late input tokens from a finalized period"
         ADJUSTMENT_OUTPUT = "adjustment_output", "Late output tokens from a finalized period"
+        COMMITMENT_TOPUP = "commitment_topup", "Commitment top-up"
 
     invoice = models.ForeignKey(Invoice, on_delete=models.CASCADE, related_name="lines")
     kind = models.CharField(max_length=24, choices=Kind.choices)

@@ -6,6 +6,30 @@ every price change) and input/output tokens of its deployments per hour (from th
 never the raw events). A draft is re-rated whenever asked; finalizing it (once the month is over)
 numbers it, freezes it, and marks the rolled-up usage it charged as billed. Usage that arrives
 later for a finalized month goes onto the next invoice as adjustment lines.
+
+Reserved plans carry a monthly commitment (`PricePlan.monthly_commit`, a minimum billed per month).
+It is owed per tenant, month and reserved plan (one plan row: tier, currency, from its
+`effective_from` to the next price change), only by a tenant that held reserved capacity on that
+tier, and only for the time it held it:
+
+* held: the union of the active spans (the very spans slice-hours are billed for) of the tenant's
+  allocations whose order chose `plan_kind="reserved"` on the tier. Two reserved slices held at
+  once owe one commitment, not two; an order never activated owes nothing.
+* owed for plan P in the month: ``money(P.monthly_commit * held seconds while P was in force in
+  the month / seconds in the calendar month)``. A whole month held owes exactly the commitment;
+  a start, a release or a price change mid-month pro-rates it (each plan its own share).
+* charged under P: the month's own slice-hour and token lines rated at P (rounded amounts), i.e.
+  usage of reserved allocations while P was in force. On-demand lines, other tiers and
+  adjustment lines (late usage of a finalized month) never count.
+* if charged < owed, one line of kind ``commitment_topup`` for the difference (quantity 1, unit
+  "top-up", unit price = amount), with the calculation in its description; else no line. So a
+  plan's lines plus its top-up sum to exactly what was owed.
+
+A draft accrues the commitment up to `now` (month to date), so spend limits see it too. Re-rating
+replaces every line, so a draft never holds two top-ups for one plan. The top-up of a month is
+settled when its invoice is finalized and never revisited: late usage of that month is charged in
+full on a later invoice as adjustment lines, counts toward no later month's commitment, and
+re-bills no commitment (there are no credit notes).
 """
 
 from __future__ import annotations
@@ -29,7 +53,9 @@ from tenants.models import Tenant
 log = logging.getLogger("tessera.billing")
 CENT = Decimal("0.01")
 MILLION = Decimal(1_000_000)
+QTY = Decimal("0.000001")
 L = InvoiceLine.Kind
+USAGE_KINDS = (L.SLICE_HOURS, L.INPUT_TOKENS, L.OUTPUT_TOKENS)  # what counts toward a commitment
 
 
 class SpendLimitReached(ServiceError):
@@ -52,6 +78,11 @@ def bounds(period_start: date) -> tuple[datetime, datetime]:
 
 def money(x: Decimal) -> Decimal:
     return x.quantize(CENT, rounding=ROUND_HALF_UP)
+
+
+def seconds(td: timedelta) -> Decimal:
+    """A duration in seconds, exactly (no float)."""
+    return Decimal(td.days * 86_400 + td.seconds) + Decimal(td.microseconds) / 1_000_000
 
 
 # --- prices in force ---------------------------------------------------------------------------
@@ -99,6 +130,7 @@ class Draft:
     usage_to: datetime | None = None
     allocation_id: int | None = None
     deployment_id: int | None = None
+    price: Decimal | None = None  # a fixed unit price (commitment top-up); else the plan's price for the kind
     rows: list[int] = field(default_factory=list)
 
     def add(self, q: Decimal, a: datetime, b: datetime) -> None:
@@ -108,18 +140,28 @@ class Draft:
 
     @property
     def unit_price(self) -> Decimal:
+        if self.price is not None:
+            return self.price
         if self.kind == L.SLICE_HOURS:
             return self.plan.price_per_slice_hour
         if self.kind in (L.INPUT_TOKENS, L.ADJUSTMENT_INPUT):
             return self.plan.price_per_1m_input_tokens
         return self.plan.price_per_1m_output_tokens
 
+    @property
+    def rounded_quantity(self) -> Decimal:
+        return self.quantity.quantize(QTY, rounding=ROUND_HALF_UP)
+
+    @property
+    def amount(self) -> Decimal:
+        """What the line will charge: rounded quantity times unit price, rounded to the cent."""
+        return money(self.rounded_quantity * self.unit_price)
+
     def line(self, invoice: Invoice) -> InvoiceLine:
-        q = self.quantity.quantize(Decimal("0.000001"), rounding=ROUND_HALF_UP)
         return InvoiceLine(invoice=invoice, kind=self.kind, tier=self.tier, plan=self.plan,
                            allocation_id=self.allocation_id, deployment_id=self.deployment_id,
-                           description=self.description[:300], quantity=q, unit=self.unit,
-                           unit_price=self.unit_price, amount=money(q * self.unit_price),
+                           description=self.description[:300], quantity=self.rounded_quantity, unit=self.unit,
+                           unit_price=self.unit_price, amount=self.amount,
                            usage_from=self.usage_from, usage_to=self.usage_to)
 
 
@@ -130,8 +172,7 @@ class Rated:
 
     @property
     def total(self) -> Decimal:
-        return sum((money(d.quantity.quantize(Decimal("0.000001"), rounding=ROUND_HALF_UP) * d.unit_price)
-                    for d in self.drafts), Decimal(0))
+        return sum((d.amount for d in self.drafts), Decimal(0))
 
 
 def rate(tenant: Tenant, period_start: date, now: datetime | None = None) -> Rated:
@@ -139,6 +180,7 @@ def rate(tenant: Tenant, period_start: date, now: datetime | None = None) -> Rat
     start, end = bounds(period_start)
     book = PlanBook(tenant.currency)
     drafts: dict[tuple, Draft] = {}
+    held: dict[int, list[tuple[datetime, datetime]]] = defaultdict(list)  # reserved capacity held, per tier
 
     # slice-hours: every allocation while active, per second, each span at its own price
     allocs = (Allocation.objects.filter(tenant=tenant, activated_at__isnull=False, activated_at__lt=min(end, now))
@@ -147,6 +189,8 @@ def rate(tenant: Tenant, period_start: date, now: datetime | None = None) -> Rat
     for a in allocs:
         stopped = a.released_at or (a.updated_at if a.state == Allocation.State.FAILED else None)
         a_from, a_to = max(a.activated_at, start), min(stopped or now, end, now)
+        if a.order.plan_kind == PricePlan.Kind.RESERVED and a_from < a_to:
+            held[a.tier_id].append((a_from, a_to))
         for plan, lo, hi in book.spans(a.tier_id, a.order.plan_kind, a_from, a_to):
             key = (L.SLICE_HOURS, a.tier_id, plan.pk)
             d = drafts.get(key) or drafts.setdefault(key, Draft(
@@ -187,7 +231,56 @@ def rate(tenant: Tenant, period_start: date, now: datetime | None = None) -> Rat
                 "1M tokens", deployment_id=r.deployment_id))
             d.add(Decimal(tokens) / MILLION, r.hour, r.hour + timedelta(hours=1))
         charged.append(r.pk)
-    return Rated(list(drafts.values()), charged)
+    out = list(drafts.values())
+    return Rated(out + commitment_topups(book, held, out, start, end), charged)
+
+
+def merge(spans: list[tuple[datetime, datetime]]) -> list[tuple[datetime, datetime]]:
+    """The union of [a, b) spans, as disjoint spans in order."""
+    out: list[tuple[datetime, datetime]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def commitment_topups(book: PlanBook, held: dict[int, list[tuple[datetime, datetime]]], drafts: list[Draft],
+                      start: datetime, end: datetime) -> list[Draft]:
+    """One "commitment top-up" draft per reserved plan whose pro-rated commitment for the month
+    exceeds the month's own charges at that plan (see the module docstring for the rules).
+
+    held: per tier, the spans (within the month, up to now) in which the tenant held an active
+    allocation of a reserved order. drafts: the month's lines rated so far."""
+    month_s = seconds(end - start)
+    charged: dict[int, Decimal] = defaultdict(Decimal)
+    for d in drafts:
+        if d.kind in USAGE_KINDS and d.plan.kind == PricePlan.Kind.RESERVED:
+            charged[d.plan.pk] += d.amount
+    covered: dict[int, list] = {}  # plan pk -> [plan, held seconds, first, last]
+    for tier_id, spans in held.items():
+        for a, b in merge(spans):
+            for plan, lo, hi in book.spans(tier_id, PricePlan.Kind.RESERVED, a, b):
+                c = covered.setdefault(plan.pk, [plan, Decimal(0), lo, hi])
+                c[1] += seconds(hi - lo)
+                c[2], c[3] = min(c[2], lo), max(c[3], hi)
+    out = []
+    for plan, held_s, first, last in sorted(covered.values(), key=lambda c: (c[0].tier_id, c[0].effective_from)):
+        commit = plan.monthly_commit or Decimal(0)
+        owed = money(commit * held_s / month_s)
+        used = charged.get(plan.pk, Decimal(0))
+        top_up = owed - used
+        if top_up <= 0:
+            continue
+        days, month_days = (held_s / 86_400).quantize(CENT), (month_s / 86_400).quantize(Decimal(1))
+        d = Draft(L.COMMITMENT_TOPUP, plan.tier, plan,
+                  f"{plan.tier.name}: reserved commitment {commit} {plan.currency}/month, held {days} of "
+                  f"{month_days} days = {owed} owed, {used} charged at this plan's rates: top-up",
+                  "top-up", price=top_up)
+        d.add(Decimal(1), first, last)
+        out.append(d)
+    return out
 
 
 # --- invoices -----------------------------------------------------------------------------------
