@@ -2,10 +2,12 @@
 
 Figures per **shape** (a MIG profile of a GPU model, or a whole GPU), over a window (default 7 days):
 
-* **measured tokens/s**: tokens metered on the shape's slices (UsageHourly) per second of model
-  execution that their Triton servers reported (TritonServedHourly.execution_ns, from Triton's
-  batch_stats), over the (deployment, hour) pairs that have both. That is the rate a slice sustains
-  while it is busy, i.e. flat out. Used when at least MIN_MEASURED_SECONDS of execution were seen.
+* **measured tokens/s**: tokens per request metered on the shape's slices (UsageHourly) times requests
+  per second of model execution their Triton servers reported (TritonServedHourly requests and
+  execution_ns, from Triton's batch_stats), over the (deployment, hour) pairs that have both. That is
+  the rate a slice sustains while it is busy, i.e. flat out. Each ratio is taken within one source, so
+  the scrape running up to a minute behind metering does not bias it. Used when at least
+  MIN_MEASURED_SECONDS of execution were seen.
   Several model instances executing at once on one slice make it conservative (their times add up).
 * **modelled tokens/s** (selectors.catalog.modelled_tokens_per_s) otherwise; an operator may override
   either per shape.
@@ -55,7 +57,9 @@ class ShapeFigures:
     modelled_tps: float
     measured_tps: float | None = None
     measured_tokens: int = 0
+    measured_requests: int = 0  # metered
     measured_seconds: float = 0.0
+    served_requests: int = 0  # what Triton counted over measured_seconds of execution
     peak_tps: float | None = None
     override_tps: float | None = None
     tier: Tier | None = None
@@ -132,18 +136,23 @@ def shape_figures(since: datetime, until: datetime, currency: str = "USD", *,
     metered = UsageHourly.objects.filter(tenant=OuterRef("tenant"), deployment=OuterRef("deployment"),
                                          hour=OuterRef("hour"))
     tokens = (UsageHourly.objects.filter(hour__gte=since, hour__lt=until).filter(Exists(served))
-              .values(g, p).annotate(t=Sum(F("input_tokens") + F("output_tokens"))).order_by())
+              .values(g, p).annotate(t=Sum(F("input_tokens") + F("output_tokens")), r=Sum("requests")).order_by())
     busy = (TritonServedHourly.objects.filter(hour__gte=since, hour__lt=until, execution_ns__gt=0)
-            .filter(Exists(metered)).values(g, p).annotate(ns=Sum("execution_ns")).order_by())
+            .filter(Exists(metered)).values(g, p).annotate(ns=Sum("execution_ns"), r=Sum("requests")).order_by())
     for row in tokens:
         if (row[g], row[p]) in out:
-            out[(row[g], row[p])].measured_tokens = int(row["t"] or 0)
+            f = out[(row[g], row[p])]
+            f.measured_tokens, f.measured_requests = int(row["t"] or 0), int(row["r"] or 0)
     for row in busy:
         if (row[g], row[p]) in out:
-            out[(row[g], row[p])].measured_seconds = (row["ns"] or 0) / 1e9
+            f = out[(row[g], row[p])]
+            f.measured_seconds, f.served_requests = (row["ns"] or 0) / 1e9, int(row["r"] or 0)
     for f in out.values():
-        if f.measured_seconds >= MIN_MEASURED_SECONDS and f.measured_tokens > 0:
-            f.measured_tps = f.measured_tokens / f.measured_seconds
+        # tokens per request (metering) x requests per second of execution (Triton): each ratio comes
+        # from one source, so the scrape's lag behind metering (up to a scrape interval) cancels out.
+        if (f.measured_seconds >= MIN_MEASURED_SECONDS and f.measured_tokens > 0 and f.measured_requests > 0
+                and f.served_requests > 0):
+            f.measured_tps = f.measured_tokens / f.measured_requests * f.served_requests / f.measured_seconds
 
     # Busiest slice-hour per shape: tokens per (allocation, hour), then the maximum.
     peak: dict[tuple[int, int | None], int] = defaultdict(int)

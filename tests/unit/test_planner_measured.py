@@ -93,6 +93,17 @@ def test_measured_throughput_from_metering_and_execution_time(busy):
     assert other.measured_tps is None and other.measured_tokens == 0
 
 
+def test_scrape_lag_does_not_bias_the_measurement(busy):
+    dep = busy["dep"]
+    tokens, n = serve(dep, 600)
+    scrape.scrape_node(busy["node"].pk)
+    late, m = serve(dep, 200)  # metered at once; Triton's side waits for the next scrape
+    f = shape(SHAPE_3G, sel.shape_figures(*sel.window(1)))
+    assert f.measured_requests == n + m and f.served_requests == n
+    assert f.measured_tps == pytest.approx(f.modelled_tps, rel=1e-3)  # not (tokens + late) / seconds
+    assert (tokens + late) / f.measured_seconds > 1.3 * f.modelled_tps
+
+
 def test_hours_without_execution_time_are_not_measured(busy):
     dep = busy["dep"]
     # Usage reported for an hour Triton has no execution time for (e.g. backfilled): not a measurement.
@@ -105,7 +116,8 @@ def test_hours_without_execution_time_are_not_measured(busy):
     TritonServedHourly.objects.create(tenant=dep.tenant, deployment=dep, hour=_hour() - timedelta(hours=3),
                                       requests=5, execution_ns=100 * 10**9)
     f = shape(SHAPE_3G, sel.shape_figures(*sel.window(1)))
-    assert f.measured_tps == pytest.approx(10**9 / 100)
+    # 10^9 tokens per metered request x 5 requests per 100 s of execution
+    assert f.measured_tps == pytest.approx(10**9 / 1 * 5 / 100)
 
 
 def test_power_line_fitted_to_samples(catalog, h100_node):
