@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cache
 
 import numpy as np
@@ -443,14 +443,8 @@ def scenarios(inp: PlanInput) -> list[Scenario]:
     if len(allowed) > 1:
         for m in allowed:
             out.append(Scenario(f"only-{m}", f"{names[m]} only",
-                                solve(_replace(inp, gpu_models=(m,), time_limit_s=quick))))
+                                solve(replace(inp, gpu_models=(m,), time_limit_s=quick))))
     if inp.mig and inp.whole:
         out.append(Scenario("whole-gpus", "Whole GPUs only (MIG off)",
-                            solve(_replace(inp, mig=False, time_limit_s=quick))))
+                            solve(replace(inp, mig=False, time_limit_s=quick))))
     return out
-
-
-def _replace(inp: PlanInput, **kw) -> PlanInput:
-    from dataclasses import replace  # noqa: PLC0415
-
-    return replace(inp, **kw)

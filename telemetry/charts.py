@@ -350,9 +350,10 @@ def tenant_usage(per: Period, principal: Principal, params: dict | None = None):
 
 # --- capacity planner ------------------------------------------------------------------------------
 
-def capacity_plan(report):
-    """The planner's answer (marketplace.selectors.planner.PlanReport): cost per 1K tokens of each
-    scenario, split into GPU-hours and power, with the GPUs each needs; and the optimum's GPUs by layout."""
+def capacity_plan(report) -> dict:
+    """The planner's answer (marketplace.selectors.planner.PlanReport) as plotly's JSON figure: cost per
+    1K tokens of each scenario, split into GPU-hours and power, with the GPUs each needs; and the
+    optimum's GPUs by layout. (The numbers are the report's own: selectors.planner.report_dict.)"""
     cur = report.request.currency
     feasible = [s for s in report.scenarios if s.result.feasible]
     best = report.best.result
@@ -385,12 +386,7 @@ def capacity_plan(report):
     fig.update_yaxes(tickformat=".6f", exponentformat="none", row=1, col=1)
     fig.update_yaxes(autorange="reversed", row=2, col=1)
     fig.update_xaxes(title_text="GPUs", dtick=1 if sum(u.gpus for _l, u in rows) <= 10 else None, row=2, col=1)
-    numbers = {s.key: {"label": s.label, "feasible": s.result.feasible, "gpus": s.result.gpus,
-                       "cost_per_1k_tokens": s.result.cost_per_1k_tokens,
-                       "gpu_cost_per_hour": s.result.gpu_cost_per_hour,
-                       "power_cost_per_hour": s.result.power_cost_per_hour} for s in report.scenarios}
-    return fig, {"currency": cur, "scenarios": numbers,
-                 "layouts": [{"gpu_model": u.gpu_model, "layout": u.layout, "gpus": u.gpus} for u in best.layouts]}
+    return json.loads(fig.to_json())
 
 
 # --- registry --------------------------------------------------------------------------------------

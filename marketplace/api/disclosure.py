@@ -15,8 +15,15 @@ from tenants.scoping import principal_for
 
 
 def reader_is_operator(context: dict | None) -> bool:
+    """Operators read the fleet's internals; anyone else, and any doubt (no request, a principal that
+    cannot be worked out, e.g. while the database is down), reads what tenants read."""
     request = (context or {}).get("request")
-    return request is not None and principal_for(request).is_operator
+    if request is None:
+        return False
+    try:
+        return principal_for(request).is_operator
+    except Exception:  # noqa: BLE001 - an answer (an error answer too) must not fail on the principal
+        return False
 
 
 class OperatorOnlyFieldsMixin:

@@ -13,24 +13,13 @@ from rest_framework.response import Response
 from rest_framework.settings import api_settings
 from rest_framework.views import exception_handler as drf_exception_handler
 
+from marketplace.api.disclosure import reader_is_operator
 from tenants.errors import ServiceError
-from tenants.scoping import principal_for
-
-
-def _is_operator(context) -> bool:
-    """Operators get a service error's diagnostic; anyone else (and any doubt) the plain message."""
-    request = (context or {}).get("request")
-    if request is None:
-        return False
-    try:
-        return principal_for(request).is_operator
-    except Exception:  # noqa: BLE001 - an error answer must not fail on the principal
-        return False
 
 
 def exception_handler(exc, context):
     if isinstance(exc, ServiceError):
-        if getattr(exc, "diagnostic", "") and _is_operator(context):
+        if exc.diagnostic and reader_is_operator(context):  # operators get the diagnostic
             return Response(exc.as_dict(operator=True), status=exc.status_code)
         return Response(exc.as_dict(), status=exc.status_code)
     if isinstance(exc, DjangoValidationError):

@@ -94,10 +94,7 @@ class PlannerView(APIView):
             raise ValidationError({exc.field or "non_field_errors": [exc.message]}) from None
         body = sel.report_dict(report)
         if request.query_params.get("figure") in ("1", "true", "yes"):
-            import json  # noqa: PLC0415
-
-            fig, _ = capacity_plan(report)
-            body["figure"] = json.loads(fig.to_json())
+            body["figure"] = capacity_plan(report)
         return Response(body)
 
 

@@ -40,6 +40,7 @@ from marketplace.hardware.geometry import all_geometries
 from marketplace.models import Gpu, GpuModel, MigProfile, ModelDeployment, PricePlan, Tier
 from marketplace.selectors.catalog import modelled_tokens_per_s
 from telemetry.models import GpuSample, Resolution, TritonServedHourly, UsageHourly
+from telemetry.services.energy import price_per_kwh
 
 MIN_MEASURED_SECONDS = 60.0  # execution seconds before a measured rate is trusted over the model
 MIN_POWER_SAMPLES = 12
@@ -341,8 +342,6 @@ def build_plan(req: PlanRequest) -> PlanReport:
     for key, v in req.throughput.items():
         by_key[key].override_tps = float(v)
     power = power_figures(since, until)
-    from telemetry.services.energy import price_per_kwh  # noqa: PLC0415 - telemetry reads marketplace models
-
     kwh = float(price_per_kwh()) if req.price_per_kwh is None else float(req.price_per_kwh)
     gpus = tuple(planner.GpuCost(k, m.name, float(req.gpu_hour_cost.get(k, default_gpu_hour_cost(k))),
                                  power[k].idle_w, power[k].max_w, power[k].source) for k, m in models.items())

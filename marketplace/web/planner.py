@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 from django import forms
 from django.shortcuts import render
 from django.views.decorators.http import require_GET
@@ -169,8 +167,7 @@ def planner_page(request):
         for f in report.shapes:  # hint the measured (or modelled) figure an override replaces
             hint = f.measured_tps if f.measured_tps is not None else f.modelled_tps
             settings_form.fields[_shape_field(f.key)].widget.attrs["placeholder"] = f"{hint:.0f}"
-        fig, _numbers = capacity_plan(report)
-        ctx["figure"] = json.loads(fig.to_json())
+        ctx["figure"] = capacity_plan(report)
         ctx["plan"] = sel.report_dict(report)
         ctx["best"] = report.best
         ctx["shape_rows"] = ctx["plan"]["shapes"]
