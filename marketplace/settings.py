@@ -8,6 +8,7 @@ DEBUG                  0/1 (default 0)
 ALLOWED_HOSTS          comma-separated (default localhost,127.0.0.1,[::1],testserver)
 TESSERA_NVML_BACKEND   sim | pynvml (default sim)
 TESSERA_TRITON_BACKEND sim | http (default sim)
+TESSERA_SERVING_RUNTIME process | docker | sim (default: sim with the sim backend, else process)
 LOG_FORMAT             json | text (default json)
 TESSERA_SECURE         0/1: HTTPS-only cookies, HSTS, SSL redirect (see the Security section)
 """
@@ -281,6 +282,18 @@ TESSERA_SIM_DIR = Path(os.environ.get("TESSERA_SIM_DIR", VAR_DIR / "sim"))  # si
 TESSERA_TRITON_REPO_ROOT = Path(os.environ.get("TESSERA_TRITON_REPO_ROOT", VAR_DIR / "triton"))  # on the node
 TESSERA_NODE_HOSTNAME = os.environ.get("TESSERA_NODE_HOSTNAME", "")  # set on a real GPU node's worker
 TESSERA_PROVISION_STUCK_AFTER_S = int(os.environ.get("TESSERA_PROVISION_STUCK_AFTER_S", "300"))
+# Serving runtime (on the node): how each slice's Triton server is run. process | docker | sim; default sim
+# with the simulated Triton backend, else process.
+TESSERA_SERVING_RUNTIME = (os.environ.get("TESSERA_SERVING_RUNTIME")
+                           or ("sim" if TESSERA_TRITON_BACKEND == "sim" else "process")).strip().lower()
+TESSERA_TRITONSERVER = os.environ.get("TESSERA_TRITONSERVER", "")  # the binary; empty: nvidia-pytriton's
+TESSERA_TRITON_PYTHON = os.environ.get("TESSERA_TRITON_PYTHON", "")  # the python backend's Python; empty: ours
+# where the node stages tritonserver for the per-slice users; empty: <TESSERA_TRITON_REPO_ROOT>/.runtime
+TESSERA_SERVING_RUNTIME_DIR = os.environ.get("TESSERA_SERVING_RUNTIME_DIR", "")
+TESSERA_SERVING_ISOLATE = env_bool("TESSERA_SERVING_ISOLATE", True)  # a Unix user per server (worker is root)
+TESSERA_TRITON_IMAGE = os.environ.get("TESSERA_TRITON_IMAGE", "nvcr.io/nvidia/tritonserver:24.10-py3")
+TESSERA_SERVING_START_TIMEOUT_S = float(os.environ.get("TESSERA_SERVING_START_TIMEOUT_S", "120"))
+TESSERA_DEPLOY_WAIT_S = float(os.environ.get("TESSERA_DEPLOY_WAIT_S", "300"))  # a model waits for its server
 TESSERA_RECONCILE_INTERVAL_S = int(os.environ.get("TESSERA_RECONCILE_INTERVAL_S", "60"))
 TESSERA_API_KEY_LAST_USED_RESOLUTION_S = 60  # write last_used_at at most once a minute per key
 TESSERA_INVITATION_TTL_DAYS = 7

@@ -38,10 +38,16 @@ def reconcile_fleet() -> int:
     return reconcile.fan_out()
 
 
+DEPLOY_WAIT_POLL_S = 5
+
+
 @shared_task(bind=True, name="tessera.deploy_model", autoretry_for=(OSError,), retry_backoff=2, max_retries=5,
              **NODE_TASK)
 def deploy_model(self, deployment_id: int) -> str:
-    return deployments.load(deployment_id)
+    try:
+        return deployments.load(deployment_id)
+    except deployments.WaitingForServer as exc:  # load() fails the model itself after TESSERA_DEPLOY_WAIT_S
+        raise self.retry(exc=exc, countdown=DEPLOY_WAIT_POLL_S, max_retries=None) from None
 
 
 @shared_task(bind=True, name="tessera.undeploy_model", autoretry_for=(OSError,), retry_backoff=2, max_retries=5,

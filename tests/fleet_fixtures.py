@@ -10,7 +10,7 @@ from django.utils import timezone
 
 from marketplace.models import GpuModel, MigProfile, PricePlan, ServerPlatform, Tier
 from marketplace.seed import sim_discovery
-from marketplace.services import fleet, nodes
+from marketplace.services import fleet, nodes, serving
 from marketplace.services.catalog import sync_catalog
 
 
@@ -23,9 +23,11 @@ def sim_dir(settings, tmp_path):
     settings.TESSERA_TRITON_REPO_ROOT = tmp_path / "triton"
     nodes._sims.clear()
     reset_sim_backends()
+    serving.reset_runtimes()
     yield tmp_path
     nodes._sims.clear()
     reset_sim_backends()
+    serving.reset_runtimes()
 
 
 @pytest.fixture

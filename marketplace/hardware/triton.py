@@ -775,13 +775,17 @@ class TritonBackend(ABC):
     def is_server_ready(self) -> bool:
         """True when the server answers ready (never raises; an unreachable server is not ready)."""
 
+    #: headers sent with the restricted APIs (model repository, model config): the server's secret
+    admin_headers: dict[str, str] | None = None
+
     @abstractmethod
     def repository_index(self) -> list[dict[str, Any]]:
         """``[{"name", "version"?, "state"?, "reason"?}]`` for every folder in the repository."""
 
     @abstractmethod
-    def load_model(self, name: str) -> None:
-        """Load (or reload) a model from the repository; raises on failure."""
+    def load_model(self, name: str, *, headers: dict[str, str] | None = None) -> None:
+        """Load (or reload) a model from the repository; raises on failure. ``headers`` default to
+        ``admin_headers``."""
 
     @abstractmethod
     def unload_model(self, name: str) -> None:
@@ -826,7 +830,7 @@ class HttpTritonBackend(TritonBackend):
     kind = "http"
 
     def __init__(self, url: str, metrics_url: str | None = None, *, timeout: float = 60.0,
-                 unload_timeout: float = 30.0) -> None:
+                 unload_timeout: float = 30.0, headers: dict[str, str] | None = None) -> None:
         import tritonclient.http as httpclient  # noqa: PLC0415 - heavy (gevent); only when used
 
         self._http = httpclient
@@ -837,6 +841,7 @@ class HttpTritonBackend(TritonBackend):
         self.unload_timeout = unload_timeout
         self.client = httpclient.InferenceServerClient(self.url, connection_timeout=timeout, network_timeout=timeout)
         self._batching: dict[str, bool] = {}
+        self.admin_headers = dict(headers or {})
 
     def close(self) -> None:
         self.client.close()
@@ -848,16 +853,16 @@ class HttpTritonBackend(TritonBackend):
             return False
 
     def repository_index(self) -> list[dict[str, Any]]:
-        return list(self.client.get_model_repository_index())
+        return list(self.client.get_model_repository_index(headers=self.admin_headers))
 
-    def load_model(self, name: str) -> None:
+    def load_model(self, name: str, *, headers: dict[str, str] | None = None) -> None:
         self._batching.pop(name, None)
-        self.client.load_model(name)
+        self.client.load_model(name, headers=self.admin_headers if headers is None else headers)
 
     def unload_model(self, name: str, *, wait: bool = True) -> None:
         """Unload; with ``wait`` (default) also wait until the server has finished (state leaves UNLOADING)."""
         self._batching.pop(name, None)
-        self.client.unload_model(name)
+        self.client.unload_model(name, headers=self.admin_headers)
         if not wait:
             return
         deadline = time.monotonic() + self.unload_timeout
@@ -873,7 +878,8 @@ class HttpTritonBackend(TritonBackend):
 
     def _batched(self, name: str) -> bool:
         if name not in self._batching:
-            self._batching[name] = int(self.client.get_model_config(name).get("max_batch_size", 0)) > 0
+            config = self.client.get_model_config(name, headers=self.admin_headers)
+            self._batching[name] = int(config.get("max_batch_size", 0)) > 0
         return self._batching[name]
 
     def infer_text(self, name: str, text: str, max_tokens: int | None = None) -> dict[str, Any]:
@@ -948,8 +954,38 @@ class SimTritonBackend(TritonBackend):
         self.tokens_per_s = tokens_per_s
         self.clock = clock
         self.server_ready = True  # set False to simulate a server that is down
+        self.restricted: tuple[str, str] | None = None  # (header, secret) the repository API requires
+        self.exit_code: int | None = None
+        self._log: list[str] = []
         self._models: dict[str, _SimModel] = {}
         self._lock = threading.RLock()
+
+    # -- the server's own life (the serving runtime drives it) -----------------------------------
+    def boot(self, *, restricted: tuple[str, str] | None = None) -> None:
+        """A fresh server process: ready, nothing loaded (explicit model control), the repository API locked."""
+        with self._lock:
+            self._models.clear()
+            self.server_ready, self.restricted, self.exit_code = True, restricted, None
+            self.admin_headers = {restricted[0]: restricted[1]} if restricted else None
+            self._log.append(f"simulated tritonserver started on {self.repo_dir}")
+
+    def shut_down(self, *, exit_code: int = 0) -> None:
+        """The process ended (stopped, or killed with ``exit_code`` -9): everything loaded is gone."""
+        with self._lock:
+            self._models.clear()
+            self.server_ready, self.exit_code = False, exit_code
+            self._log.append(f"simulated tritonserver exited with code {exit_code}")
+
+    def log_text(self) -> str:
+        return "\n".join(self._log[-200:])
+
+    def _check_key(self, headers: dict[str, str] | None) -> None:
+        if self.restricted is None:
+            return
+        key, value = self.restricted
+        sent = headers if headers is not None else (self.admin_headers or {})
+        if {k.lower(): v for k, v in sent.items()}.get(key.lower()) != value:
+            raise InferenceServerException(f"This API is restricted, expecting header '{key}'", status="403")
 
     # -- server / repository --------------------------------------------------------------------
     def is_server_ready(self) -> bool:
@@ -961,6 +997,7 @@ class SimTritonBackend(TritonBackend):
 
     def repository_index(self) -> list[dict[str, Any]]:
         self._check_up()
+        self._check_key(None)
         with self._lock:
             names = sorted(p.name for p in self.repo_dir.iterdir() if p.is_dir()) if self.repo_dir.is_dir() else []
             out = []
@@ -1012,8 +1049,9 @@ class SimTritonBackend(TritonBackend):
                     f"Internal: {model_file} does not exist", status="400")
         return version, config
 
-    def load_model(self, name: str) -> None:
+    def load_model(self, name: str, *, headers: dict[str, str] | None = None) -> None:
         self._check_up()
+        self._check_key(headers)
         with self._lock:
             version, config = self._read_model(name)
             current = self._models.get(name)
@@ -1031,6 +1069,7 @@ class SimTritonBackend(TritonBackend):
 
     def unload_model(self, name: str) -> None:
         self._check_up()
+        self._check_key(None)
         with self._lock:
             m = self._models.get(name)
             if m is not None and m.state == "READY":
@@ -1157,7 +1196,7 @@ _SIM_LOCK = threading.Lock()
 
 def get_triton_backend(kind: str | None = None, url: str | None = None, repo_dir: str | os.PathLike | None = None,
                        *, metrics_url: str | None = None, memory_mb: int | None = None,
-                       tokens_per_s: float | None = None) -> TritonBackend:
+                       tokens_per_s: float | None = None, headers: dict[str, str] | None = None) -> TritonBackend:
     """``"sim"`` -> the process-wide simulator for ``repo_dir`` (same object for the same folder and memory,
     so a load in one task is seen by the next); ``"http"`` -> a new ``HttpTritonBackend(url, metrics_url)``.
     ``kind`` defaults to the ``TESSERA_TRITON_BACKEND`` setting/environment variable, else "sim".
@@ -1166,7 +1205,7 @@ def get_triton_backend(kind: str | None = None, url: str | None = None, repo_dir
     if kind == "http":
         if not url:
             raise ValueError("the http Triton backend needs url (host:port of the server's HTTP endpoint)")
-        return HttpTritonBackend(url, metrics_url)
+        return HttpTritonBackend(url, metrics_url, headers=headers)
     if kind == "sim":
         if repo_dir is None:
             raise ValueError("the sim Triton backend needs repo_dir (the model repository folder)")

@@ -4,8 +4,9 @@ from .deployments import ModelDeployment
 from .fleet import Gpu, GpuInstance, GpuSlot, Node
 from .offers import PricePlan, Tier
 from .orders import Allocation, AllocationEvent, DriftEvent, Order
+from .serving import TritonServer
 
 __all__ = ["GpuModel", "MigProfile", "MigPlacement", "ServerPlatform", "Node", "Gpu", "GpuInstance", "GpuSlot",
            "Tier", "PricePlan", "Order", "Allocation", "AllocationEvent", "DriftEvent",
            "ModelDeployment", "Invoice", "InvoiceLine", "InvoiceSequence", "SpendNotice", "WebhookEndpoint",
-           "WebhookDelivery"]
+           "WebhookDelivery", "TritonServer"]

@@ -30,6 +30,9 @@ class ModelDeployment(models.Model):
     memory_mb = models.PositiveIntegerField(help_text="declared memory need on the slice")
     state = models.CharField(max_length=16, choices=State.choices, default=State.PENDING)
     failure_reason = models.CharField(max_length=1000, blank=True)
+    waiting_reason = models.CharField(max_length=300, blank=True,
+                                      help_text="what a pending model waits for (the slice's server to be up)")
+    waiting_since = models.DateTimeField(null=True, blank=True)
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL,
                                    related_name="+")
     created_at = models.DateTimeField(default=timezone.now)

@@ -28,10 +28,20 @@ class Node(models.Model):
     queue = models.CharField(max_length=200, unique=True, help_text="Celery queue its worker consumes")
     state = models.CharField(max_length=16, choices=State.choices, default=State.READY)
     last_heartbeat = models.DateTimeField(null=True, blank=True)
+    serving_address = models.GenericIPAddressField(
+        default="127.0.0.1", help_text="the node-private address its slices' Triton servers bind")
+    serving_port_min = models.PositiveIntegerField(default=20000, help_text="first port of its servers' pool")
+    serving_port_max = models.PositiveIntegerField(default=20999, help_text="last port of its servers' pool")
     created_at = models.DateTimeField(default=timezone.now)
 
     class Meta:
         ordering = ["hostname"]
+        constraints = [
+            models.CheckConstraint(
+                condition=models.Q(serving_port_min__gte=1024, serving_port_max__lte=65535,
+                                   serving_port_max__gte=models.F("serving_port_min") + 2),
+                name="node_serving_port_pool_valid"),
+        ]
 
     def __str__(self) -> str:
         return self.hostname

@@ -76,9 +76,11 @@ class Allocation(models.Model):
                                         help_text="tenant-safe: what was placed, on which kind of GPU")
     placement_detail = models.CharField(max_length=500, blank=True,
                                         help_text="operators only: the placement engine's diagnostic")
-    triton_url = models.CharField(max_length=200, blank=True,
-                                  help_text="HTTP endpoint of the slice's Triton server (http backend)")
-    triton_metrics_url = models.CharField(max_length=200, blank=True, help_text="its Prometheus metrics endpoint")
+    triton_url = models.CharField(max_length=200, blank=True, editable=False,
+                                  help_text="HTTP endpoint of the slice's Triton server, set when the node worker "
+                                            "has started it")
+    triton_metrics_url = models.CharField(max_length=200, blank=True, editable=False,
+                                          help_text="its Prometheus metrics endpoint")
     failure_reason = models.CharField(max_length=1000, blank=True)
     attempts = models.PositiveSmallIntegerField(default=0)
     created_at = models.DateTimeField(default=timezone.now)
@@ -126,6 +128,9 @@ class DriftEvent(models.Model):
         ADOPTED = "adopted", "GPU instance adopted"
         STUCK_REQUEUED = "stuck_requeued", "Stuck allocation re-queued"
         MODEL_RELOADED = "model_reloaded", "Model reloaded on its Triton server"
+        SERVER_RESTARTED = "server_restarted", "Dead Triton server restarted"
+        SERVER_STOPPED = "server_stopped", "Triton server without a live slice stopped"
+        MODEL_UNLOADED = "model_unloaded", "Model Tessera did not deploy unloaded"
         UNREACHABLE = "unreachable", "Node unreachable"
         ERROR = "error", "Reconcile error"
 

@@ -77,8 +77,8 @@ def begin_provisioning(allocation: Allocation, actor: str, reason: str = "") -> 
     return _move(allocation, S.PROVISIONING, actor, reason, attempts=allocation.attempts + 1)
 
 
-def mark_ready(allocation: Allocation, actor: str, mig_uuid: str, reason: str = "") -> Allocation:
-    return _move(allocation, S.READY, actor, reason, mig_uuid=mig_uuid)
+def mark_ready(allocation: Allocation, actor: str, mig_uuid: str, reason: str = "", detail: str = "") -> Allocation:
+    return _move(allocation, S.READY, actor, reason, detail, mig_uuid=mig_uuid)
 
 
 def activate(allocation: Allocation, actor: str) -> Allocation:

@@ -14,9 +14,9 @@ from django.utils import timezone
 from tritonclient.utils import InferenceServerException
 
 from marketplace.hardware import triton
-from marketplace.models import Allocation, ModelDeployment
+from marketplace.models import Allocation, ModelDeployment, TritonServer
 from marketplace.models.deployments import LIVE_DEPLOYMENT_STATES
-from marketplace.selectors.catalog import modelled_tokens_per_s
+from marketplace.services import serving
 from tenants.errors import Conflict, Forbidden, ServiceError
 from tenants.scoping import Principal
 
@@ -27,26 +27,21 @@ MAX_FILES_BYTES = 2 * 1024 * 1024
 TEMPLATES = {"tiny-gen": triton.demo_text_model}
 
 
-def slice_memory_mb(allocation: Allocation) -> int:
-    tier = allocation.tier
-    return tier.profile.memory_mib if tier.profile_id else tier.gpu_model.memory_mib
+slice_memory_mb = serving.slice_memory_mb
+
+
+class WaitingForServer(Exception):
+    """The slice's server is not up yet: the deploy task tries again shortly (until TESSERA_DEPLOY_WAIT_S)."""
 
 
 def repo_dir(allocation: Allocation) -> Path:
-    return Path(settings.TESSERA_TRITON_REPO_ROOT) / f"allocation-{allocation.pk}"
+    return serving.repo_dir(allocation.pk)
 
 
 def backend_for(allocation: Allocation) -> triton.TritonBackend:
-    """The slice's Triton server: simulated over the slice's repository, or the real one's URL."""
-    if settings.TESSERA_TRITON_BACKEND == "http":
-        if not allocation.triton_url:
-            raise RuntimeError(f"allocation {allocation.pk} has no Triton server URL yet")
-        return triton.get_triton_backend("http", url=allocation.triton_url,
-                                         metrics_url=allocation.triton_metrics_url or None)
-    tier = allocation.tier
-    rate = modelled_tokens_per_s(tier.gpu_model, tier.profile if tier.profile_id else None)
-    return triton.get_triton_backend("sim", repo_dir=repo_dir(allocation), memory_mb=slice_memory_mb(allocation),
-                                     tokens_per_s=rate)
+    """The slice's Triton server (simulated or real), with its repository-API secret; raises
+    ``serving.ServerNotUp`` when the slice has no running server."""
+    return serving.client_for(allocation)
 
 
 def build_spec(name: str, *, template: str | None = None, spec: dict | None = None) -> triton.ModelSpec:
@@ -138,19 +133,35 @@ def spec_from_json(data: dict) -> triton.ModelSpec:
 
 # --- node side (Celery tasks on the node's queue) ----------------------------------------------
 
+def _server_up(allocation: Allocation) -> bool:
+    server = TritonServer.objects.filter(allocation=allocation).first()
+    if server is None or server.state != TritonServer.State.RUNNING:
+        return False
+    try:
+        with serving.client_for(allocation, server) as client:
+            return client.is_server_ready()
+    except serving.ServerNotUp:
+        return False
+
+
 def load(deployment_id: int) -> str:
-    dep = ModelDeployment.objects.select_related("allocation__tier__profile", "allocation__tier__gpu_model").get(
-        pk=deployment_id)
-    if dep.state in (D.READY, D.UNLOADING, D.REMOVED):
+    """Write the model's repository folder and load it. A slice whose server is not up (yet): the model
+    waits with that reason (``WaitingForServer``: the task retries) and fails after TESSERA_DEPLOY_WAIT_S."""
+    dep = ModelDeployment.objects.select_related(
+        "allocation__tier__profile", "allocation__tier__gpu_model", "allocation__node").get(pk=deployment_id)
+    if dep.state in (D.READY, D.UNLOADING, D.REMOVED, D.FAILED):
         return f"nothing to do ({dep.state})"
     allocation = dep.allocation
+    if allocation.state != Allocation.State.ACTIVE or not _server_up(allocation):
+        return _wait_for_server(dep, allocation)
     spec = spec_from_json(dep.spec)
     triton.write_repository(repo_dir(allocation), spec)  # idempotent: same spec, same bytes
+    serving.own_repository(allocation)
     _set(dep, D.LOADING)
-    server = backend_for(allocation)
     try:
-        server.load_model(dep.name)
-        ready = server.is_model_ready(dep.name)
+        with backend_for(allocation) as server:
+            server.load_model(dep.name)
+            ready = server.is_model_ready(dep.name)
     except InferenceServerException as exc:
         _set(dep, D.FAILED, f"Triton refused the model: {exc}")
         return "failed"
@@ -162,17 +173,53 @@ def load(deployment_id: int) -> str:
     return "ready"
 
 
+def _wait_for_server(dep: ModelDeployment, allocation: Allocation) -> str:
+    now = timezone.now()
+    since = dep.waiting_since or now
+    waited = (now - since).total_seconds()
+    if waited >= settings.TESSERA_DEPLOY_WAIT_S or allocation.state in (
+            Allocation.State.RELEASING, Allocation.State.RELEASED, Allocation.State.FAILED):
+        why = (f"the slice is {allocation.state}" if allocation.state != Allocation.State.ACTIVE else
+               f"the slice's inference server was not up within {settings.TESSERA_DEPLOY_WAIT_S:.0f} s")
+        ModelDeployment.objects.filter(pk=dep.pk).update(waiting_reason="", waiting_since=None)
+        _set(dep, D.FAILED, f"{why}; retry the model when the slice is serving")
+        return "failed"
+    reason = "waiting for the slice's inference server to start"
+    ModelDeployment.objects.filter(pk=dep.pk).update(waiting_reason=reason, waiting_since=since, updated_at=now)
+    dep.waiting_reason, dep.waiting_since = reason, since
+    raise WaitingForServer(f"deployment {dep.pk}: {reason} ({waited:.0f} s so far)")
+
+
+def retry(principal: Principal, dep: ModelDeployment) -> ModelDeployment:
+    """Try a failed model again (after its slice's server came back, or a fixed cause)."""
+    if not principal.can("deploy", dep.tenant_id):
+        raise Forbidden("Your role or API-key scopes do not allow deploying to this slice.")
+    with transaction.atomic():
+        dep = ModelDeployment.objects.select_for_update(of=("self",)).select_related("allocation__node").get(pk=dep.pk)
+        if dep.state != D.FAILED:
+            raise Conflict(f"only failed models are retried (this one is {dep.state})", field="state")
+        if dep.allocation.state != Allocation.State.ACTIVE:
+            raise Conflict(f"models are deployed to active slices; this one is {dep.allocation.state}",
+                           field="allocation")
+        ModelDeployment.objects.filter(pk=dep.pk).update(waiting_since=None, waiting_reason="")
+        _set(dep, D.PENDING)
+        transaction.on_commit(lambda: _enqueue("deploy_model", dep, dep.allocation))
+    return dep
+
+
 def unload(deployment_id: int) -> str:
-    dep = ModelDeployment.objects.select_related("allocation__tier__profile", "allocation__tier__gpu_model").get(
-        pk=deployment_id)
+    dep = ModelDeployment.objects.select_related(
+        "allocation__tier__profile", "allocation__tier__gpu_model", "allocation__node").get(pk=deployment_id)
     if dep.state == D.REMOVED:
         return "already removed"
     allocation = dep.allocation
-    _final_scrape(dep)
-    try:
-        backend_for(allocation).unload_model(dep.name)  # unloading an unloaded model is a no-op
-    except InferenceServerException as exc:
-        log.warning("unload failed; removing the files anyway", extra={"deployment": dep.pk, "err": str(exc)})
+    if _server_up(allocation):
+        _final_scrape(dep)
+        try:
+            with backend_for(allocation) as server:
+                server.unload_model(dep.name)  # unloading an unloaded model is a no-op
+        except InferenceServerException as exc:
+            log.warning("unload failed; removing the files anyway", extra={"deployment": dep.pk, "err": str(exc)})
     triton.remove_model(repo_dir(allocation), dep.name)
     _set(dep, D.REMOVED)
     return "removed"
@@ -188,15 +235,6 @@ def _final_scrape(dep: ModelDeployment) -> None:
                 scrape.record_counters(dep, scrape.reader(server, dep.name))
     except Exception as exc:  # noqa: BLE001 - the unload goes on; the lost count is logged
         log.warning("final Triton scrape before unload failed", extra={"deployment": dep.pk, "err": str(exc)})
-
-
-def prepare_slice(allocation: Allocation) -> None:
-    """The ready step: the slice's model repository exists and its Triton server answers."""
-    repo_dir(allocation).mkdir(parents=True, exist_ok=True)
-    if settings.TESSERA_TRITON_BACKEND == "http" and not allocation.triton_url:
-        return  # the node agent starts the slice's server and records its URL
-    if not backend_for(allocation).is_server_ready():
-        raise RuntimeError("the slice's Triton server is not ready")
 
 
 def unload_all(allocation: Allocation) -> int:

@@ -1,6 +1,8 @@
-"""What a node worker does for an allocation: create the slice on the GPU, prepare it, activate;
-and on release destroy it and return the slots. Every step is idempotent: running it twice (a
-replayed task, a worker killed half-way and restarted) leaves one GPU instance and the same state.
+"""What a node worker does for an allocation: create the slice on the GPU, start its Triton server, and
+only when that server answers ready mark the slice ready and active (the billing clock starts); on release
+unload the models, stop the server, remove the repository, destroy the GPU instance and return the slots.
+Every step is idempotent: running it twice (a replayed task, a worker killed half-way and restarted) leaves
+one GPU instance, one server and the same state; a step whose object is already gone is done.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from django.db import transaction
 from pynvml import NVMLError, NVMLError_InsufficientResources, NVMLError_InUse
 
 from marketplace.models import Allocation, GpuInstance
-from marketplace.services import allocations, deployments, fleet, nodes
+from marketplace.services import allocations, deployments, fleet, nodes, serving
 
 log = logging.getLogger("tessera.provisioning")
 S = Allocation.State
@@ -52,9 +54,16 @@ def provision(allocation_id: int, *, final_attempt: bool = False) -> str:
     except NVMLError as exc:
         _fail_and_return_slots(a, f"NVML error: {exc.__class__.__name__}: {exc}")
         return "failed"
+    Allocation.objects.filter(pk=a.pk).update(mig_uuid=mig_uuid)  # the device its server is pinned to
     a = _load(a.pk)
-    deployments.prepare_slice(a)
-    allocations.mark_ready(a, ACTOR, mig_uuid, "slice created; model repository and Triton server ready")
+    try:
+        server = serving.ensure_server(a)
+    except serving.ServingError as exc:
+        _fail_and_clean(a, exc.reason, exc.detail)
+        return "failed"
+    allocations.mark_ready(a, ACTOR, mig_uuid, "slice created; its Triton server answers ready",
+                           detail=f"{server.name} on {server.address}:{server.http_port} (isolation: "
+                                  f"{server.isolation})")
     allocations.activate(_load(a.pk), ACTOR)
     return "activated"
 
@@ -84,20 +93,42 @@ def _fail_and_return_slots(a: Allocation, reason: str) -> None:
     log.warning("provisioning failed", extra={"allocation": a.pk, "reason": reason})
 
 
+def _fail_and_clean(a: Allocation, reason: str, detail: str) -> None:
+    """The slice's server did not come up: leave nothing half-made (server, files, GPU instance, slots)."""
+    serving.stop_server(a, f"provisioning failed: {detail}"[:1000])
+    serving.remove_files(a.pk)
+    _destroy_on_gpu(a)
+    with transaction.atomic():
+        a = _load(a.pk)
+        allocations.fail(a, ACTOR, reason, detail=detail[:1000])
+        if a.instance is not None:
+            fleet.release_instance(a.instance)
+    log.warning("provisioning failed: the slice's server did not start",
+                extra={"allocation": a.pk, "detail": detail[:500]})
+
+
+def _destroy_on_gpu(a: Allocation) -> None:
+    inst = a.instance
+    if inst is None or inst.placement_id is None:
+        return
+    with nodes.nvml_client(a.node) as client:
+        for s in client.slices(inst.gpu.index):
+            if s.start == inst.start and s.profile_id == inst.placement.profile.profile_id:
+                client.destroy_slice(inst.gpu.index, s.gi_id)  # NotFound: already gone
+
+
 def release(allocation_id: int) -> str:
     a = _load(allocation_id)
     if a.state == S.RELEASED:
         return "already released"
     if a.state != S.RELEASING:
         return f"not releasing ({a.state})"
-    deployments.unload_all(a)  # Triton lets go of the slice before NVML destroys it
+    deployments.unload_all(a)  # Triton lets go of the slice before NVML destroys it (a gone server: skipped)
+    serving.stop_server(a)
+    serving.remove_files(a.pk)
     inst = a.instance
     if inst is not None:
-        if inst.placement_id is not None:
-            with nodes.nvml_client(a.node) as client:
-                for s in client.slices(inst.gpu.index):
-                    if s.start == inst.start and s.profile_id == inst.placement.profile.profile_id:
-                        client.destroy_slice(inst.gpu.index, s.gi_id)  # NotFound: already gone
+        _destroy_on_gpu(a)
         fleet.release_instance(inst)
-    allocations.mark_released(_load(a.pk), "task:release", "slice destroyed, slots returned")
+    allocations.mark_released(_load(a.pk), "task:release", "server stopped, slice destroyed, slots returned")
     return "released"

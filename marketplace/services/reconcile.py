@@ -3,9 +3,12 @@
 - a GPU instance on the GPU that no database instance explains is an orphan: destroyed;
 - a database instance that was created but is gone from the GPU is re-created at its placement;
 - an allocation stuck in placed/provisioning/releasing past the threshold is re-queued;
+- an active slice whose Triton server is dead (killed, crashed, hung) gets it restarted;
+- a Triton server running on the node for no live slice is stopped;
 - a model Tessera marks ready that the slice's Triton server does not have loaded (the server
-  restarted: explicit model control loads nothing by itself) is loaded again from its repository.
-Every finding is a DriftEvent the console shows.
+  restarted: explicit model control loads nothing by itself) is loaded again from its repository;
+- a model loaded on a slice's server that Tessera did not deploy is unloaded.
+Every finding is a DriftEvent the console shows; one that could not be repaired stays unresolved.
 """
 
 from __future__ import annotations
@@ -17,11 +20,12 @@ from django.conf import settings
 from django.utils import timezone
 from pynvml import NVMLError
 
-from marketplace.models import Allocation, DriftEvent, GpuInstance, ModelDeployment, Node
-from marketplace.services import deployments, nodes
+from marketplace.models import Allocation, DriftEvent, GpuInstance, ModelDeployment, Node, TritonServer
+from marketplace.services import deployments, nodes, serving
 
 log = logging.getLogger("tessera.reconcile")
 S = Allocation.State
+MAX_REQUEUES = 3
 
 
 def fan_out() -> int:
@@ -36,7 +40,8 @@ def fan_out() -> int:
 
 def reconcile_node(node_id: int) -> dict:
     node = Node.objects.select_related("platform__gpu_model").get(pk=node_id)
-    found = {"orphans_destroyed": 0, "recreated": 0, "requeued": 0, "models_reloaded": 0, "errors": 0}
+    found = {"orphans_destroyed": 0, "recreated": 0, "requeued": 0, "servers_restarted": 0, "servers_stopped": 0,
+             "models_reloaded": 0, "models_unloaded": 0, "errors": 0}
     desired = {}
     for inst in (GpuInstance.objects.filter(gpu__node=node, placement__isnull=False)
                  .select_related("gpu", "placement__profile")):
@@ -54,6 +59,7 @@ def reconcile_node(node_id: int) -> dict:
         DriftEvent.objects.create(node=node, kind=DriftEvent.Kind.UNREACHABLE, detail=str(exc), resolved=False)
         return {**found, "errors": found["errors"] + 1}
     found["requeued"] = _requeue_stuck(node)
+    _reconcile_servers(node, found)
     _reconcile_models(node, found)
     Node.objects.filter(pk=node.pk).update(last_heartbeat=timezone.now())
     if any(found.values()):
@@ -93,6 +99,13 @@ def _requeue_stuck(node: Node) -> int:
     stuck = Allocation.objects.filter(node=node, updated_at__lt=cutoff,
                                       state__in=[S.PLACED, S.PROVISIONING, S.READY, S.RELEASING])
     for a in stuck.select_related("node"):
+        tries = DriftEvent.objects.filter(kind=DriftEvent.Kind.STUCK_REQUEUED, allocation=a, at__gte=a.updated_at)
+        if tries.count() >= MAX_REQUEUES:  # re-queueing did not help: an operator must look, not a loop
+            if not tries.filter(resolved=False).exists():
+                DriftEvent.objects.create(node=node, kind=DriftEvent.Kind.STUCK_REQUEUED, allocation=a, resolved=False,
+                                          detail=f"allocation {a.pk} is still {a.state} after {MAX_REQUEUES} "
+                                                 f"re-queues; not re-queued again")
+            continue
         (enqueue_release if a.state == S.RELEASING else enqueue_provision)(a)
         DriftEvent.objects.create(node=node, kind=DriftEvent.Kind.STUCK_REQUEUED, allocation=a,
                                   detail=f"allocation {a.pk} was {a.state} since {a.updated_at:%H:%M:%S}; re-queued")
@@ -100,26 +113,77 @@ def _requeue_stuck(node: Node) -> int:
     return n
 
 
-def _reconcile_models(node: Node, found: dict) -> None:
-    ready = (ModelDeployment.objects
-             .filter(allocation__node=node, allocation__state=S.ACTIVE, state=ModelDeployment.State.READY)
-             .select_related("allocation__tier__profile", "allocation__tier__gpu_model").order_by("pk"))
-    for dep in ready:
+def _reconcile_servers(node: Node, found: dict) -> None:
+    active = (Allocation.objects.filter(node=node, state=S.ACTIVE)
+              .select_related("node", "tier__profile", "tier__gpu_model").order_by("pk"))
+    servers = {s.allocation_id: s for s in TritonServer.objects.filter(allocation__in=active)}
+    for a in active:
+        server = servers.get(a.pk)
         try:
-            if deployments.backend_for(dep.allocation).is_model_ready(dep.name):
+            if server is not None and serving.check(server, a):
                 continue
+            before = f"exit code {server.exit_code}" if server is not None and server.exit_code is not None else \
+                "not answering" if server is not None else "never started"
+            if server is None:
+                serving.ensure_server(a)
+            else:
+                serving.restart(server, a)
+        except serving.ServingError as exc:
+            found["errors"] += 1
+            DriftEvent.objects.create(node=node, kind=DriftEvent.Kind.SERVER_RESTARTED, allocation=a, resolved=False,
+                                      detail=f"the Triton server of allocation {a.pk} is down and could not be "
+                                             f"restarted: {exc.detail}"[:1000])
+            continue
+        found["servers_restarted"] += 1
+        DriftEvent.objects.create(node=node, kind=DriftEvent.Kind.SERVER_RESTARTED, allocation=a,
+                                  detail=f"the Triton server of allocation {a.pk} was down ({before}); restarted")
+    for name in serving.stray_servers(node):
+        serving.stop_stray(node, name)
+        found["servers_stopped"] += 1
+        DriftEvent.objects.create(node=node, kind=DriftEvent.Kind.SERVER_STOPPED,
+                                  detail=f"Triton server {name} was running for no live slice; stopped")
+
+
+def _reconcile_models(node: Node, found: dict) -> None:
+    """Per running server, one repository index: reload what Tessera marks ready and the server lost;
+    unload what is loaded there that Tessera did not deploy."""
+    servers = (TritonServer.objects.filter(node=node, state=TritonServer.State.RUNNING, allocation__state=S.ACTIVE)
+               .select_related("allocation__node", "allocation__tier__profile", "allocation__tier__gpu_model")
+               .order_by("allocation_id"))
+    deps: dict[int, dict[str, ModelDeployment]] = {}
+    for dep in ModelDeployment.objects.filter(
+            allocation__node=node, allocation__state=S.ACTIVE,
+            state__in=[ModelDeployment.State.READY, ModelDeployment.State.LOADING]).order_by("pk"):
+        deps.setdefault(dep.allocation_id, {})[dep.name] = dep
+    for server in servers:
+        a = server.allocation
+        try:
+            with serving.client_for(a, server) as client:
+                loaded = {m["name"] for m in client.repository_index() if m.get("state") == "READY"}
+                mine = deps.get(a.pk, {})
+                for name in sorted(loaded - set(mine)):
+                    client.unload_model(name)
+                    found["models_unloaded"] += 1
+                    DriftEvent.objects.create(node=node, kind=DriftEvent.Kind.MODEL_UNLOADED, allocation=a,
+                                              detail=f"model {name} was loaded on the Triton server of allocation "
+                                                     f"{a.pk} but Tessera did not deploy it; unloaded"[:1000])
         except Exception as exc:  # noqa: BLE001 - one unreachable server must not stop the others
             found["errors"] += 1
-            DriftEvent.objects.create(node=node, kind=DriftEvent.Kind.ERROR, allocation=dep.allocation,
-                                      detail=f"the Triton server of allocation {dep.allocation_id} did not answer "
-                                             f"for model {dep.name}: {exc.__class__.__name__}: {exc}"[:1000],
-                                      resolved=False)
+            DriftEvent.objects.create(node=node, kind=DriftEvent.Kind.ERROR, allocation=a,
+                                      detail=f"the Triton server of allocation {a.pk} did not answer: "
+                                             f"{exc.__class__.__name__}: {exc}"[:1000], resolved=False)
             continue
-        ModelDeployment.objects.filter(pk=dep.pk, state=ModelDeployment.State.READY).update(
-            state=ModelDeployment.State.LOADING)
-        outcome = deployments.load(dep.pk)
-        found["models_reloaded"] += 1
-        DriftEvent.objects.create(node=node, kind=DriftEvent.Kind.MODEL_RELOADED, allocation=dep.allocation,
-                                  resolved=outcome == "ready",
-                                  detail=f"model {dep.name} (deployment {dep.pk}) was not loaded on its Triton "
-                                         f"server (restarted?); loaded again: {outcome}")
+        for dep in mine.values():
+            if dep.state != ModelDeployment.State.READY or dep.name in loaded:
+                continue
+            ModelDeployment.objects.filter(pk=dep.pk, state=ModelDeployment.State.READY).update(
+                state=ModelDeployment.State.LOADING)
+            try:
+                outcome = deployments.load(dep.pk)
+            except deployments.WaitingForServer:
+                outcome = "waiting for the server"
+            found["models_reloaded"] += 1
+            DriftEvent.objects.create(node=node, kind=DriftEvent.Kind.MODEL_RELOADED, allocation=a,
+                                      resolved=outcome == "ready",
+                                      detail=f"model {dep.name} (deployment {dep.pk}) was not loaded on its Triton "
+                                             f"server (restarted?); loaded again: {outcome}")

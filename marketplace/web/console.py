@@ -24,7 +24,18 @@ from django.utils.safestring import mark_safe
 from django.views.decorators.http import require_GET, require_POST
 
 from marketplace.api.billing import invoice_csv
-from marketplace.models import Allocation, Gpu, GpuInstance, GpuModel, Invoice, ModelDeployment, Node, PricePlan, Tier
+from marketplace.models import (
+    Allocation,
+    Gpu,
+    GpuInstance,
+    GpuModel,
+    Invoice,
+    ModelDeployment,
+    Node,
+    PricePlan,
+    Tier,
+    TritonServer,
+)
 from marketplace.models.orders import LIVE_STATES
 from marketplace.selectors import billing as billing_sel
 from marketplace.selectors import orders as orders_sel
@@ -170,7 +181,9 @@ def nodes(request):
     qs = Node.objects.select_related("platform", "platform__gpu_model").prefetch_related(
         Prefetch("gpus", queryset=Gpu.objects.select_related("gpu_model", "dedicated_tenant").order_by("index")
                  .prefetch_related(Prefetch("instances", queryset=GpuInstance.objects.select_related(
-                     "tenant", "placement__profile").order_by("start")))))
+                     "tenant", "placement__profile").order_by("start")))),
+        Prefetch("triton_servers", to_attr="live_servers", queryset=TritonServer.objects.exclude(
+            state=TritonServer.State.STOPPED).defer("log_tail").order_by("http_port", "pk")))
     state = request.GET.get("state", "")
     if state in Node.State.values:
         qs = qs.filter(state=state)
@@ -181,7 +194,8 @@ def nodes(request):
     for node in t.page:
         gpus = [{"gpu": g, "slotmap": slot_map_html(slot_cells(g)), "used": sum(i.size for i in g.instances.all())}
                 for g in node.gpus.all()]
-        rows.append({"node": node, "gpus": gpus, "used": sum(g["used"] for g in gpus), "total": 8 * len(gpus)})
+        rows.append({"node": node, "gpus": gpus, "used": sum(g["used"] for g in gpus), "total": 8 * len(gpus),
+                     "servers": node.live_servers})
     return _page(request, "nodes.html", {"table": t, "rows": rows, "state": state, "states": Node.State.choices})
 
 
@@ -235,6 +249,7 @@ def allocation_detail(request, pk: int):
     deployments = ModelDeployment.objects.filter(allocation=a).order_by("-created_at")
     return _page(request, "allocation_detail.html", {
         "a": a, "events": a.events.all(), "deployments": deployments,
+        "servers": TritonServer.objects.filter(allocation=a),
         "can_retry": a.state == Allocation.State.FAILED, "can_release": a.state in RELEASABLE,
     })
 

@@ -1,0 +1,676 @@
+"""The serving runtime of a node: start, stop, status and logs of the Triton server of one slice.
+
+One small interface with three backends, chosen by ``TESSERA_SERVING_RUNTIME``:
+
+* ``process``: runs the ``tritonserver`` binary on the node. When the worker is root, each server runs as
+  its own unprivileged Unix user (created here, removed with the server), its repository owned by that user
+  with mode 0700, so a tenant's python model cannot read another slice's files; otherwise the server runs as
+  the worker's user and the isolation is reported as ``none``.
+* ``docker``: the same through the Docker Engine API (the ``docker`` Python SDK) with NVIDIA's Triton
+  image, ``--gpus device=<MIG UUID>``, only that slice's repository mounted read-only, a bridge network and
+  ports published on the node's private address.
+* ``sim``: the simulated Triton server of the demo and the tests (``triton.SimTritonBackend``), started
+  and stopped like a real one: a started server has no model loaded (explicit model control).
+
+Every server is started with ``--model-control-mode=explicit`` and with its model-repository, model-config,
+shared-memory, trace and logging APIs restricted by Triton itself (``--http-restricted-api`` /
+``--grpc-restricted-protocol``) to callers that send a per-server secret only Tessera holds.
+Its environment is built from nothing: no database, broker or Redis URL, no secret key, no API key.
+
+Pure Python: Django is not imported here; the services pass everything in a ``ServerSpec``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import os
+import pwd
+import re
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import threading
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+RESTRICTED_APIS = ("model-repository", "model-config", "shared-memory", "trace", "logging")
+SECRET_HEADER = "tessera-repository-key"
+LOG_FILE = "tritonserver.log"
+PID_FILE = "server.pid"
+LOG_TAIL_CHARS = 4000
+EXIT_TIMEOUT_SECS = 2
+USER_PREFIX = "tessera-s"
+RUNTIME_KINDS = ("process", "docker", "sim")
+NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,40}$")
+
+
+class RuntimeFault(Exception):
+    """The server could not be started or stopped; ``str()`` is the operator-facing reason."""
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """Everything one slice's server needs. ``name`` is unique on the node (``allocation-<id>``)."""
+
+    name: str
+    repo_dir: Path
+    work_dir: Path
+    device_uuid: str
+    address: str
+    http_port: int
+    grpc_port: int
+    metrics_port: int
+    secret: str
+    isolate: bool = True  # a Unix user of its own (process runtime, worker is root)
+    gpu_metrics: bool = False
+    labels: dict[str, str] = field(default_factory=dict)
+    memory_mb: int | None = None  # the slice's memory (the simulator's load check)
+    tokens_per_s: float | None = None  # the simulator's performance model
+
+    def __post_init__(self) -> None:
+        if not NAME_RE.match(self.name):
+            raise ValueError(f"server name {self.name!r} must match {NAME_RE.pattern}")
+        ports = (self.http_port, self.grpc_port, self.metrics_port)
+        if len(set(ports)) != 3 or not all(0 < p < 65536 for p in ports):
+            raise ValueError(f"three distinct ports in 1..65535 are needed, not {ports}")
+
+    @property
+    def unix_user(self) -> str:
+        return f"{USER_PREFIX}{self.name.removeprefix('allocation-')}"[:32]
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{_url_host(self.address)}:{self.http_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{_url_host(self.address)}:{self.metrics_port}/metrics"
+
+    def restricted_args(self) -> list[str]:
+        apis = ",".join(RESTRICTED_APIS)
+        return [f"--http-restricted-api={apis}:{SECRET_HEADER}={self.secret}",
+                f"--grpc-restricted-protocol={apis}:{SECRET_HEADER}={self.secret}"]
+
+    def server_args(self, repo: str, backends: str | None) -> list[str]:
+        """tritonserver's command line (the binary excluded)."""
+        args = [f"--model-repository={repo}", "--model-control-mode=explicit",
+                f"--http-address={self.address}", f"--http-port={self.http_port}",
+                f"--grpc-address={self.address}", f"--grpc-port={self.grpc_port}",
+                f"--metrics-address={self.address}", f"--metrics-port={self.metrics_port}",
+                f"--allow-gpu-metrics={'true' if self.gpu_metrics else 'false'}",
+                "--allow-sagemaker=false", "--allow-vertex-ai=false",
+                f"--exit-timeout-secs={EXIT_TIMEOUT_SECS}", "--log-verbose=0", *self.restricted_args()]
+        if backends:
+            args.insert(2, f"--backend-directory={backends}")
+        return args
+
+
+def _url_host(address: str) -> str:
+    return f"[{address}]" if ":" in address else address
+
+
+@dataclass
+class ServerStatus:
+    running: bool
+    pid: int | None = None
+    exit_code: int | None = None
+    container_id: str = ""
+    detail: str = ""
+
+
+class ServingRuntime(ABC):
+    kind: str = ""
+
+    @abstractmethod
+    def isolation(self, spec: ServerSpec) -> str:
+        """"user", "container", "none" or "sim": what keeps this server's files from the others."""
+
+    @abstractmethod
+    def start(self, spec: ServerSpec) -> ServerStatus:
+        """Start the server (does not wait for ready); a server already running for ``spec`` is kept."""
+
+    @abstractmethod
+    def stop(self, spec: ServerSpec, timeout: float = 20.0) -> int | None:
+        """Stop it (SIGTERM, then SIGKILL); a server that is not running is a no-op. Returns its exit code."""
+
+    @abstractmethod
+    def status(self, spec: ServerSpec) -> ServerStatus: ...
+
+    @abstractmethod
+    def logs(self, spec: ServerSpec, chars: int = LOG_TAIL_CHARS) -> str: ...
+
+    @abstractmethod
+    def running(self, work_root: Path) -> list[str]:
+        """Names of the servers this runtime has running on this node (found without the database)."""
+
+    def cleanup(self, spec: ServerSpec) -> None:  # noqa: B027 - optional
+        """Remove what start() made besides the repository (the server's Unix user...)."""
+
+    def hand_over(self, spec: ServerSpec) -> None:  # noqa: B027 - optional
+        """Give files Tessera wrote into the repository to the server's user (process runtime, isolated)."""
+
+
+# --------------------------------------------------------------------------------------------------
+# The tritonserver installation: the binary, its libraries, the python backend and its stub
+# --------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TritonInstall:
+    binary: Path
+    libs: Path | None  # extra LD_LIBRARY_PATH (pytriton's bundled libraries)
+    backends: Path  # backends/ with python/ (and its stub)
+    stub: Path | None  # the python backend stub to put into backends/python/, if not there yet
+
+
+def _python_version_of(python: str) -> tuple[str, str]:
+    """(X.Y, LIBDIR) of a Python interpreter."""
+    code = "import sys, sysconfig; print('%d.%d' % sys.version_info[:2]); print(sysconfig.get_config_var('LIBDIR'))"
+    try:
+        out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise RuntimeFault(f"the python backend's Python {python} does not run: {exc}") from None
+    version, libdir = out.split()[:2]
+    return version, libdir
+
+
+@functools.cache
+def python_info(python: str) -> tuple[str, str]:
+    return _python_version_of(python)
+
+
+def locate_triton(binary: str = "", python: str = "") -> TritonInstall:
+    """The configured binary, else the one the nvidia-pytriton wheel ships (CPU machines, tests).
+
+    Raises RuntimeFault naming what is missing.
+    """
+    if binary:
+        path = Path(binary)
+        if not path.is_file() or not os.access(path, os.X_OK):
+            raise RuntimeFault(f"tritonserver binary {path} is missing or not executable (TESSERA_TRITONSERVER)")
+        root = path.parent.parent
+        return TritonInstall(binary=path, libs=None, backends=root / "backends", stub=None)
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeFault("no tritonserver: set TESSERA_TRITONSERVER to the binary, or install nvidia-pytriton")
+    pkg = Path(next(iter(spec.submodule_search_locations)))
+    root = pkg / "tritonserver"
+    path = root / "bin" / "tritonserver"
+    if not path.is_file():
+        raise RuntimeFault(f"no tritonserver binary at {path}")
+    version, _ = python_info(python or sys.executable)
+    stub = root / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not stub.is_file():
+        raise RuntimeFault(f"nvidia-pytriton has no python backend stub for Python {version}")
+    return TritonInstall(binary=path, libs=pkg.parent / "nvidia_pytriton.libs", backends=root / "backends",
+                         stub=stub)
+
+
+def _reachable_by_others(path: Path) -> Path | None:
+    """The first folder on the way to ``path`` that other users cannot traverse, or None."""
+    path = path.resolve()
+    for folder in [*reversed(path.parents), path] if path.is_dir() else reversed(path.parents):
+        try:
+            mode = folder.stat().st_mode
+        except OSError:
+            return folder
+        if not mode & stat.S_IXOTH:
+            return folder
+    return None
+
+
+def stage_install(install: TritonInstall, dest: Path) -> TritonInstall:
+    """Copy the installation to ``dest`` (once; world-readable) so per-slice users can run it wherever the
+    worker's own files live. A finished copy is marked by ``dest/.complete``."""
+    done = dest / ".complete"
+    if not done.is_file():
+        tmp = dest.with_name(dest.name + f".tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / "bin").mkdir(parents=True)
+        shutil.copy2(install.binary, tmp / "bin" / "tritonserver")
+        if install.libs is not None:
+            shutil.copytree(install.libs, tmp / "libs")
+        shutil.copytree(install.backends, tmp / "backends", ignore=shutil.ignore_patterns("__pycache__"))
+        if install.stub is not None:
+            shutil.copy2(install.stub, tmp / "backends" / "python" / "triton_python_backend_stub")
+        for folder, _dirs, files in os.walk(tmp):
+            os.chmod(folder, 0o755)
+            for f in files:
+                p = Path(folder) / f
+                p.chmod(0o755 if os.access(p, os.X_OK) else 0o644)
+        (tmp / ".complete").write_text(str(install.binary))
+        with contextlib.suppress(FileExistsError, OSError):
+            if dest.exists():
+                shutil.rmtree(dest)
+            tmp.rename(dest)
+        shutil.rmtree(tmp, ignore_errors=True)
+    return TritonInstall(binary=dest / "bin" / "tritonserver", libs=(dest / "libs") if (dest / "libs").is_dir()
+                         else None, backends=dest / "backends", stub=None)
+
+
+# --------------------------------------------------------------------------------------------------
+# process
+# --------------------------------------------------------------------------------------------------
+
+def _read_pid(work_dir: Path) -> int | None:
+    try:
+        return int((work_dir / PID_FILE).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _alive(pid: int, repo_dir: Path) -> bool:
+    """The process exists, is not a zombie, and is a tritonserver serving this repository."""
+    try:
+        status = Path(f"/proc/{pid}/stat").read_text()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    if status.rsplit(")", 1)[-1].split()[0] in ("Z", "X"):
+        return False
+    return f"--model-repository={repo_dir}".encode() in cmdline
+
+
+class ProcessRuntime(ServingRuntime):
+    """``tritonserver`` processes on this host. ``python``: the Python the python backend stub embeds (same
+    X.Y as its stub, with numpy; readable by the per-slice users)."""
+
+    kind = "process"
+
+    def __init__(self, *, binary: str = "", python: str = "", runtime_dir: Path | None = None,
+                 run_as_root: bool | None = None) -> None:
+        self.binary = binary
+        self.python = python or sys.executable
+        self.runtime_dir = runtime_dir
+        self.is_root = (os.geteuid() == 0) if run_as_root is None else run_as_root
+        self._children: dict[str, subprocess.Popen] = {}
+        self._lock = threading.Lock()
+
+    def isolation(self, spec: ServerSpec) -> str:
+        return "user" if spec.isolate and self.is_root else "none"
+
+    # -- users -------------------------------------------------------------------------------
+    def _ensure_user(self, name: str) -> tuple[int, int]:
+        with contextlib.suppress(KeyError):
+            entry = pwd.getpwnam(name)
+            return entry.pw_uid, entry.pw_gid
+        cmd = ["useradd", "--system", "--no-create-home", "--home-dir", "/nonexistent",
+               "--shell", "/usr/sbin/nologin", "--user-group", name]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=False)
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise RuntimeFault(f"could not create the server's Unix user {name}: {exc}") from None
+        if done.returncode != 0:
+            raise RuntimeFault(f"could not create the server's Unix user {name}: useradd exited "
+                               f"{done.returncode}: {(done.stderr or done.stdout).strip()[:300]}")
+        entry = pwd.getpwnam(name)
+        return entry.pw_uid, entry.pw_gid
+
+    def hand_over(self, spec: ServerSpec) -> None:
+        if self.isolation(spec) != "user":
+            return
+        try:
+            entry = pwd.getpwnam(spec.unix_user)
+        except KeyError:
+            return
+        _chown_tree(spec.repo_dir, entry.pw_uid, entry.pw_gid)
+        spec.repo_dir.chmod(0o700)
+
+    def cleanup(self, spec: ServerSpec) -> None:
+        if not (spec.isolate and self.is_root):
+            return
+        try:
+            pwd.getpwnam(spec.unix_user)
+        except KeyError:
+            return
+        subprocess.run(["userdel", spec.unix_user], capture_output=True, text=True, timeout=30, check=False)
+
+    # -- start / stop ------------------------------------------------------------------------
+    def _install(self, spec: ServerSpec) -> TritonInstall:
+        install = locate_triton(self.binary, self.python)
+        if self.isolation(spec) == "user":
+            if self.runtime_dir is None:
+                raise RuntimeFault("per-slice users need a staged tritonserver: no runtime folder configured")
+            install = stage_install(install, self.runtime_dir)
+        elif install.stub is not None:  # the stub must sit in backends/python: stage it once
+            install = stage_install(install, self.runtime_dir or spec.work_dir.parent / ".runtime")
+        return install
+
+    def _environment(self, spec: ServerSpec, install: TritonInstall, home: Path) -> dict[str, str]:
+        """Built from nothing: nothing of the worker's environment (database, broker, secrets) leaks in."""
+        _, libdir = python_info(self.python)
+        ld = [str(p) for p in (install.libs, libdir) if p]
+        return {
+            "PATH": os.pathsep.join([str(Path(self.python).parent), "/usr/local/bin", "/usr/bin", "/bin"]),
+            "LD_LIBRARY_PATH": os.pathsep.join(ld),
+            "CUDA_VISIBLE_DEVICES": spec.device_uuid,
+            "HOME": str(home), "TMPDIR": str(home), "LANG": "C.UTF-8",
+        }
+
+    def start(self, spec: ServerSpec) -> ServerStatus:
+        current = self.status(spec)
+        if current.running:
+            return current
+        install = self._install(spec)
+        spec.work_dir.mkdir(parents=True, exist_ok=True)
+        spec.work_dir.chmod(0o755)
+        home = spec.work_dir / "home"
+        home.mkdir(exist_ok=True)
+        spec.repo_dir.mkdir(parents=True, exist_ok=True)
+        user: tuple[int, int] | None = None
+        if self.isolation(spec) == "user":
+            blocked = _reachable_by_others(spec.repo_dir.parent) or _reachable_by_others(install.binary.parent)
+            if blocked is not None:
+                raise RuntimeFault(f"{blocked} is not reachable by the per-slice users (mode "
+                                   f"{stat.filemode(blocked.stat().st_mode)}): put TESSERA_TRITON_REPO_ROOT "
+                                   f"and TESSERA_SERVING_RUNTIME_DIR where other users may traverse")
+            py_blocked = _reachable_by_others(Path(python_info(self.python)[1]))
+            if py_blocked is not None:
+                raise RuntimeFault(f"the python backend's Python {self.python} is not readable by the per-slice "
+                                   f"users ({py_blocked} is closed): set TESSERA_TRITON_PYTHON to a Python "
+                                   f"that other users can run, with numpy (e.g. Debian's python3 with "
+                                   f"python3-numpy)")
+            user = self._ensure_user(spec.unix_user)
+            _chown_tree(spec.repo_dir, *user)
+            spec.repo_dir.chmod(0o700)
+            _chown_tree(home, *user)
+            home.chmod(0o700)
+        busy = _ports_in_use(spec.address, (spec.http_port, spec.grpc_port, spec.metrics_port))
+        if busy:
+            raise RuntimeFault(f"port(s) {', '.join(map(str, busy))} on {spec.address} are already in use")
+        log_path = spec.work_dir / LOG_FILE
+        args = [str(install.binary), *spec.server_args(str(spec.repo_dir.resolve()), str(install.backends))]
+        with open(log_path, "ab") as log:
+            os.chmod(log_path, 0o600)
+            log.write(f"--- {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} starting\n".encode())
+            log.flush()
+            kwargs: dict[str, Any] = {}
+            if user is not None:
+                kwargs = {"user": user[0], "group": user[1], "extra_groups": []}
+            try:
+                proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                        env=self._environment(spec, install, home), cwd=home,
+                                        start_new_session=True, close_fds=True, **kwargs)
+            except OSError as exc:
+                raise RuntimeFault(f"could not start {install.binary}: {exc}") from None
+        (spec.work_dir / PID_FILE).write_text(f"{proc.pid}\n")
+        with self._lock:
+            self._children[spec.name] = proc
+        return ServerStatus(running=True, pid=proc.pid)
+
+    def _reap(self, spec: ServerSpec) -> int | None:
+        with self._lock:
+            proc = self._children.get(spec.name)
+        if proc is None:
+            return None
+        code = proc.poll()
+        if code is not None:
+            with self._lock:
+                self._children.pop(spec.name, None)
+        return code
+
+    def status(self, spec: ServerSpec) -> ServerStatus:
+        code = self._reap(spec)
+        pid = _read_pid(spec.work_dir)
+        if pid is not None and _alive(pid, spec.repo_dir.resolve()):
+            return ServerStatus(running=True, pid=pid)
+        return ServerStatus(running=False, pid=pid, exit_code=code)
+
+    def stop(self, spec: ServerSpec, timeout: float = 20.0) -> int | None:
+        st = self.status(spec)
+        if st.running and st.pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(st.pid, signal.SIGTERM)
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline and self.status(spec).running:
+                time.sleep(0.05)
+            if self.status(spec).running:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(st.pid, signal.SIGKILL)
+        if st.pid:  # its python stubs, in the server's own session
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(st.pid, signal.SIGKILL)
+        code = self._reap(spec)
+        with self._lock:
+            proc = self._children.pop(spec.name, None)
+        if proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                code = proc.wait(timeout=5)
+        with contextlib.suppress(OSError):
+            (spec.work_dir / PID_FILE).unlink()
+        return code
+
+    def logs(self, spec: ServerSpec, chars: int = LOG_TAIL_CHARS) -> str:
+        return _tail(spec.work_dir / LOG_FILE, chars)
+
+    def running(self, work_root: Path) -> list[str]:
+        names = []
+        for pid_file in sorted(work_root.glob(f"*/{PID_FILE}")):
+            folder = pid_file.parent
+            pid = _read_pid(folder)
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes() if pid else b""
+            except OSError:
+                cmdline = b""
+            if pid and b"tritonserver" in cmdline and _alive(pid, _repo_of(cmdline)):
+                names.append(folder.name)
+        return names
+
+
+def _repo_of(cmdline: bytes) -> Path:
+    for part in cmdline.split(b"\0"):
+        if part.startswith(b"--model-repository="):
+            return Path(part.split(b"=", 1)[1].decode())
+    return Path("/nonexistent")
+
+
+def _chown_tree(root: Path, uid: int, gid: int) -> None:
+    os.chown(root, uid, gid)
+    for folder, dirs, files in os.walk(root):
+        for name in dirs + files:
+            os.chown(os.path.join(folder, name), uid, gid, follow_symlinks=False)
+
+
+def _ports_in_use(address: str, ports: tuple[int, ...]) -> list[int]:
+    busy = []
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    for port in ports:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((address, port))
+            except OSError:
+                busy.append(port)
+    return busy
+
+
+def _tail(path: Path, chars: int) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - chars * 4))
+            return f.read().decode("utf-8", errors="replace")[-chars:]
+    except OSError:
+        return ""
+
+
+# --------------------------------------------------------------------------------------------------
+# docker
+# --------------------------------------------------------------------------------------------------
+
+CONTAINER_REPO = "/models"
+
+
+def container_spec(spec: ServerSpec, image: str) -> dict[str, Any]:
+    """The keyword arguments of ``docker.from_env().containers.run`` for one slice's server: NVIDIA's Triton
+    image, only this slice's MIG device (``--gpus device=<uuid>``), only its repository mounted read-only,
+    a bridge network (never the host's), ports published on the node's private address, no privileges."""
+    return {
+        "image": image,
+        "name": f"tessera-{spec.name}",
+        "command": ["tritonserver", *_container_args(spec)],
+        "detach": True,
+        "environment": {"CUDA_VISIBLE_DEVICES": "0"},  # the container sees only the requested device
+        "device_requests": [{"Driver": "nvidia", "DeviceIDs": [spec.device_uuid], "Capabilities": [["gpu"]]}],
+        "volumes": {str(spec.repo_dir.resolve()): {"bind": CONTAINER_REPO, "mode": "ro"}},
+        "network_mode": "bridge",
+        "ports": {"8000/tcp": (spec.address, spec.http_port), "8001/tcp": (spec.address, spec.grpc_port),
+                  "8002/tcp": (spec.address, spec.metrics_port)},
+        "labels": {"tessera.server": spec.name, **spec.labels},
+        "cap_drop": ["ALL"],
+        "security_opt": ["no-new-privileges"],
+        "read_only": True,
+        "tmpfs": {"/tmp": "rw,size=1g"},
+        "shm_size": "1g",
+        "user": "1000:1000",
+        "restart_policy": {"Name": "no"},
+    }
+
+
+def _container_args(spec: ServerSpec) -> list[str]:
+    inside = ServerSpec(name=spec.name, repo_dir=Path(CONTAINER_REPO), work_dir=spec.work_dir,
+                        device_uuid=spec.device_uuid, address="0.0.0.0", http_port=8000, grpc_port=8001,
+                        metrics_port=8002, secret=spec.secret, gpu_metrics=spec.gpu_metrics)
+    return inside.server_args(CONTAINER_REPO, None)
+
+
+class DockerRuntime(ServingRuntime):
+    kind = "docker"
+
+    def __init__(self, image: str, client: Any = None) -> None:
+        self.image = image
+        self._client = client
+
+    @property
+    def client(self) -> Any:
+        if self._client is None:
+            try:
+                import docker  # noqa: PLC0415 - only on docker nodes
+            except ImportError:
+                raise RuntimeFault("the docker runtime needs the docker Python package (pip install docker)") from None
+            try:
+                self._client = docker.from_env()
+            except Exception as exc:  # noqa: BLE001 - docker.errors.DockerException and socket errors
+                raise RuntimeFault(f"no Docker engine: {exc}") from None
+        return self._client
+
+    def isolation(self, spec: ServerSpec) -> str:
+        return "container"
+
+    def _container(self, spec: ServerSpec) -> Any:
+        found = self.client.containers.list(all=True, filters={"label": f"tessera.server={spec.name}"})
+        return found[0] if found else None
+
+    def start(self, spec: ServerSpec) -> ServerStatus:
+        c = self._container(spec)
+        if c is not None and c.status == "running":
+            return ServerStatus(running=True, container_id=c.id)
+        if c is not None:
+            c.remove(force=True)
+        kwargs = container_spec(spec, self.image)
+        from docker.types import DeviceRequest  # noqa: PLC0415
+
+        kwargs["device_requests"] = [DeviceRequest(driver="nvidia", device_ids=[spec.device_uuid],
+                                                   capabilities=[["gpu"]])]
+        try:
+            c = self.client.containers.run(**kwargs)
+        except Exception as exc:  # noqa: BLE001 - docker.errors.* (image missing, device refused...)
+            raise RuntimeFault(f"docker could not start {kwargs['name']}: {exc}") from None
+        return ServerStatus(running=True, container_id=c.id)
+
+    def status(self, spec: ServerSpec) -> ServerStatus:
+        c = self._container(spec)
+        if c is None:
+            return ServerStatus(running=False)
+        c.reload()
+        code = c.attrs.get("State", {}).get("ExitCode")
+        return ServerStatus(running=c.status == "running", container_id=c.id,
+                            exit_code=None if c.status == "running" else code)
+
+    def stop(self, spec: ServerSpec, timeout: float = 20.0) -> int | None:
+        c = self._container(spec)
+        if c is None:
+            return None
+        with contextlib.suppress(Exception):
+            c.stop(timeout=int(timeout))
+        c.reload()
+        code = c.attrs.get("State", {}).get("ExitCode")
+        c.remove(force=True)
+        return code
+
+    def logs(self, spec: ServerSpec, chars: int = LOG_TAIL_CHARS) -> str:
+        c = self._container(spec)
+        return c.logs(tail=200).decode("utf-8", errors="replace")[-chars:] if c is not None else ""
+
+    def running(self, work_root: Path) -> list[str]:
+        return [c.labels["tessera.server"] for c in
+                self.client.containers.list(filters={"label": "tessera.server"})]
+
+
+# --------------------------------------------------------------------------------------------------
+# sim
+# --------------------------------------------------------------------------------------------------
+
+class SimRuntime(ServingRuntime):
+    """Starts and stops the process-wide simulated Triton server of a slice (``triton.SimTritonBackend``):
+    a started server answers ready with nothing loaded and requires the per-server secret for its
+    repository API, as a real one started by ``ProcessRuntime`` does; a stopped one answers nothing."""
+
+    kind = "sim"
+
+    def __init__(self) -> None:
+        self._specs: dict[str, ServerSpec] = {}
+        self._pids: dict[str, int] = {}
+        self._next_pid = 40000
+
+    @staticmethod
+    def _server(spec: ServerSpec):
+        from marketplace.hardware import triton  # noqa: PLC0415
+
+        return triton.get_triton_backend("sim", repo_dir=spec.repo_dir, memory_mb=spec.memory_mb,
+                                         tokens_per_s=spec.tokens_per_s)
+
+    def isolation(self, spec: ServerSpec) -> str:
+        return "sim"
+
+    def start(self, spec: ServerSpec) -> ServerStatus:
+        current = self.status(spec)
+        if current.running:
+            return current
+        spec.repo_dir.mkdir(parents=True, exist_ok=True)
+        self._server(spec).boot(restricted=(SECRET_HEADER, spec.secret))
+        self._next_pid += 1
+        self._specs[spec.name], self._pids[spec.name] = spec, self._next_pid
+        return ServerStatus(running=True, pid=self._next_pid)
+
+    def status(self, spec: ServerSpec) -> ServerStatus:
+        server = self._server(spec)
+        running = server.server_ready and spec.name in self._pids
+        return ServerStatus(running=running, pid=self._pids.get(spec.name),
+                            exit_code=None if running else server.exit_code)
+
+    def stop(self, spec: ServerSpec, timeout: float = 20.0) -> int | None:
+        self._specs.pop(spec.name, None)
+        self._pids.pop(spec.name, None)
+        server = self._server(spec)
+        if server.server_ready:
+            server.shut_down(exit_code=0)
+        return 0
+
+    def kill(self, spec: ServerSpec) -> None:
+        """What ``kill -9`` does to a real server (tests, the fault drill)."""
+        self._server(spec).shut_down(exit_code=-9)
+
+    def logs(self, spec: ServerSpec, chars: int = LOG_TAIL_CHARS) -> str:
+        return self._server(spec).log_text()[-chars:]
+
+    def running(self, work_root: Path) -> list[str]:
+        return sorted(n for n, spec in self._specs.items() if self._server(spec).server_ready)

@@ -1,0 +1,346 @@
+"""The node worker's side of serving: start, stop, health-check and clean up the Triton server of each slice.
+
+A slice's server is recorded in ``TritonServer`` (ports from the node's pool, the Unix user, pid, health,
+restarts, log tail). The repository-API secret is never stored: it is derived from ``SECRET_KEY`` and a
+nonce that changes at every start, so only Tessera's workers can load or unload a model on the server.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import shutil
+import threading
+import time
+from pathlib import Path
+
+from django.conf import settings
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+from django.utils.crypto import salted_hmac
+
+from marketplace.hardware import runtime as rt
+from marketplace.hardware import triton
+from marketplace.models import Allocation, Node, TritonServer
+from marketplace.selectors.catalog import modelled_tokens_per_s
+
+log = logging.getLogger("tessera.serving")
+T = TritonServer.State
+LOG_TAIL_CHARS = 4000
+_runtimes: dict[tuple, rt.ServingRuntime] = {}
+_runtimes_lock = threading.Lock()
+
+
+class ServingError(Exception):
+    """The slice's server could not be started; ``reason`` is tenant-safe, ``detail`` for operators."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(detail or reason)
+        self.reason = reason
+        self.detail = detail or reason
+
+
+class ServerNotUp(Exception):
+    """The slice has no running Triton server (yet, or any more)."""
+
+
+# --- where things live -------------------------------------------------------------------------
+
+def repo_root() -> Path:
+    return Path(settings.TESSERA_TRITON_REPO_ROOT)
+
+
+def repo_dir(allocation_id: int) -> Path:
+    return repo_root() / f"allocation-{allocation_id}"
+
+
+def work_root() -> Path:
+    return repo_root() / ".servers"
+
+
+def work_dir(allocation_id: int) -> Path:
+    return work_root() / f"allocation-{allocation_id}"
+
+
+def runtime_kind() -> str:
+    return "sim" if settings.TESSERA_TRITON_BACKEND == "sim" else settings.TESSERA_SERVING_RUNTIME
+
+
+def runtime() -> rt.ServingRuntime:
+    """The node's serving runtime (one per process and configuration: it remembers its children)."""
+    kind = runtime_kind()
+    runtime_dir = Path(settings.TESSERA_SERVING_RUNTIME_DIR or repo_root() / ".runtime")
+    key = (kind, settings.TESSERA_TRITONSERVER, settings.TESSERA_TRITON_PYTHON, str(runtime_dir),
+           settings.TESSERA_TRITON_IMAGE)
+    with _runtimes_lock:
+        found = _runtimes.get(key)
+        if found is None:
+            if kind == "process":
+                found = rt.ProcessRuntime(binary=settings.TESSERA_TRITONSERVER, python=settings.TESSERA_TRITON_PYTHON,
+                                          runtime_dir=runtime_dir)
+            elif kind == "docker":
+                found = rt.DockerRuntime(settings.TESSERA_TRITON_IMAGE)
+            elif kind == "sim":
+                found = rt.SimRuntime()
+            else:
+                raise ValueError(f"TESSERA_SERVING_RUNTIME must be one of {', '.join(rt.RUNTIME_KINDS)}, not {kind!r}")
+            _runtimes[key] = found
+        return found
+
+
+def reset_runtimes() -> None:
+    """Forget the runtimes (tests)."""
+    with _runtimes_lock:
+        _runtimes.clear()
+
+
+def secret_for(server: TritonServer) -> str:
+    return salted_hmac("tessera.serving.repository-key", f"{server.pk}:{server.nonce}",
+                       algorithm="sha256").hexdigest()
+
+
+def admin_headers(server: TritonServer) -> dict[str, str]:
+    return {rt.SECRET_HEADER: secret_for(server)}
+
+
+def slice_memory_mb(allocation: Allocation) -> int:
+    tier = allocation.tier
+    return tier.profile.memory_mib if tier.profile_id else tier.gpu_model.memory_mib
+
+
+def spec_for(server: TritonServer, allocation: Allocation) -> rt.ServerSpec:
+    tier = allocation.tier
+    profile = tier.profile if tier.profile_id else None
+    return rt.ServerSpec(
+        name=server.name, repo_dir=repo_dir(allocation.pk), work_dir=work_dir(allocation.pk),
+        device_uuid=allocation.mig_uuid or allocation.gpu_uuid, address=server.address,
+        http_port=server.http_port or 1, grpc_port=server.grpc_port or 2, metrics_port=server.metrics_port or 3,
+        secret=secret_for(server), isolate=settings.TESSERA_SERVING_ISOLATE,
+        gpu_metrics=settings.TESSERA_NVML_BACKEND == "pynvml",
+        labels={"tessera.node": allocation.node.hostname, "tessera.allocation": str(allocation.pk)},
+        memory_mb=slice_memory_mb(allocation), tokens_per_s=modelled_tokens_per_s(tier.gpu_model, profile))
+
+
+def client_for(allocation: Allocation, server: TritonServer | None = None) -> triton.TritonBackend:
+    """A Triton client for the slice's server that holds its repository-API secret."""
+    server = server or TritonServer.objects.filter(allocation=allocation).first()
+    if runtime_kind() == "sim":
+        tier = allocation.tier
+        backend = triton.get_triton_backend(
+            "sim", repo_dir=repo_dir(allocation.pk), memory_mb=slice_memory_mb(allocation),
+            tokens_per_s=modelled_tokens_per_s(tier.gpu_model, tier.profile if tier.profile_id else None))
+        return backend
+    if server is None or server.state != T.RUNNING or not server.http_port:
+        raise ServerNotUp(f"allocation {allocation.pk} has no running Triton server")
+    spec = spec_for(server, allocation)
+    return triton.get_triton_backend("http", url=spec.http_url, metrics_url=spec.metrics_url,
+                                     headers=admin_headers(server))
+
+
+def _update(server: TritonServer, **fields) -> None:
+    fields["updated_at"] = timezone.now()
+    TritonServer.objects.filter(pk=server.pk).update(**fields)
+    for k, v in fields.items():
+        setattr(server, k, v)
+
+
+# --- ports ---------------------------------------------------------------------------------------
+
+def _reserve_ports(server: TritonServer, *, check_os: bool) -> None:
+    """Three consecutive free ports from the node's pool, recorded on the server (unique per node)."""
+    for _ in range(3):  # a concurrent reservation on the same node: try again with what it left
+        with transaction.atomic():
+            node = Node.objects.select_for_update().get(pk=server.node_id)
+            taken: set[int] = set()
+            for row in (TritonServer.objects.filter(node=node).exclude(pk=server.pk)
+                        .exclude(http_port__isnull=True).values_list("http_port", "grpc_port", "metrics_port")):
+                taken.update(p for p in row if p)
+            for base in range(node.serving_port_min, node.serving_port_max - 1, 3):
+                ports = (base, base + 1, base + 2)
+                if taken.intersection(ports):
+                    continue
+                if check_os and rt._ports_in_use(node.serving_address, ports):
+                    continue  # something else on the host holds it
+                try:
+                    with transaction.atomic():
+                        _update(server, http_port=ports[0], grpc_port=ports[1], metrics_port=ports[2],
+                                address=node.serving_address)
+                except IntegrityError:
+                    break
+                return
+            else:
+                size = (node.serving_port_max - node.serving_port_min + 1) // 3
+                raise ServingError("the node has no free port for the slice's inference server",
+                                   f"no free ports in {node.hostname}'s serving pool {node.serving_port_min}-"
+                                   f"{node.serving_port_max} ({size} servers fit; {len(taken) // 3} hold ports)")
+    raise ServingError("the node has no free port for the slice's inference server",
+                       "port reservation kept colliding with concurrent reservations")
+
+
+# --- start / wait / stop ----------------------------------------------------------------------------
+
+def ensure_server(allocation: Allocation, *, timeout: float | None = None) -> TritonServer:
+    """Start the slice's server unless it runs, and wait until it answers ``/v2/health/ready``.
+
+    Idempotent (a replayed task finds the running server). Raises ServingError with the reason (the log tail
+    for operators) when the binary is missing, the pool is exhausted, the user cannot be created, or the
+    server exits or stays unready past ``TESSERA_SERVING_START_TIMEOUT_S``.
+    """
+    node = allocation.node
+    run = runtime()
+    server, _ = TritonServer.objects.get_or_create(
+        allocation=allocation, defaults={"node": node, "runtime": run.kind, "address": node.serving_address})
+    if server.node_id != node.pk:  # re-placed on another node after a failure
+        _update(server, node=node, http_port=None, grpc_port=None, metrics_port=None, address=node.serving_address)
+    if server.http_port is None:
+        _reserve_ports(server, check_os=run.kind == "process")
+    spec = spec_for(server, allocation)
+    status = run.status(spec)
+    if status.running and client_for(allocation, _as_running(server)).is_server_ready():
+        _mark_running(server, allocation, run, spec, status, restarted=False)
+        return server
+    if status.running:  # up but not ready yet (a replayed task): wait for it below
+        pass
+    else:
+        _update(server, nonce=secrets.token_hex(16), state=T.STARTING, reason="", exit_code=None,
+                started_at=timezone.now(), runtime=run.kind)
+        spec = spec_for(server, allocation)
+        try:
+            status = run.start(spec)
+        except (rt.RuntimeFault, OSError) as exc:
+            _fail(server, f"could not start: {exc}", run.logs(spec))
+            raise ServingError("the slice's inference server could not be started", str(exc)) from None
+        _update(server, pid=status.pid, container_id=status.container_id, isolation=run.isolation(spec),
+                unix_user=spec.unix_user if run.isolation(spec) == "user" else "")
+    return _wait_ready(server, allocation, run, spec, timeout)
+
+
+def _as_running(server: TritonServer) -> TritonServer:
+    clone = TritonServer(**{f.attname: getattr(server, f.attname) for f in TritonServer._meta.concrete_fields})
+    clone.state = T.RUNNING
+    return clone
+
+
+def _wait_ready(server, allocation, run, spec, timeout) -> TritonServer:
+    timeout = settings.TESSERA_SERVING_START_TIMEOUT_S if timeout is None else timeout
+    client = client_for(allocation, _as_running(server))
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            status = run.status(spec)
+            if not status.running:
+                tail = run.logs(spec)
+                why = f"exited with code {status.exit_code} before it was ready"
+                _fail(server, why, tail, exit_code=status.exit_code)
+                raise ServingError("the slice's inference server exited at start", f"{why}; log tail:\n{tail}")
+            if client.is_server_ready():
+                _mark_running(server, allocation, run, spec, status, restarted=False)
+                return server
+            if time.monotonic() > deadline:
+                run.stop(spec)
+                tail = run.logs(spec)
+                why = f"not ready within {timeout:.0f} s; stopped"
+                _fail(server, why, tail)
+                raise ServingError("the slice's inference server did not become ready", f"{why}; log tail:\n{tail}")
+            time.sleep(0.1)
+    finally:
+        client.close()
+
+
+def _mark_running(server, allocation, run, spec, status, *, restarted: bool) -> None:
+    now = timezone.now()
+    _update(server, state=T.RUNNING, ready_at=server.ready_at or now, last_health_at=now, last_health_ok=True,
+            pid=status.pid or server.pid, container_id=status.container_id or server.container_id,
+            log_tail=run.logs(spec, LOG_TAIL_CHARS), reason="")
+    Allocation.objects.filter(pk=allocation.pk).update(triton_url=spec.http_url, triton_metrics_url=spec.metrics_url)
+    allocation.triton_url, allocation.triton_metrics_url = spec.http_url, spec.metrics_url
+
+
+def _fail(server: TritonServer, reason: str, tail: str, exit_code: int | None = None) -> None:
+    _update(server, state=T.FAILED, reason=reason[:1000], log_tail=tail[-LOG_TAIL_CHARS:], exit_code=exit_code,
+            last_health_at=timezone.now(), last_health_ok=False)
+    log.warning("triton server failed", extra={"server": server.name, "reason": reason})
+
+
+def stop_server(allocation: Allocation, reason: str = "slice released") -> bool:
+    """Stop the slice's server and give its ports back; a server that never started or is gone is a no-op.
+    Returns whether there was a server record."""
+    server = TritonServer.objects.filter(allocation=allocation).first()
+    if server is None:
+        return False
+    run = runtime()
+    spec = spec_for(server, allocation)
+    code = run.stop(spec)
+    tail = run.logs(spec)
+    run.cleanup(spec)
+    _update(server, state=T.STOPPED, stopped_at=timezone.now(), http_port=None, grpc_port=None, metrics_port=None,
+            pid=None, exit_code=code, reason=reason[:1000], log_tail=tail[-LOG_TAIL_CHARS:] or server.log_tail)
+    Allocation.objects.filter(pk=allocation.pk).update(triton_url="", triton_metrics_url="")
+    return True
+
+
+def own_repository(allocation: Allocation) -> None:
+    """After Tessera wrote model files: hand the repository to the server's own user (mode 0700)."""
+    server = TritonServer.objects.filter(allocation=allocation).first()
+    if server is not None and server.state == T.RUNNING:
+        runtime().hand_over(spec_for(server, allocation))
+
+
+def remove_files(allocation_id: int) -> None:
+    """The slice's repository and the server's work folder (idempotent)."""
+    for folder in (repo_dir(allocation_id), work_dir(allocation_id)):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+# --- supervision (reconcile) ----------------------------------------------------------------------
+
+def check(server: TritonServer, allocation: Allocation) -> bool:
+    """Is it running and ready? Records the health check and the log tail."""
+    run = runtime()
+    spec = spec_for(server, allocation)
+    status = run.status(spec)
+    ok = False
+    if status.running:
+        client = client_for(allocation, _as_running(server))
+        try:
+            ok = client.is_server_ready()
+        finally:
+            client.close()
+    fields = {"last_health_at": timezone.now(), "last_health_ok": ok, "log_tail": run.logs(spec)[-LOG_TAIL_CHARS:]}
+    if not status.running:
+        fields.update(exit_code=status.exit_code, pid=None)
+    _update(server, **fields)
+    return ok
+
+
+def restart(server: TritonServer, allocation: Allocation) -> TritonServer:
+    """Start a dead server again (same ports, a new secret); raises ServingError."""
+    run = runtime()
+    run.stop(spec_for(server, allocation))  # a hung one, or its orphaned python stubs
+    TritonServer.objects.filter(pk=server.pk).update(restarts=server.restarts + 1)
+    server.refresh_from_db()
+    return ensure_server(allocation)
+
+
+def stray_servers(node: Node) -> list[str]:
+    """Servers the runtime has running on this node that no live slice owns."""
+    names = runtime().running(work_root())
+    live = {f"allocation-{pk}" for pk in Allocation.objects.filter(
+        node=node, state__in=[Allocation.State.PROVISIONING, Allocation.State.READY, Allocation.State.ACTIVE,
+                              Allocation.State.RELEASING]).values_list("pk", flat=True)}
+    return [n for n in names if n not in live]
+
+
+def stop_stray(node: Node, name: str) -> None:
+    """Stop a server found running for no live slice (its allocation was released or never existed here)."""
+    allocation_id = int(name.removeprefix("allocation-"))
+    allocation = Allocation.objects.select_related("node", "tier__profile", "tier__gpu_model").filter(
+        pk=allocation_id).first()
+    if allocation is not None and TritonServer.objects.filter(allocation=allocation).exists():
+        stop_server(allocation, "stopped by reconcile: no live slice")
+        return
+    spec = rt.ServerSpec(name=name, repo_dir=repo_dir(allocation_id), work_dir=work_dir(allocation_id),
+                         device_uuid="", address=node.serving_address, http_port=1, grpc_port=2, metrics_port=3,
+                         secret="", isolate=settings.TESSERA_SERVING_ISOLATE)
+    runtime().stop(spec)
+    runtime().cleanup(spec)
