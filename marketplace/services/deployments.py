@@ -120,6 +120,8 @@ def _enqueue(task_name: str, dep: ModelDeployment, allocation: Allocation) -> No
 def _set(dep: ModelDeployment, state: str, reason: str = "") -> None:
     now = timezone.now()
     fields = {"state": state, "updated_at": now, "failure_reason": reason[:1000]}
+    if state != D.PENDING:  # no longer waiting for the slice's server
+        fields.update(waiting_reason="", waiting_since=None)
     if state == D.READY:
         fields["ready_at"] = now
     ModelDeployment.objects.filter(pk=dep.pk).update(**fields)
@@ -181,7 +183,6 @@ def _wait_for_server(dep: ModelDeployment, allocation: Allocation) -> str:
             Allocation.State.RELEASING, Allocation.State.RELEASED, Allocation.State.FAILED):
         why = (f"the slice is {allocation.state}" if allocation.state != Allocation.State.ACTIVE else
                f"the slice's inference server was not up within {settings.TESSERA_DEPLOY_WAIT_S:.0f} s")
-        ModelDeployment.objects.filter(pk=dep.pk).update(waiting_reason="", waiting_since=None)
         _set(dep, D.FAILED, f"{why}; retry the model when the slice is serving")
         return "failed"
     reason = "waiting for the slice's inference server to start"
@@ -203,6 +204,7 @@ def retry(principal: Principal, dep: ModelDeployment) -> ModelDeployment:
                            field="allocation")
         ModelDeployment.objects.filter(pk=dep.pk).update(waiting_since=None, waiting_reason="")
         _set(dep, D.PENDING)
+        dep.waiting_since, dep.waiting_reason = None, ""
         transaction.on_commit(lambda: _enqueue("deploy_model", dep, dep.allocation))
     return dep
 

@@ -55,7 +55,7 @@ from django.db.models import Sum
 from django.utils import timezone
 
 from marketplace.hardware.triton import HttpTritonBackend
-from marketplace.models import Allocation, ModelDeployment
+from marketplace.models import Allocation, ModelDeployment, TritonServer
 from marketplace.services import deployments, orders
 from telemetry import tasks
 from telemetry.models import TritonCounter, TritonServedHourly
@@ -65,7 +65,7 @@ from tests import worker_process
 from tests.factories import MembershipFactory, TenantFactory
 from tests.faults.conftest import needs_real_services
 from tests.fleet_fixtures import make_node, make_tier
-from tests.triton_server import running_tritonserver, tritonserver_available
+from tests.triton_server import tritonserver_available
 from tests.worker_process import Worker, wait_for
 
 AVAILABLE, REASON = tritonserver_available()
@@ -176,14 +176,10 @@ class Scene:
         # the provisioning task goes to the node queue now; the worker started by the test runs it
         self.alloc = orders.create_order(self.principal, tenant=tenant,
                                          tier=make_tier("sk-3g", "h100-sxm-80gb", "3g.40gb")).allocations.get()
-        repo = deployments.repo_dir(self.alloc)
-        repo.mkdir(parents=True, exist_ok=True)
-        http_url, metrics_url, _ = stack.enter_context(
-            running_tritonserver(repo, extra_args=("--disable-auto-complete-config",)))
-        # what the node agent records when it starts the slice's server
-        Allocation.objects.filter(pk=self.alloc.pk).update(triton_url=http_url, triton_metrics_url=metrics_url)
-        self.triton = HttpTritonBackend(http_url, metrics_url)
-        stack.callback(self.triton.close)
+        # the worker starts the slice's real tritonserver itself (serving runtime "process"); the test reads
+        # the server's own statistics through its URL once the slice is active
+        self.triton: HttpTritonBackend | None = None
+        stack.callback(self.stop_server)
         self.workers: list[Worker] = []
         self.broker = redis.Redis.from_url(settings.CELERY_BROKER_URL, socket_timeout=5)
         stack.callback(self.broker.close)
@@ -194,9 +190,19 @@ class Scene:
 
     def worker(self, pool: str = "solo", **env: str) -> Worker:
         w = Worker(self.node.queue, self.sim_dir / "sim", self.tmp / f"worker-{len(self.workers)}.log",
-                   TESSERA_TRITON_BACKEND="http", PGOPTIONS=WORKER_PGOPTIONS)
+                   TESSERA_TRITON_BACKEND="http", TESSERA_SERVING_RUNTIME="process", TESSERA_SERVING_ISOLATE="0",
+                   PGOPTIONS=WORKER_PGOPTIONS)
         self.workers.append(w)
         return w.start(pool, **env)
+
+    def stop_server(self) -> None:
+        """The slice's tritonserver outlives the killed workers (its own session, as on a node): stop it."""
+        if self.triton is not None:
+            self.triton.close()
+        server = TritonServer.objects.filter(allocation_id=self.alloc.pk).first()
+        if server is not None and server.pid:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(server.pid, signal.SIGKILL)
 
     def stop_workers(self) -> None:
         # SIGTERM (warm shutdown), not SIGKILL: a worker killed while it restores unacked messages leaves
@@ -219,6 +225,8 @@ class Scene:
         wait_for(lambda: Allocation.objects.get(pk=self.alloc.pk).state == Allocation.State.ACTIVE, 90,
                  "the slice to be active", worker)
         alloc = Allocation.objects.get(pk=self.alloc.pk)
+        assert alloc.triton_url, "an active slice has its server's URL"
+        self.triton = HttpTritonBackend(alloc.triton_url, alloc.triton_metrics_url)
         deps = [deployments.deploy(self.principal, alloc, name, template="tiny-gen") for name in names]
         for d in deps:
             wait_for(lambda d=d: ModelDeployment.objects.get(pk=d.pk).state == ModelDeployment.State.READY, 90,

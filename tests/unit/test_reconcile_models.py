@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from marketplace.hardware.triton import reset_sim_backends
 from marketplace.hardware.runtime import RuntimeFault
+from marketplace.hardware.triton import reset_sim_backends
 from marketplace.models import DriftEvent, ModelDeployment, TritonServer
 from marketplace.services import deployments, reconcile, serving
 from tenants.roles import Role
