@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint chromium
+.PHONY: demo test lint chromium serving-deps
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,5 +26,12 @@ chromium:
 	  echo "installing Debian's chromium for the browser tests"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; fi
 
-test: lint chromium
+# The serving-isolation tests run the python backend as per-slice Unix users: they need a Python other users
+# can run, with numpy (Debian's python3 + python3-numpy). Installed here when missing and we are root.
+serving-deps:
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! /usr/bin/python3 -c 'import numpy' 2>/dev/null; then \
+	  echo "installing Debian's python3-numpy for the serving-isolation tests"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3 python3-numpy >/dev/null; fi
+
+test: lint chromium serving-deps
 	$(VENV)/bin/pytest $(PYTEST_ARGS)

@@ -15,6 +15,7 @@ from .models import (
     PricePlan,
     ServerPlatform,
     Tier,
+    TritonServer,
 )
 
 
@@ -117,3 +118,21 @@ class DriftEventAdmin(admin.ModelAdmin):
 class ModelDeploymentAdmin(admin.ModelAdmin):
     list_display = ["name", "tenant", "allocation", "backend", "memory_mb", "state", "updated_at"]
     list_filter = ["state", "backend"]
+
+
+@admin.register(TritonServer)
+class TritonServerAdmin(admin.ModelAdmin):
+    """What the node workers recorded about each slice's Triton server: read-only (the worker owns it)."""
+
+    list_display = ["allocation", "node", "state", "isolation", "address", "http_port", "restarts",
+                    "last_health_ok", "last_health_at"]
+    list_filter = ["state", "isolation", "runtime", "node"]
+    list_select_related = ["allocation", "node"]
+    readonly_fields = [f.name for f in TritonServer._meta.fields if f.name != "nonce"]
+    exclude = ["nonce"]
+
+    def has_add_permission(self, request) -> bool:
+        return False
+
+    def has_change_permission(self, request, obj=None) -> bool:
+        return False

@@ -5,6 +5,7 @@ from __future__ import annotations
 import django_filters
 from drf_spectacular.utils import extend_schema
 from rest_framework import mixins, serializers, status, viewsets
+from rest_framework.decorators import action
 from rest_framework.response import Response
 
 from marketplace.models import Allocation, ModelDeployment
@@ -32,9 +33,9 @@ class DeploymentSerializer(serializers.ModelSerializer):
     class Meta:
         model = ModelDeployment
         fields = ["id", "allocation", "tenant", "name", "template", "spec", "backend", "memory_mb", "state",
-                  "failure_reason", "created_at", "updated_at", "ready_at"]
-        read_only_fields = ["id", "tenant", "backend", "memory_mb", "state", "failure_reason", "created_at",
-                            "updated_at", "ready_at"]
+                  "waiting_reason", "failure_reason", "created_at", "updated_at", "ready_at"]
+        read_only_fields = ["id", "tenant", "backend", "memory_mb", "state", "waiting_reason", "failure_reason",
+                            "created_at", "updated_at", "ready_at"]
         validators = []
 
     def to_representation(self, obj):
@@ -56,7 +57,9 @@ class DeploymentFilter(django_filters.FilterSet):
 class DeploymentViewSet(ScopedViewSetMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin,
                         mixins.CreateModelMixin, mixins.DestroyModelMixin, viewsets.GenericViewSet):
     """Triton models on the tenant's slices. Create writes the slice's model repository and loads it
-    (state pending -> loading -> ready); DELETE unloads and removes it."""
+    (state pending -> loading -> ready; while the slice's server is not up the model stays pending with a
+    ``waiting_reason``, and fails after TESSERA_DEPLOY_WAIT_S); DELETE unloads and removes it; retry loads a
+    failed one again."""
 
     queryset_model = ModelDeployment
     selector = selectors.deployments
@@ -65,7 +68,7 @@ class DeploymentViewSet(ScopedViewSetMixin, mixins.ListModelMixin, mixins.Retrie
     search_fields = ["name"]
     ordering_fields = ["created_at", "name", "state"]
     ordering = ["-created_at"]
-    capabilities = {"create": "deploy", "destroy": "deploy"}
+    capabilities = {"create": "deploy", "destroy": "deploy", "retry": "deploy"}
 
     def create(self, request, *args, **kwargs):
         serializer = self.get_serializer(data=request.data)
@@ -78,6 +81,13 @@ class DeploymentViewSet(ScopedViewSetMixin, mixins.ListModelMixin, mixins.Retrie
     @extend_schema(responses={202: DeploymentSerializer})
     def destroy(self, request, *args, **kwargs):
         dep = deployments.remove(self.principal, self.get_object())
+        return Response(self.get_serializer(dep).data, status=status.HTTP_202_ACCEPTED)
+
+    @extend_schema(request=None, responses={202: DeploymentSerializer})
+    @action(detail=True, methods=["post"])
+    def retry(self, request, pk=None):
+        """Load a failed model again (its slice's server was down, or the cause is fixed): state -> pending."""
+        dep = deployments.retry(self.principal, self.get_object())
         return Response(self.get_serializer(dep).data, status=status.HTTP_202_ACCEPTED)
 
 

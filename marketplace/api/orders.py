@@ -11,7 +11,17 @@ from rest_framework import mixins, permissions, serializers, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.response import Response
 
-from marketplace.models import Allocation, AllocationEvent, DriftEvent, GpuModel, MigProfile, Order, PricePlan, Tier
+from marketplace.models import (
+    Allocation,
+    AllocationEvent,
+    DriftEvent,
+    GpuModel,
+    MigProfile,
+    Order,
+    PricePlan,
+    Tier,
+    TritonServer,
+)
 from marketplace.selectors import orders as selectors
 from marketplace.services import offers, orders
 from tenants.api.serializers import ScopedTenantField
@@ -140,6 +150,16 @@ class AllocationEventSerializer(OperatorOnlyFieldsMixin, serializers.ModelSerial
         fields = ["from_state", "to_state", "actor", "reason", "detail", "at"]
 
 
+class TritonServerSerializer(serializers.ModelSerializer):
+    """The slice's Triton server as its node worker last saw it (operators)."""
+
+    class Meta:
+        model = TritonServer
+        fields = ["state", "runtime", "isolation", "address", "http_port", "grpc_port", "metrics_port", "unix_user",
+                  "pid", "started_at", "ready_at", "stopped_at", "last_health_at", "last_health_ok", "restarts",
+                  "exit_code", "reason"]
+
+
 class AllocationSerializer(OperatorOnlyFieldsMixin, serializers.ModelSerializer):
     """A tenant reads its slice's tier, state, MIG device and history; where in the fleet it runs
     (node, GPU, start) and the engine's diagnostic are the operators'."""
@@ -153,13 +173,16 @@ class AllocationSerializer(OperatorOnlyFieldsMixin, serializers.ModelSerializer)
     placement_detail = serializers.CharField(read_only=True, help_text="operators only (blank for tenants): the "
                                              "placement engine's diagnostic")
     events = AllocationEventSerializer(many=True, read_only=True)
-    operator_only: ClassVar = {"node": None, "gpu_uuid": "", "start": None, "placement_detail": ""}
+    triton_server = TritonServerSerializer(read_only=True, allow_null=True,
+                                           help_text="operators only (null for tenants): the slice's Triton server")
+    operator_only: ClassVar = {"node": None, "gpu_uuid": "", "start": None, "placement_detail": "",
+                               "triton_server": None}
 
     class Meta:
         model = Allocation
         fields = ["id", "order", "tenant", "tier", "state", "node", "gpu_uuid", "mig_uuid", "start", "size",
                   "placement_reason", "placement_detail", "failure_reason", "attempts", "created_at", "updated_at",
-                  "activated_at", "released_at", "events"]
+                  "activated_at", "released_at", "events", "triton_server"]
 
 
 class OrderSerializer(serializers.ModelSerializer):

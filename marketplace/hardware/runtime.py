@@ -12,9 +12,9 @@ One small interface with three backends, chosen by ``TESSERA_SERVING_RUNTIME``:
 * ``sim``: the simulated Triton server of the demo and the tests (``triton.SimTritonBackend``), started
   and stopped like a real one: a started server has no model loaded (explicit model control).
 
-Every server is started with ``--model-control-mode=explicit`` and with its model-repository, model-config,
-shared-memory, trace and logging APIs restricted by Triton itself (``--http-restricted-api`` /
-``--grpc-restricted-protocol``) to callers that send a per-server secret only Tessera holds.
+Every server is started with ``--model-control-mode=explicit`` and with all its APIs (repository, config,
+inference, health...) restricted by Triton itself (``--http-restricted-api`` / ``--grpc-restricted-protocol``)
+to callers that send a per-server secret only Tessera holds.
 Its environment is built from nothing: no database, broker or Redis URL, no secret key, no API key.
 
 Pure Python: Django is not imported here; the services pass everything in a ``ServerSpec``.
@@ -41,7 +41,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-RESTRICTED_APIS = ("model-repository", "model-config", "shared-memory", "trace", "logging")
+# Every API: the repository, config and shared-memory ones so that no one but Tessera loads a model, and
+# inference, metadata, statistics and health as well, since tenants' python models run on the same host and
+# could otherwise call (or read the statistics of) another slice's server on its node-private address.
+RESTRICTED_APIS = ("health", "metadata", "inference", "shared-memory", "model-config", "model-repository",
+                   "statistics", "trace", "logging")
 SECRET_HEADER = "tessera-repository-key"
 LOG_FILE = "tritonserver.log"
 PID_FILE = "server.pid"

@@ -775,7 +775,7 @@ class TritonBackend(ABC):
     def is_server_ready(self) -> bool:
         """True when the server answers ready (never raises; an unreachable server is not ready)."""
 
-    #: headers sent with the restricted APIs (model repository, model config): the server's secret
+    #: headers sent with every call: the server's secret (Tessera's servers restrict all their APIs to it)
     admin_headers: dict[str, str] | None = None
 
     @abstractmethod
@@ -848,7 +848,7 @@ class HttpTritonBackend(TritonBackend):
 
     def is_server_ready(self) -> bool:
         try:
-            return bool(self.client.is_server_ready())
+            return bool(self.client.is_server_ready(headers=self.admin_headers))
         except Exception:  # noqa: BLE001 - connection refused, timeouts, gevent errors: all mean "not ready"
             return False
 
@@ -874,7 +874,7 @@ class HttpTritonBackend(TritonBackend):
         raise InferenceServerException(f"model '{name}' is still unloading after {self.unload_timeout:.0f}s")
 
     def is_model_ready(self, name: str) -> bool:
-        return bool(self.client.is_model_ready(name))
+        return bool(self.client.is_model_ready(name, headers=self.admin_headers))
 
     def _batched(self, name: str) -> bool:
         if name not in self._batching:
@@ -894,7 +894,7 @@ class HttpTritonBackend(TritonBackend):
             limit.set_data_from_numpy(np.array([max_tokens], dtype=np.int32).reshape(shape))
             inputs.append(limit)
         outputs = [self._http.InferRequestedOutput(n) for n in ("text", "input_tokens", "output_tokens")]
-        result = self.client.infer(name, inputs, outputs=outputs)
+        result = self.client.infer(name, inputs, outputs=outputs, headers=self.admin_headers)
         raw = result.as_numpy("text").reshape(-1)[0]
         return {
             "text": raw.decode("utf-8") if isinstance(raw, bytes) else str(raw),
@@ -903,7 +903,7 @@ class HttpTritonBackend(TritonBackend):
         }
 
     def statistics(self, name: str) -> dict[str, Any]:
-        stats = self.client.get_inference_statistics(name).get("model_stats") or []
+        stats = self.client.get_inference_statistics(name, headers=self.admin_headers).get("model_stats") or []
         if not stats:
             raise InferenceServerException(f"requested model '{name}' is not available", status="400")
         latest = max(stats, key=lambda s: int(s.get("version") or 0))
@@ -1092,6 +1092,7 @@ class SimTritonBackend(TritonBackend):
     # -- inference ------------------------------------------------------------------------------
     def infer_text(self, name: str, text: str, max_tokens: int | None = None) -> dict[str, Any]:
         self._check_up()
+        self._check_key(None)
         with self._lock:
             m = self._ready_model(name, "Request for unknown model: '{name}' {why}", "404")
             inputs = {t.name: t for t in m.config.inputs}

@@ -23,7 +23,7 @@ def orders(principal: Principal):
 
 def allocations(principal: Principal):
     return Allocation.objects.visible_to(principal).select_related(
-        "tenant", "tier", "node", "tier__gpu_model", "tier__profile").prefetch_related(
+        "tenant", "tier", "node", "tier__gpu_model", "tier__profile", "triton_server").prefetch_related(
         Prefetch("events", queryset=AllocationEvent.objects.order_by("at", "pk")))
 
 

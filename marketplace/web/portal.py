@@ -352,6 +352,15 @@ def deployment_remove(request, pk):
     return redirect("portal:deployments")
 
 
+@require_POST
+@portal_view
+def deployment_retry(request, pk):
+    dep = _deployment(request, pk)
+    require(request, "deploy", dep.tenant_id)
+    act(request, lambda: deployments.retry(request.principal, dep), f"Loading {dep.name} again.")
+    return redirect("portal:deployment", pk=dep.pk)
+
+
 # --- usage --------------------------------------------------------------------------------------
 
 @portal_view

@@ -47,6 +47,9 @@ def test_operator_console(page, live_server, login, shot, fleet):
     assert page.locator(".slotmap span.used").count() == 6  # one cell per instance, spanning its slices
     assert page.locator(".slotmap span.used", has_text="acme").count() == 4
     assert page.locator(".slotmap span.used", has_text="3g.40gb").count() == 1
+    servers = page.locator("table.servers tbody tr")  # one Triton server per active slice
+    assert servers.count() == 6 and servers.filter(has_text="Running").count() == 6
+    assert "127.0.0.1 http 20000" in page.locator("table.servers").inner_text()
     shot(page, "console-nodes")
 
     page.click("nav.mainnav >> text=Allocations")
@@ -62,6 +65,10 @@ def test_operator_console(page, live_server, login, shot, fleet):
     history = page.locator("table.history").inner_text()
     for state in ("requested", "placed", "provisioning", "ready", "active"):
         assert state in history
+    assert "its Triton server answers ready" in history
+    assert page.locator("table.servers").inner_text().count("Running") == 1
+    page.click("table.servers summary")  # the log tail
+    assert "simulated tritonserver started" in page.locator("pre.log").inner_text()
     shot(page, "console-allocation")
     page.once("dialog", lambda d: d.accept())
     page.fill("input[name=reason]", "console test")

@@ -56,7 +56,7 @@ from django.utils import timezone
 
 from marketplace.hardware.triton import HttpTritonBackend
 from marketplace.models import Allocation, ModelDeployment, TritonServer
-from marketplace.services import deployments, orders
+from marketplace.services import deployments, orders, serving
 from telemetry import tasks
 from telemetry.models import TritonCounter, TritonServedHourly
 from tenants.roles import Role
@@ -226,7 +226,9 @@ class Scene:
                  "the slice to be active", worker)
         alloc = Allocation.objects.get(pk=self.alloc.pk)
         assert alloc.triton_url, "an active slice has its server's URL"
-        self.triton = HttpTritonBackend(alloc.triton_url, alloc.triton_metrics_url)
+        server = TritonServer.objects.get(allocation=alloc)  # every API of the server needs its secret
+        self.triton = HttpTritonBackend(alloc.triton_url, alloc.triton_metrics_url,
+                                        headers=serving.admin_headers(server))
         deps = [deployments.deploy(self.principal, alloc, name, template="tiny-gen") for name in names]
         for d in deps:
             wait_for(lambda d=d: ModelDeployment.objects.get(pk=d.pk).state == ModelDeployment.State.READY, 90,

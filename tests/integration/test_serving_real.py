@@ -44,6 +44,18 @@ import triton_python_backend_utils as pb_utils
 def probe(path):
     if path == "ENV":
         return " ".join(sorted(os.environ))
+    if path.startswith("http://"):  # another slice's server, from this slice's model code
+        import urllib.error
+        import urllib.request
+
+        body = b'{"inputs":[{"name":"prompt","shape":[1,1],"datatype":"BYTES","data":["stolen"]}]}'
+        try:
+            with urllib.request.urlopen(urllib.request.Request(path, data=body), timeout=5) as r:
+                return "READ " + r.read(200).decode("utf-8", "replace")
+        except urllib.error.HTTPError as exc:
+            return "DENIED " + str(exc.code) + " " + exc.read(200).decode("utf-8", "replace")
+        except Exception as exc:
+            return "DENIED " + type(exc).__name__
     try:
         with open(path, "rb") as f:
             return "READ " + f.read(200).decode("utf-8", "replace")
@@ -104,7 +116,7 @@ def test_order_server_ready_deploy_infer(real_serving, owner, tiers):
     assert ("ready", "slice created; its Triton server answers ready") in events
     cmdline = Path(f"/proc/{server.pid}/cmdline").read_bytes().split(b"\0")
     assert b"--model-control-mode=explicit" in cmdline
-    assert any(arg.startswith(b"--http-restricted-api=model-repository,") for arg in cmdline)
+    assert any(arg.startswith(b"--http-restricted-api=health,metadata,inference,") for arg in cmdline)
     env = Path(f"/proc/{server.pid}/environ").read_bytes().split(b"\0")
     assert f"CUDA_VISIBLE_DEVICES={a.mig_uuid}".encode() in env and a.mig_uuid.startswith("MIG-")
     assert not [e for e in env if e.split(b"=")[0] in (b"DATABASE_URL", b"SECRET_KEY", b"REDIS_URL",
@@ -174,9 +186,14 @@ def test_repository_api_without_the_secret_is_refused_by_triton(real_serving, ow
                 anyone.unload_model("tiny-gen")
             with pytest.raises(InferenceServerException, match="restricted"):
                 anyone.repository_index()
-            assert anyone.is_model_ready("tiny-gen")  # still loaded: nothing went through
+            with pytest.raises(InferenceServerException, match="restricted"):
+                anyone.infer_text("tiny-gen", "someone else's tokens", max_tokens=2)
+            with pytest.raises(InferenceServerException, match="restricted"):
+                anyone.statistics("tiny-gen")
+            assert not anyone.is_server_ready()  # even health needs the secret
     with serving.client_for(a) as tessera:
         assert [m["name"] for m in tessera.repository_index() if m.get("state") == "READY"] == ["tiny-gen"]
+        assert tessera.is_model_ready("tiny-gen")  # still loaded: nothing went through
 
 
 def test_two_slices_get_distinct_ports_and_cannot_see_each_others_models(real_serving, owner, tiers):
@@ -218,6 +235,10 @@ def test_tenant_python_model_cannot_read_other_slices_the_worker_or_tessera(real
         secrets.append(db_name)
     for path in secrets:
         assert probe(path).startswith("DENIED"), f"the tenant's model read {path}"
+    victim_url = Allocation.objects.get(pk=victim.pk).triton_url
+    for url in (f"{victim_url}/v2/models/victim/infer", f"{victim_url}/v2/models/victim/stats"):
+        answer = probe(url)
+        assert answer.startswith("DENIED") and "restricted" in answer, (url, answer)
     env = probe("ENV").split()
     assert not {"DATABASE_URL", "SECRET_KEY", "REDIS_URL", "CELERY_BROKER_URL", "TESSERA_TEST_CANARY"} & set(env)
 

@@ -78,7 +78,7 @@ def test_docker_compose_config_where_the_plugin_exists():
 
 
 def test_the_services_are_there(services):
-    for name in ("postgres", "redis", "migrate", "web", "control", "demo", "triton-slice-example"):
+    for name in ("postgres", "redis", "migrate", "web", "control", "demo"):
         assert name in services, name
     assert len(node_workers(services)) >= 2
     assert services["demo"]["profiles"] == ["demo"]
@@ -120,15 +120,20 @@ def test_each_node_worker_consumes_its_own_queue(services):
         devices = s["deploy"]["resources"]["reservations"]["devices"]
         assert any("gpu" in d["capabilities"] for d in devices)
         assert any(v.endswith(":/data") and v.split(":")[0] == name for v in s["volumes"]), "its own volume"
+        env = s["environment"]
+        assert env["TESSERA_SERVING_RUNTIME"] == "docker"
+        assert "/var/run/docker.sock:/var/run/docker.sock" in s["volumes"]
+        root = env["TESSERA_TRITON_REPO_ROOT"]  # the engine mounts it by the host's path: the same in both
+        assert any(v == f"{m}:{m}" and root.startswith(m + "/") for v in s["volumes"] for m in [v.split(":")[0]])
         queues.append(queue)
     assert len(set(queues)) == len(queues)
 
 
-def test_triton_per_slice_sees_one_mig_device(services):
-    t = services["triton-slice-example"]
-    assert re.fullmatch(r"nvcr\.io/nvidia/tritonserver:\$\{TRITON_TAG:-\d\d\.\d\d\}-py3", t["image"])
-    assert t["environment"]["NVIDIA_VISIBLE_DEVICES"].split(":-")[-1].startswith("MIG-")
-    assert "--model-control-mode=explicit" in t["command"]
+def test_triton_per_slice_is_started_by_the_node_worker_not_declared(services):
+    assert not [k for k, s in services.items() if "tritonserver" in str(s.get("image", ""))]
+    for s in node_workers(services).values():
+        assert re.fullmatch(r"nvcr\.io/nvidia/tritonserver:\$\{TRITON_TAG:-\d\d\.\d\d\}-py3",
+                            s["environment"]["TESSERA_TRITON_IMAGE"])
 
 
 def test_environment_variables_are_ones_the_code_reads(services):

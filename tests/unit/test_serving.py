@@ -333,7 +333,7 @@ def test_server_arguments_lock_the_repository_api_and_bind_the_private_address(t
     assert "--model-control-mode=explicit" in args and "--http-address=10.0.0.5" in args
     assert "--grpc-address=10.0.0.5" in args and "--metrics-address=10.0.0.5" in args
     assert "--allow-sagemaker=false" in args and "--allow-vertex-ai=false" in args  # no unrestricted frontends
-    apis = "model-repository,model-config,shared-memory,trace,logging"
+    apis = "health,metadata,inference,shared-memory,model-config,model-repository,statistics,trace,logging"
     assert f"--http-restricted-api={apis}:{rt.SECRET_HEADER}=s3cret" in args
     assert f"--grpc-restricted-protocol={apis}:{rt.SECRET_HEADER}=s3cret" in args
     assert "--allow-gpu-metrics=false" in args
@@ -373,7 +373,7 @@ def test_docker_container_spec_sees_one_device_one_read_only_repository_and_no_h
     cmd = c["command"]
     assert cmd[0] == "tritonserver" and "--model-repository=/models" in cmd
     assert "--model-control-mode=explicit" in cmd and "--http-port=8000" in cmd
-    assert any(a.startswith("--http-restricted-api=model-repository,") and a.endswith("=s3cret") for a in cmd)
+    assert any(a.startswith("--http-restricted-api=health,") and a.endswith("=s3cret") for a in cmd)
     assert c["labels"]["tessera.server"] == "allocation-7"
 
 
