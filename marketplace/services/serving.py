@@ -122,19 +122,31 @@ def spec_for(server: TritonServer, allocation: Allocation) -> rt.ServerSpec:
 
 
 def client_for(allocation: Allocation, server: TritonServer | None = None) -> triton.TritonBackend:
-    """A Triton client for the slice's server that holds its repository-API secret."""
-    server = server or TritonServer.objects.filter(allocation=allocation).first()
+    """A Triton client for the slice's running server, holding its secret; ServerNotUp if none runs."""
     if runtime_kind() == "sim":
-        tier = allocation.tier
-        backend = triton.get_triton_backend(
-            "sim", repo_dir=repo_dir(allocation.pk), memory_mb=slice_memory_mb(allocation),
-            tokens_per_s=modelled_tokens_per_s(tier.gpu_model, tier.profile if tier.profile_id else None))
-        return backend
+        return _client(allocation, None)
+    server = server or TritonServer.objects.filter(allocation=allocation).first()
     if server is None or server.state != T.RUNNING or not server.http_port:
         raise ServerNotUp(f"allocation {allocation.pk} has no running Triton server")
+    return _client(allocation, server)
+
+
+def _client(allocation: Allocation, server: TritonServer | None) -> triton.TritonBackend:
+    """A client for the server whatever its recorded state (while it starts, for health checks)."""
+    if runtime_kind() == "sim":
+        tier = allocation.tier
+        return triton.get_triton_backend(
+            "sim", repo_dir=repo_dir(allocation.pk), memory_mb=slice_memory_mb(allocation),
+            tokens_per_s=modelled_tokens_per_s(tier.gpu_model, tier.profile if tier.profile_id else None))
+    assert server is not None
     spec = spec_for(server, allocation)
     return triton.get_triton_backend("http", url=spec.http_url, metrics_url=spec.metrics_url,
                                      headers=admin_headers(server))
+
+
+def _answers_ready(allocation: Allocation, server: TritonServer) -> bool:
+    with _client(allocation, server) as client:
+        return client.is_server_ready()
 
 
 def _update(server: TritonServer, **fields) -> None:
@@ -196,12 +208,10 @@ def ensure_server(allocation: Allocation, *, timeout: float | None = None) -> Tr
         _reserve_ports(server, check_os=run.kind == "process")
     spec = spec_for(server, allocation)
     status = run.status(spec)
-    if status.running and client_for(allocation, _as_running(server)).is_server_ready():
-        _mark_running(server, allocation, run, spec, status, restarted=False)
+    if status.running and _answers_ready(allocation, server):
+        _mark_running(server, allocation, run, spec, status)
         return server
-    if status.running:  # up but not ready yet (a replayed task): wait for it below
-        pass
-    else:
+    if not status.running:  # (one that runs but is not ready yet, a replayed task's: wait for it below)
         _update(server, nonce=secrets.token_hex(16), state=T.STARTING, reason="", exit_code=None,
                 started_at=timezone.now(), runtime=run.kind)
         spec = spec_for(server, allocation)
@@ -215,17 +225,10 @@ def ensure_server(allocation: Allocation, *, timeout: float | None = None) -> Tr
     return _wait_ready(server, allocation, run, spec, timeout)
 
 
-def _as_running(server: TritonServer) -> TritonServer:
-    clone = TritonServer(**{f.attname: getattr(server, f.attname) for f in TritonServer._meta.concrete_fields})
-    clone.state = T.RUNNING
-    return clone
-
-
 def _wait_ready(server, allocation, run, spec, timeout) -> TritonServer:
     timeout = settings.TESSERA_SERVING_START_TIMEOUT_S if timeout is None else timeout
-    client = client_for(allocation, _as_running(server))
     deadline = time.monotonic() + timeout
-    try:
+    with _client(allocation, server) as client:
         while True:
             status = run.status(spec)
             if not status.running:
@@ -234,7 +237,7 @@ def _wait_ready(server, allocation, run, spec, timeout) -> TritonServer:
                 _fail(server, why, tail, exit_code=status.exit_code)
                 raise ServingError("the slice's inference server exited at start", f"{why}; log tail:\n{tail}")
             if client.is_server_ready():
-                _mark_running(server, allocation, run, spec, status, restarted=False)
+                _mark_running(server, allocation, run, spec, status)
                 return server
             if time.monotonic() > deadline:
                 run.stop(spec)
@@ -243,11 +246,9 @@ def _wait_ready(server, allocation, run, spec, timeout) -> TritonServer:
                 _fail(server, why, tail)
                 raise ServingError("the slice's inference server did not become ready", f"{why}; log tail:\n{tail}")
             time.sleep(0.1)
-    finally:
-        client.close()
 
 
-def _mark_running(server, allocation, run, spec, status, *, restarted: bool) -> None:
+def _mark_running(server, allocation, run, spec, status) -> None:
     now = timezone.now()
     _update(server, state=T.RUNNING, ready_at=server.ready_at or now, last_health_at=now, last_health_ok=True,
             pid=status.pid or server.pid, container_id=status.container_id or server.container_id,
@@ -299,13 +300,7 @@ def check(server: TritonServer, allocation: Allocation) -> bool:
     run = runtime()
     spec = spec_for(server, allocation)
     status = run.status(spec)
-    ok = False
-    if status.running:
-        client = client_for(allocation, _as_running(server))
-        try:
-            ok = client.is_server_ready()
-        finally:
-            client.close()
+    ok = status.running and _answers_ready(allocation, server)
     fields = {"last_health_at": timezone.now(), "last_health_ok": ok, "log_tail": run.logs(spec)[-LOG_TAIL_CHARS:]}
     if not status.running:
         fields.update(exit_code=status.exit_code, pid=None)
