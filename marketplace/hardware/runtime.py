@@ -47,6 +47,7 @@ from typing import Any
 RESTRICTED_APIS = ("health", "metadata", "inference", "shared-memory", "model-config", "model-repository",
                    "statistics", "trace", "logging")
 SECRET_HEADER = "tessera-repository-key"
+NODE_LABEL = "tessera.node"
 LOG_FILE = "tritonserver.log"
 PID_FILE = "server.pid"
 LOG_TAIL_CHARS = 4000
@@ -152,8 +153,9 @@ class ServingRuntime(ABC):
     def logs(self, spec: ServerSpec, chars: int = LOG_TAIL_CHARS) -> str: ...
 
     @abstractmethod
-    def running(self, work_root: Path) -> list[str]:
-        """Names of the servers this runtime has running on this node (found without the database)."""
+    def running(self, work_root: Path, node: str) -> list[str]:
+        """Names of the servers this runtime has running for ``node`` (found without the database; several
+        simulated nodes may share one host)."""
 
     def cleanup(self, spec: ServerSpec) -> None:  # noqa: B027 - optional
         """Remove what start() made besides the repository (the server's Unix user...)."""
@@ -404,7 +406,7 @@ class ProcessRuntime(ServingRuntime):
                                         start_new_session=True, close_fds=True, **kwargs)
             except OSError as exc:
                 raise RuntimeFault(f"could not start {install.binary}: {exc}") from None
-        (spec.work_dir / PID_FILE).write_text(f"{proc.pid}\n")
+        (spec.work_dir / PID_FILE).write_text(f"{proc.pid}\n{spec.labels.get(NODE_LABEL, '')}\n")
         with self._lock:
             self._children[spec.name] = proc
         return ServerStatus(running=True, pid=proc.pid)
@@ -454,11 +456,14 @@ class ProcessRuntime(ServingRuntime):
     def logs(self, spec: ServerSpec, chars: int = LOG_TAIL_CHARS) -> str:
         return _tail(spec.work_dir / LOG_FILE, chars)
 
-    def running(self, work_root: Path) -> list[str]:
+    def running(self, work_root: Path, node: str) -> list[str]:
         names = []
         for pid_file in sorted(work_root.glob(f"*/{PID_FILE}")):
             folder = pid_file.parent
             pid = _read_pid(folder)
+            with contextlib.suppress(OSError, IndexError):
+                if pid_file.read_text().split("\n")[1] not in ("", node):
+                    continue  # another (simulated) node's server on this host
             try:
                 cmdline = Path(f"/proc/{pid}/cmdline").read_bytes() if pid else b""
             except OSError:
@@ -614,9 +619,9 @@ class DockerRuntime(ServingRuntime):
         c = self._container(spec)
         return c.logs(tail=200).decode("utf-8", errors="replace")[-chars:] if c is not None else ""
 
-    def running(self, work_root: Path) -> list[str]:
+    def running(self, work_root: Path, node: str) -> list[str]:
         return [c.labels["tessera.server"] for c in
-                self.client.containers.list(filters={"label": "tessera.server"})]
+                self.client.containers.list(filters={"label": [f"{NODE_LABEL}={node}", "tessera.server"]})]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -662,7 +667,7 @@ class SimRuntime(ServingRuntime):
                             exit_code=None if running else server.exit_code)
 
     def stop(self, spec: ServerSpec, timeout: float = 20.0) -> int | None:
-        self._specs.pop(spec.name, None)
+        spec = self._specs.pop(spec.name, spec)  # the one it was started with (memory, rate)
         self._pids.pop(spec.name, None)
         server = self._server(spec)
         if server.server_ready:
@@ -676,5 +681,6 @@ class SimRuntime(ServingRuntime):
     def logs(self, spec: ServerSpec, chars: int = LOG_TAIL_CHARS) -> str:
         return self._server(spec).log_text()[-chars:]
 
-    def running(self, work_root: Path) -> list[str]:
-        return sorted(n for n, spec in self._specs.items() if self._server(spec).server_ready)
+    def running(self, work_root: Path, node: str) -> list[str]:
+        return sorted(n for n, spec in self._specs.items()
+                      if spec.labels.get(NODE_LABEL, "") in ("", node) and self._server(spec).server_ready)

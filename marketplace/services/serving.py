@@ -117,7 +117,7 @@ def spec_for(server: TritonServer, allocation: Allocation) -> rt.ServerSpec:
         http_port=server.http_port or 1, grpc_port=server.grpc_port or 2, metrics_port=server.metrics_port or 3,
         secret=secret_for(server), isolate=settings.TESSERA_SERVING_ISOLATE,
         gpu_metrics=settings.TESSERA_NVML_BACKEND == "pynvml",
-        labels={"tessera.node": allocation.node.hostname, "tessera.allocation": str(allocation.pk)},
+        labels={rt.NODE_LABEL: allocation.node.hostname, "tessera.allocation": str(allocation.pk)},
         memory_mb=slice_memory_mb(allocation), tokens_per_s=modelled_tokens_per_s(tier.gpu_model, profile))
 
 
@@ -319,7 +319,7 @@ def restart(server: TritonServer, allocation: Allocation) -> TritonServer:
 
 def stray_servers(node: Node) -> list[str]:
     """Servers the runtime has running on this node that no live slice owns."""
-    names = runtime().running(work_root())
+    names = runtime().running(work_root(), node.hostname)
     live = {f"allocation-{pk}" for pk in Allocation.objects.filter(
         node=node, state__in=[Allocation.State.PROVISIONING, Allocation.State.READY, Allocation.State.ACTIVE,
                               Allocation.State.RELEASING]).values_list("pk", flat=True)}
@@ -334,8 +334,9 @@ def stop_stray(node: Node, name: str) -> None:
     if allocation is not None and TritonServer.objects.filter(allocation=allocation).exists():
         stop_server(allocation, "stopped by reconcile: no live slice")
         return
+    # no record of it: stop it by name (the ports and secret do not matter to stop)
     spec = rt.ServerSpec(name=name, repo_dir=repo_dir(allocation_id), work_dir=work_dir(allocation_id),
                          device_uuid="", address=node.serving_address, http_port=1, grpc_port=2, metrics_port=3,
-                         secret="", isolate=settings.TESSERA_SERVING_ISOLATE)
+                         secret="", isolate=settings.TESSERA_SERVING_ISOLATE, labels={rt.NODE_LABEL: node.hostname})
     runtime().stop(spec)
     runtime().cleanup(spec)

@@ -394,7 +394,7 @@ def test_docker_runtime_against_a_real_engine(tmp_path):  # pragma: no cover - n
     s.repo_dir.mkdir(parents=True)
     try:
         assert run.start(s).running
-        assert run.status(s).running and s.name in run.running(tmp_path)
+        assert run.status(s).running and s.name in run.running(tmp_path, "")
     finally:
         run.stop(s)
     assert not run.status(s).running
@@ -412,3 +412,21 @@ def test_stage_install_is_readable_by_others(tmp_path):
     assert stat.S_IMODE(lib.stat().st_mode) == 0o644 and stat.S_IMODE(staged.binary.stat().st_mode) == 0o755
     assert rt.stage_install(rt.TritonInstall(binary=binary, libs=None, backends=tmp_path / "backends", stub=None),
                             tmp_path / "staged") == staged  # once
+
+
+def test_reconcile_leaves_another_nodes_servers_alone_on_a_shared_host(h100_node, tiers, owner):
+    """The demo runs several simulated nodes in one worker: node A's reconcile must not take node B's
+    servers for strays (seen in the demo before: every server stopped within a minute)."""
+    from tests.fleet_fixtures import make_node
+
+    node_b = make_node("node-b")
+    a = _order(owner, tiers["1g"])
+    provisioning.provision(a.pk)
+    Node.objects.filter(pk=h100_node.pk).update(state=Node.State.DRAINING)  # the next slice lands on node B
+    b = _order(owner, tiers["1g"])
+    assert b.node_id == node_b.pk
+    provisioning.provision(b.pk)
+    for node in (h100_node, node_b, h100_node):
+        assert reconcile.reconcile_node(node.pk)["servers_stopped"] == 0
+    assert TritonServer.objects.filter(state=T.RUNNING).count() == 2
+    assert deployments.backend_for(_fresh(b)).is_server_ready()
