@@ -218,6 +218,11 @@ CELERY_BEAT_SCHEDULE = {
         "schedule": float(os.environ.get("TESSERA_SCRAPE_INTERVAL_S", "60")),
         "options": {"queue": "control"},
     },
+    "consume-usage": {  # the gateway's usage stream into the database (or run `manage.py usage_consumer`)
+        "task": "tessera.consume_usage",
+        "schedule": float(os.environ.get("TESSERA_USAGE_CONSUME_INTERVAL_S", "5")),
+        "options": {"queue": "control", "expires": 30},
+    },
 }
 if env_bool("TESSERA_DEMO_TRAFFIC"):  # the demo's simulated inference gateway
     CELERY_BEAT_SCHEDULE["demo-gateway"] = {"task": "tessera.demo_gateway_fleet", "schedule": 60.0,
@@ -292,9 +297,22 @@ TESSERA_TRITON_PYTHON = os.environ.get("TESSERA_TRITON_PYTHON", "")  # the pytho
 TESSERA_SERVING_RUNTIME_DIR = os.environ.get("TESSERA_SERVING_RUNTIME_DIR", "")
 TESSERA_SERVING_ISOLATE = env_bool("TESSERA_SERVING_ISOLATE", True)  # a Unix user per server (worker is root)
 TESSERA_TRITON_IMAGE = os.environ.get("TESSERA_TRITON_IMAGE", "nvcr.io/nvidia/tritonserver:24.10-py3")
+TESSERA_SIM_TRITON_HTTP = env_bool("TESSERA_SIM_TRITON_HTTP", False)  # simulated servers answer HTTP too
 TESSERA_SERVING_START_TIMEOUT_S = float(os.environ.get("TESSERA_SERVING_START_TIMEOUT_S", "120"))
 TESSERA_DEPLOY_WAIT_S = float(os.environ.get("TESSERA_DEPLOY_WAIT_S", "300"))  # a model waits for its server
 TESSERA_RECONCILE_INTERVAL_S = int(os.environ.get("TESSERA_RECONCILE_INTERVAL_S", "60"))
+# Inference gateway (manage.py gateway): where tenants call their models, and its limits.
+TESSERA_GATEWAY_URL = os.environ.get("TESSERA_GATEWAY_URL", "http://127.0.0.1:8001").rstrip("/")  # shown to tenants
+TESSERA_GATEWAY_INTERNAL_URL = os.environ.get("TESSERA_GATEWAY_INTERNAL_URL", "").rstrip("/") or TESSERA_GATEWAY_URL
+TESSERA_GATEWAY_REFRESH_S = float(os.environ.get("TESSERA_GATEWAY_REFRESH_S", "2"))  # keys, routes, limits reload
+TESSERA_GATEWAY_RPM = int(os.environ.get("TESSERA_GATEWAY_RPM", "600"))  # per key, unless the key sets its own
+TESSERA_GATEWAY_TPM = int(os.environ.get("TESSERA_GATEWAY_TPM", "1000000"))  # per key, unless the key sets its own
+TESSERA_GATEWAY_MAX_BODY = int(os.environ.get("TESSERA_GATEWAY_MAX_BODY", str(16 * 1024 * 1024)))
+TESSERA_GATEWAY_UPSTREAM_TIMEOUT_S = float(os.environ.get("TESSERA_GATEWAY_UPSTREAM_TIMEOUT_S", "300"))
+TESSERA_GATEWAY_TRY_TTL_S = 600  # the portal's "Try it" tokens
+TESSERA_USAGE_STREAM = os.environ.get("TESSERA_USAGE_STREAM", "tessera:usage")  # Redis stream of served usage
+TESSERA_USAGE_SPOOL_DIR = Path(os.environ.get("TESSERA_USAGE_SPOOL_DIR", VAR_DIR / "usage-spool"))  # without Redis
+TESSERA_METERING_TOLERANCE = float(os.environ.get("TESSERA_METERING_TOLERANCE", "0.02"))  # metered vs served
 TESSERA_API_KEY_LAST_USED_RESOLUTION_S = 60  # write last_used_at at most once a minute per key
 TESSERA_INVITATION_TTL_DAYS = 7
 # Capacity planner: what one GPU-hour costs the MSP (hardware amortisation + hosting, power excluded),

@@ -98,6 +98,9 @@ class Tenant(models.Model):
         validators=[MinValueValidator(Decimal("0"))],
     )
 
+    max_concurrent_requests = models.PositiveIntegerField(
+        default=64, help_text="inference requests in flight at once through the gateway, all keys together")
+
     objects = TenantScopedQuerySet.as_manager()
     tenant_path = "pk"
 
@@ -191,6 +194,10 @@ class ApiKey(models.Model):
     revoked_at = models.DateTimeField(null=True, blank=True)
     revoked_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True,
                                    on_delete=models.SET_NULL, related_name="+")
+    requests_per_minute = models.PositiveIntegerField(
+        null=True, blank=True, help_text="gateway requests per minute; empty: TESSERA_GATEWAY_RPM")
+    tokens_per_minute = models.PositiveIntegerField(
+        null=True, blank=True, help_text="gateway tokens (input + output) per minute; empty: TESSERA_GATEWAY_TPM")
 
     objects = TenantScopedQuerySet.as_manager()
     tenant_path = "tenant_id"

@@ -15,14 +15,16 @@ class Role(models.TextChoices):
 
 # Capabilities: read (see the tenant's objects), manage_tenant (edit the tenant profile),
 # manage_members (invite, change roles, remove), manage_keys (create/revoke API keys),
-# billing (invoices, usage, spend), deploy (order slices, deploy models), usage (report usage events),
-# audit (read the tenant's audit log).
+# billing (invoices, usage, spend), deploy (order slices, deploy models), infer (call the tenant's models through
+# the inference gateway), audit (read the tenant's audit log). Reporting usage ("usage") is no tenant's
+# capability: Tessera bills what its gateway served; only operators (and operator keys with usage:write, for an
+# MSP-run external gateway) may post usage events.
 CAPABILITIES: dict[str, frozenset[str]] = {
-    Role.OWNER: frozenset({"read", "manage_tenant", "manage_members", "manage_keys", "billing", "deploy", "usage",
+    Role.OWNER: frozenset({"read", "manage_tenant", "manage_members", "manage_keys", "billing", "deploy", "infer",
                            "audit"}),
-    Role.ADMIN: frozenset({"read", "manage_tenant", "manage_members", "manage_keys", "billing", "deploy", "usage",
+    Role.ADMIN: frozenset({"read", "manage_tenant", "manage_members", "manage_keys", "billing", "deploy", "infer",
                            "audit"}),
-    Role.MEMBER: frozenset({"read", "deploy", "usage"}),
+    Role.MEMBER: frozenset({"read", "deploy", "infer"}),
     Role.BILLING: frozenset({"read", "billing"}),
     Role.VIEWER: frozenset({"read"}),
 }
@@ -38,9 +40,14 @@ class Scope(models.TextChoices):
     """API-key scopes. A key may do exactly what its scopes name, on its own tenant."""
 
     READ = "read", "Read the tenant's objects"
-    USAGE_WRITE = "usage:write", "Report usage events"
+    USAGE_WRITE = "usage:write", "Report usage events (operator keys only: an MSP-run external gateway)"
     BILLING_READ = "billing:read", "Read usage summaries and invoices"
     DEPLOYMENTS_WRITE = "deployments:write", "Order slices and deploy models"
+    INFERENCE = "inference", "Call the tenant's models through the inference gateway"
+
+
+# Scopes only an operator key (no tenant) may carry.
+OPERATOR_ONLY_SCOPES = frozenset({"usage:write"})
 
 
 # Which capability each scope grants to a key (keys never manage members, keys or the tenant).
@@ -49,4 +56,5 @@ SCOPE_CAPABILITY = {
     Scope.USAGE_WRITE: "usage",
     Scope.BILLING_READ: "billing",
     Scope.DEPLOYMENTS_WRITE: "deploy",
+    Scope.INFERENCE: "infer",
 }

@@ -13,7 +13,7 @@ from django.utils import timezone
 from . import audit, keys
 from .errors import Conflict, Forbidden, ServiceError
 from .models import ApiKey, Invitation, Membership, Tenant, User
-from .roles import Role, Scope
+from .roles import OPERATOR_ONLY_SCOPES, Role, Scope
 from .scoping import Principal
 
 log = logging.getLogger("tessera.tenants")
@@ -232,7 +232,8 @@ def revoke_invitation(principal: Principal, invitation: Invitation) -> Invitatio
 
 @transaction.atomic
 def create_api_key(principal: Principal, *, tenant: Tenant | None, name: str, scopes: list[str],
-                   expires_at=None) -> tuple[ApiKey, str]:
+                   expires_at=None, requests_per_minute: int | None = None,
+                   tokens_per_minute: int | None = None) -> tuple[ApiKey, str]:
     """Create a key; returns (key, secret). The secret is not stored and cannot be shown again.
     tenant=None makes an MSP operator key (operators only)."""
     if principal.api_key is not None:
@@ -244,6 +245,13 @@ def create_api_key(principal: Principal, *, tenant: Tenant | None, name: str, sc
         raise ServiceError("name at least one scope", field="scopes")
     if bad:
         raise ServiceError(f"unknown scopes: {', '.join(bad)}", field="scopes")
+    operator_only = sorted(set(scopes) & OPERATOR_ONLY_SCOPES)
+    if tenant is not None and operator_only:
+        raise ServiceError(f"{', '.join(operator_only)} is for operator keys only: Tessera meters what its inference "
+                           f"gateway serves, so tenants do not report usage", field="scopes")
+    for attr, value in (("requests_per_minute", requests_per_minute), ("tokens_per_minute", tokens_per_minute)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ServiceError("must be a whole number of at least 1 (empty: the gateway's default)", field=attr)
     if expires_at is not None and expires_at <= timezone.now():
         raise ServiceError("must be in the future", field="expires_at")
     if not name.strip():
@@ -251,7 +259,8 @@ def create_api_key(principal: Principal, *, tenant: Tenant | None, name: str, sc
     secret, prefix, hashed = keys.generate()
     key = ApiKey.objects.create(
         tenant=tenant, name=name.strip(), prefix=prefix, hashed_key=hashed, scopes=scopes,
-        created_by=principal.user, expires_at=expires_at,
+        created_by=principal.user, expires_at=expires_at, requests_per_minute=requests_per_minute,
+        tokens_per_minute=tokens_per_minute,
     )
     audit.record(principal, "api_key.create", f"key:{prefix}", tenant, name=key.name, scopes=scopes)
     log.info("api key created", extra={"prefix": prefix, "tenant": tenant.slug if tenant else None})

@@ -6,7 +6,7 @@ from rest_framework.test import APIClient
 from tenants.roles import Role
 from tests.factories import MembershipFactory, OperatorFactory, TenantFactory, UserFactory, make_key
 
-pytest_plugins = ["tests.fleet_fixtures", "tests.serving_fixtures"]
+pytest_plugins = ["tests.fleet_fixtures", "tests.serving_fixtures", "tests.gateway_fixtures"]
 
 ROLES = [Role.OWNER, Role.ADMIN, Role.MEMBER, Role.BILLING, Role.VIEWER]
 

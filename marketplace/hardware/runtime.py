@@ -628,6 +628,14 @@ class DockerRuntime(ServingRuntime):
 # sim
 # --------------------------------------------------------------------------------------------------
 
+def _sim_http() -> bool:
+    """TESSERA_SIM_TRITON_HTTP: simulated servers also answer Triton's HTTP protocol on their port (the demo and
+    the gateway tests: the gateway reaches a simulated slice over HTTP as it reaches a real one)."""
+    from django.conf import settings  # noqa: PLC0415
+
+    return bool(getattr(settings, "TESSERA_SIM_TRITON_HTTP", False))
+
+
 class SimRuntime(ServingRuntime):
     """Starts and stops the process-wide simulated Triton server of a slice (``triton.SimTritonBackend``):
     a started server answers ready with nothing loaded and requires the per-server secret for its
@@ -655,7 +663,12 @@ class SimRuntime(ServingRuntime):
         if current.running:
             return current
         spec.repo_dir.mkdir(parents=True, exist_ok=True)
-        self._server(spec).boot(restricted=(SECRET_HEADER, spec.secret))
+        server = self._server(spec)
+        server.boot(restricted=(SECRET_HEADER, spec.secret))
+        if _sim_http():
+            from marketplace.hardware import sim_http  # noqa: PLC0415
+
+            sim_http.serve(server, spec.address, spec.http_port, (SECRET_HEADER, spec.secret))
         self._next_pid += 1
         self._specs[spec.name], self._pids[spec.name] = spec, self._next_pid
         return ServerStatus(running=True, pid=self._next_pid)
@@ -672,11 +685,20 @@ class SimRuntime(ServingRuntime):
         server = self._server(spec)
         if server.server_ready:
             server.shut_down(exit_code=0)
+        self._stop_front(spec)
         return 0
 
     def kill(self, spec: ServerSpec) -> None:
         """What ``kill -9`` does to a real server (tests, the fault drill)."""
         self._server(spec).shut_down(exit_code=-9)
+        self._stop_front(spec)
+
+    @staticmethod
+    def _stop_front(spec: ServerSpec) -> None:
+        if _sim_http():
+            from marketplace.hardware import sim_http  # noqa: PLC0415
+
+            sim_http.stop(spec.address, spec.http_port)
 
     def logs(self, spec: ServerSpec, chars: int = LOG_TAIL_CHARS) -> str:
         return self._server(spec).log_text()[-chars:]

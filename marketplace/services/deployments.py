@@ -24,7 +24,7 @@ log = logging.getLogger("tessera.deployments")
 D = ModelDeployment.State
 MAX_FILES_BYTES = 2 * 1024 * 1024
 
-TEMPLATES = {"tiny-gen": triton.demo_text_model}
+TEMPLATES = {"tiny-gen": triton.demo_text_model, "tiny-chat": triton.demo_chat_model}
 
 
 slice_memory_mb = serving.slice_memory_mb

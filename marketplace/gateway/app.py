@@ -1,0 +1,521 @@
+"""The gateway's ASGI application: a plain ASGI callable (no framework on the hot path), served by uvicorn.
+
+Routes (``model`` is the tenant's deployment name):
+
+- OpenAI-compatible: ``GET /v1/models``, ``GET /v1/models/{model}``, ``POST /v1/chat/completions``,
+  ``POST /v1/completions`` (``stream: true`` as server-sent events, ``stream_options.include_usage``);
+  errors in OpenAI's error JSON.
+- KServe v2 / Triton: ``GET /v2/models/{model}`` (metadata), ``GET /v2/models/{model}/ready``,
+  ``POST /v2/models/{model}/infer``, ``POST /v2/models/{model}/generate``, ``POST .../generate_stream``;
+  errors in KServe's JSON. ``GET /v2/health/live`` and ``/v2/health/ready`` are the gateway's own health.
+
+Every answer carries ``x-request-id``: the id of the usage event the request made.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from . import protocol as p
+from . import upstream as upstream_mod
+from .limits import Limiter, LocalLimiter, RedisLimiter
+from .metering import MeteringUnavailable, RedisStreamSink, SpoolSink, UsageSink, event
+from .protocol import GatewayError, Served, TextRequest
+from .state import Caller, Tables, Upstream, load_snapshot, mark_used
+
+log = logging.getLogger("tessera.gateway")
+
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+JSON = [(b"content-type", b"application/json")]
+SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
+               (b"x-accel-buffering", b"no")]
+
+
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+class Gateway:
+    def __init__(self, *, tables: Tables | None = None, sink: UsageSink | None = None,
+                 limiter: Limiter | None = None, refresh_s: float | None = None, max_body: int | None = None,
+                 timeout_s: float | None = None) -> None:
+        from django.conf import settings  # noqa: PLC0415
+
+        self.tables = tables or Tables()
+        self.sink, self.limiter = sink, limiter
+        self.refresh_s = settings.TESSERA_GATEWAY_REFRESH_S if refresh_s is None else refresh_s
+        self.max_body = max_body or settings.TESSERA_GATEWAY_MAX_BODY
+        self.client = upstream_mod.Client(timeout_s or settings.TESSERA_GATEWAY_UPSTREAM_TIMEOUT_S)
+        self._redis: Any = None
+        self._refresher: asyncio.Task | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.started = False
+
+    # --- lifecycle ------------------------------------------------------------------------------------------
+    async def startup(self) -> None:
+        from django.conf import settings  # noqa: PLC0415
+
+        self.loop = asyncio.get_running_loop()
+        if settings.REDIS_URL and (self.sink is None or self.limiter is None):
+            import redis.asyncio as aioredis  # noqa: PLC0415
+
+            # Enough connections for every request in flight: redis-py's pool raises past its size.
+            self._redis = aioredis.Redis.from_url(settings.REDIS_URL, max_connections=4096)
+        if self.sink is None:
+            self.sink = RedisStreamSink(self._redis) if self._redis is not None else SpoolSink()
+        if self.limiter is None:
+            self.limiter = RedisLimiter(self._redis) if self._redis is not None else LocalLimiter()
+        await self.sink.start()
+        await self.client.start()
+        if self.refresh_s > 0:
+            await self.refresh()
+            self._refresher = asyncio.create_task(self._refresh_loop())
+        self.started = True
+
+    async def shutdown(self) -> None:
+        if self._refresher is not None:
+            self._refresher.cancel()
+        if self.sink is not None:
+            await self.sink.close()
+        await self.client.close()
+        if self._redis is not None:
+            await self._redis.aclose()
+
+    async def refresh(self) -> None:
+        used, self.tables.used_keys = self.tables.used_keys, set()
+        snap = await asyncio.to_thread(_load, used)
+        self.tables.replace(snap)
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_s)
+            try:
+                await self.refresh()
+            except Exception as exc:  # noqa: BLE001 - keep serving from the last snapshot
+                log.error("gateway refresh failed; serving from the last snapshot", extra={"error": str(exc)})
+
+    # --- ASGI -----------------------------------------------------------------------------------------------
+    async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        if not self.started:
+            await self.startup()
+        path, method = scope["path"], scope["method"]
+        openai = path.startswith("/v1/")
+        rid = uuid.uuid4().hex
+        try:
+            await self._route(scope, receive, send, path, method, rid)
+        except GatewayError as err:
+            await _send_error(send, err, openai, rid)
+        except Exception:
+            log.exception("gateway error", extra={"path": path, "request_id": rid})
+            await _send_error(send, GatewayError(500, "internal_error", "The gateway failed on this request.",
+                                                 kind="server_error"), openai, rid)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await self.startup()
+                except Exception as exc:  # noqa: BLE001
+                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.shutdown()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _route(self, scope, receive, send, path: str, method: str, rid: str) -> None:
+        parts = path.strip("/").split("/")
+        if parts[:2] == ["v2", "health"] and len(parts) == 3 and method == "GET":
+            ok = parts[2] == "live" or self.tables.ready
+            await _send(send, 200 if ok else 503, b"", [], rid)
+            return
+        if path in ("/healthz", "/health"):
+            await _send(send, 200, _dumps({"ready": self.tables.ready, "routes": sum(
+                len(v) for v in self.tables.snap.routes.values()), "metered": self.sink.written if self.sink else 0}),
+                JSON, rid)
+            return
+        headers = dict(scope["headers"])
+        caller = self.tables.authenticate(_header(headers, b"authorization"))
+        if parts[0] == "v1":
+            if parts[1:] == ["models"] and method == "GET":
+                await self._list_models(send, caller, rid)
+            elif len(parts) == 3 and parts[1] == "models" and method == "GET":
+                await self._one_model(send, caller, parts[2], rid)
+            elif parts[1:] == ["chat", "completions"] and method == "POST":
+                req = p.parse_chat(await _body(receive, self.max_body))
+                await self._text(receive, send, caller, req, rid)
+            elif parts[1:] == ["completions"] and method == "POST":
+                req = p.parse_completion(await _body(receive, self.max_body))
+                await self._text(receive, send, caller, req, rid)
+            else:
+                raise _not_found(path, method)
+            return
+        if parts[0] == "v2" and len(parts) >= 3 and parts[1] == "models":
+            model, action = parts[2], "/".join(parts[3:])
+            if action == "" and method == "GET":
+                await self._passthrough_get(send, caller, model, f"/v2/models/{model}", rid)
+            elif action == "ready" and method == "GET":
+                await self._ready(send, caller, model, rid)
+            elif action == "infer" and method == "POST":
+                await self._infer(receive, send, caller, model, headers, rid)
+            elif action in ("generate", "generate_stream") and method == "POST":
+                await self._generate(receive, send, caller, model, action == "generate_stream", rid)
+            else:
+                raise _not_found(path, method)
+            return
+        raise _not_found(path, method)
+
+    # --- models ---------------------------------------------------------------------------------------------
+    async def _list_models(self, send: Send, caller: Caller, rid: str) -> None:
+        data = [_model_object(n, caller) for n in self.tables.models(caller.tenant.id)]
+        await _send(send, 200, _dumps({"object": "list", "data": data}), JSON, rid)
+
+    async def _one_model(self, send: Send, caller: Caller, name: str, rid: str) -> None:
+        self._routes(caller, name)
+        await _send(send, 200, _dumps(_model_object(name, caller)), JSON, rid)
+
+    def _routes(self, caller: Caller, name: str) -> list[Upstream]:
+        ups = self.tables.routes(caller.tenant.id, name)
+        if not ups:
+            raise p.unknown_model(name)
+        return ups
+
+    async def _passthrough_get(self, send: Send, caller: Caller, model: str, path: str, rid: str) -> None:
+        up = upstream_mod.pick(self._routes(caller, model))
+        status, body = await self.client.json(up, "GET", path)
+        if status == 404:
+            raise upstream_mod.unavailable(model)
+        await _send(send, status, _dumps(body), JSON, rid)
+
+    async def _ready(self, send: Send, caller: Caller, model: str, rid: str) -> None:
+        for up in sorted(self._routes(caller, model), key=lambda u: u.ejected_until):
+            try:
+                resp = await self.client.request(up, "GET", f"/v2/models/{model}/ready")
+                resp.release()
+            except GatewayError:
+                continue
+            if resp.status == 200:
+                await _send(send, 200, b"", [], rid)
+                return
+        raise upstream_mod.unavailable(model)
+
+    # --- admission and accounting ---------------------------------------------------------------------------
+    async def _serve(self, caller: Caller, model: str, rid: str,
+                     work: Callable[[Upstream], Awaitable[int]]) -> None:
+        """Admit, pick the least busy deployment, run ``work`` (it returns the tokens served), release."""
+        ups = self._routes(caller, model)
+        assert self.limiter is not None
+        await self.limiter.admit(caller, rid)
+        tokens, tried = 0, []
+        try:
+            while True:
+                up = upstream_mod.pick([u for u in ups if u not in tried] or ups)
+                tried.append(up)
+                up.outstanding += 1
+                try:
+                    tokens = await work(up)
+                    return
+                except GatewayError as err:
+                    # Nothing was served (no connection, or the server is not up): fail over once to another
+                    # deployment of the name, if there is one.
+                    if err.code != "model_unavailable" or len(tried) > 1 or len(ups) < 2:
+                        raise
+                finally:
+                    up.outstanding -= 1
+        finally:
+            await self.limiter.done(caller, rid, tokens)
+
+    async def _meter(self, caller: Caller, up: Upstream, rid: str, n_in: int, n_out: int) -> None:
+        assert self.sink is not None
+        try:
+            await self.sink.append(event(rid, caller.tenant.id, up.deployment_id, n_in, n_out))
+        except MeteringUnavailable:
+            raise GatewayError(503, "metering_unavailable", "The request could not be recorded for billing, so its "
+                               "answer is withheld; retry shortly.", kind="server_error",
+                               headers={"Retry-After": "1"}) from None
+
+    # --- text generation (OpenAI) ---------------------------------------------------------------------------
+    async def _text(self, receive: Receive, send: Send, caller: Caller, req: TextRequest, rid: str) -> None:
+        async def work(up: Upstream) -> int:
+            body = p.generate_body(up.io, req)
+            if req.stream:
+                return await self._text_stream(receive, send, caller, up, req, body, rid)
+            served = await self._text_once(up, req, body)
+            n_in, n_out = served.usage(req.prompt)
+            await self._meter(caller, up, rid, n_in, n_out)
+            obj = p.completion_object(req, rid, served.text, n_in, n_out, p.finish_reason(req, n_out))
+            await _send(send, 200, _dumps(obj), JSON, rid)
+            return n_in + n_out
+
+        await self._serve(caller, req.model, rid, work)
+
+    async def _text_once(self, up: Upstream, req: TextRequest, body: dict[str, Any]) -> Served:
+        served = Served()
+        if not up.io.decoupled:
+            status, out = await self.client.json(up, "POST", f"/v2/models/{req.model}/generate", body)
+            _check_model_answer(req.model, status, out)
+            served.add(up.io, out)
+            return served
+        async for chunk in self._chunks(up, req.model, body):
+            served.add(up.io, chunk)
+        return served
+
+    async def _chunks(self, up: Upstream, model: str, body: dict[str, Any]):
+        resp = await self.client.request(up, "POST", f"/v2/models/{model}/generate_stream", body=_dumps(body),
+                                         headers={"Content-Type": "application/json"})
+        try:
+            if resp.status != 200:
+                raw = await resp.read()
+                try:
+                    out = json.loads(raw)
+                except ValueError:
+                    out = {"error": raw.decode("utf-8", "replace")[:500]}
+                _check_model_answer(model, resp.status, out)
+            buffer = bytearray()
+            async for data in resp.content.iter_any():
+                buffer.extend(data)
+                for chunk in p.parse_sse_lines(buffer):
+                    _check_model_answer(model, 200, chunk)
+                    yield chunk
+        finally:
+            resp.close()
+
+    async def _text_stream(self, receive: Receive, send: Send, caller: Caller, up: Upstream, req: TextRequest,
+                           body: dict[str, Any], rid: str) -> int:
+        served, created, started = Served(), int(time.time()), False
+        gone = _Disconnect(receive)
+        try:
+            async for chunk in self._chunks(up, req.model, body):
+                piece = served.add(up.io, chunk)
+                if not started:
+                    await _start_stream(send, rid)
+                    started = True
+                    if req.chat:
+                        await _chunk(send, p.chunk_object(req, rid, created, text="", role=True))
+                if piece:
+                    await _chunk(send, p.chunk_object(req, rid, created, text=piece))
+                if gone.happened:
+                    break
+        except GatewayError as err:
+            if not started:
+                raise
+            await _chunk(send, err.openai_body())  # the stream already began: the error is its last event
+            served_in, served_out = served.usage(req.prompt)
+            await self._meter(caller, up, rid, served_in, served_out)
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return served_in + served_out
+        finally:
+            gone.stop()
+        n_in, n_out = served.usage(req.prompt)
+        await self._meter(caller, up, rid, n_in, n_out)  # durable before the end of the stream is sent
+        if gone.happened:
+            return n_in + n_out
+        if not started:
+            await _start_stream(send, rid)
+        await _chunk(send, p.chunk_object(req, rid, created, finish=p.finish_reason(req, n_out)))
+        if req.include_usage:
+            await _chunk(send, p.chunk_object(req, rid, created, usage=p.usage_block(n_in, n_out), no_choices=True))
+        await send({"type": "http.response.body", "body": p.sse("[DONE]"), "more_body": False})
+        return n_in + n_out
+
+    # --- KServe v2 / Triton ---------------------------------------------------------------------------------
+    async def _generate(self, receive: Receive, send: Send, caller: Caller, model: str, stream: bool,
+                        rid: str) -> None:
+        body, text = p.parse_generate(await _body(receive, self.max_body), model, stream)
+
+        async def work(up: Upstream) -> int:
+            prompt = text.prompt if text is not None else ""
+            if not stream and not up.io.decoupled:
+                status, out = await self.client.json(up, "POST", f"/v2/models/{model}/generate", body)
+                _check_model_answer(model, status, out, kserve=True)
+                served = Served()
+                served.add(up.io, out)
+                n_in, n_out = served.usage(prompt) if up.io.generative else _reported(served)
+                await self._meter(caller, up, rid, n_in, n_out)
+                await _send(send, 200, _dumps(out), JSON, rid)
+                return n_in + n_out
+            return await self._generate_stream(receive, send, caller, up, model, body, prompt, stream, rid)
+
+        await self._serve(caller, model, rid, work)
+
+    async def _generate_stream(self, receive, send, caller, up, model, body, prompt, stream, rid) -> int:
+        served, started, gone = Served(), False, _Disconnect(receive)
+        merged: dict[str, Any] = {}
+        try:
+            async for chunk in self._chunks(up, model, body):
+                served.add(up.io, chunk)
+                if stream:
+                    if not started:
+                        await _start_stream(send, rid)
+                        started = True
+                    await _chunk(send, chunk)
+                    if gone.happened:
+                        break
+                else:
+                    merged.update({k: v for k, v in chunk.items() if k != (up.io.text or "")})
+        except GatewayError as err:
+            if not started:
+                raise
+            await _chunk(send, err.kserve_body())
+        finally:
+            gone.stop()
+        n_in, n_out = served.usage(prompt) if up.io.generative else _reported(served)
+        await self._meter(caller, up, rid, n_in, n_out)
+        if stream:
+            if not started:
+                await _start_stream(send, rid)
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        else:
+            if up.io.text:
+                merged[up.io.text] = served.text
+            await _send(send, 200, _dumps(merged), JSON, rid)
+        return n_in + n_out
+
+    async def _infer(self, receive: Receive, send: Send, caller: Caller, model: str, headers: dict[bytes, bytes],
+                     rid: str) -> None:
+        raw = await _body(receive, self.max_body)
+        forward = {"Content-Type": _header(headers, b"content-type") or "application/json"}
+        head_len = _header(headers, b"inference-header-content-length")
+        if head_len:
+            forward["Inference-Header-Content-Length"] = head_len
+
+        async def work(up: Upstream) -> int:
+            resp = await self.client.request(up, "POST", f"/v2/models/{model}/infer", body=raw, headers=forward)
+            try:
+                data = await resp.read()
+            finally:
+                resp.release()
+            out_headers = [(b"content-type", resp.headers.get("Content-Type", "application/json").encode())]
+            length = resp.headers.get("Inference-Header-Content-Length")
+            if length:
+                out_headers.append((b"inference-header-content-length", length.encode()))
+            if resp.status == 404:
+                raise upstream_mod.unavailable(model)
+            if resp.status != 200:
+                await _send(send, resp.status, data, out_headers, rid)
+                return 0
+            n_in, n_out = p.infer_counts(data, int(length) if length else None)
+            n_in, n_out = n_in or 0, n_out or 0
+            await self._meter(caller, up, rid, n_in, n_out)
+            await _send(send, 200, data, out_headers, rid)
+            return n_in + n_out
+
+        await self._serve(caller, model, rid, work)
+
+
+def _load(used: set[str]):
+    """In a worker thread: its own database connection, closed after (one connection per refresh, none held)."""
+    from django.db import connection  # noqa: PLC0415
+
+    try:
+        mark_used(used)
+        return load_snapshot()
+    finally:
+        connection.close()
+
+
+def _reported(served: Served) -> tuple[int, int]:
+    return served.input_tokens or 0, served.output_tokens or 0
+
+
+def _check_model_answer(model: str, status: int, out: Any, *, kserve: bool = False) -> None:
+    """Triton answers some failures with 200 and an ``error`` key (generate on a decoupled model)."""
+    error = out.get("error") if isinstance(out, dict) else None
+    if status == 200 and not error:
+        return
+    message = str(error or f"status {status}")
+    if status == 404 or status in (502, 503, 504):
+        raise upstream_mod.unavailable(model)  # a route to a model its server no longer has: reloading
+    if 400 <= status < 500 or (status == 200 and error):
+        raise GatewayError(400, "model_rejected_request", f"The model '{model}' refused the request: {message}")
+    raise GatewayError(502, "model_error", f"The model '{model}' failed: {message}", kind="server_error")
+
+
+def _model_object(name: str, caller: Caller) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": caller.tenant.slug}
+
+
+def _header(headers: dict[bytes, bytes], name: bytes) -> str | None:
+    value = headers.get(name)
+    return value.decode("latin-1") if value is not None else None
+
+
+def _not_found(path: str, method: str) -> GatewayError:
+    return GatewayError(404, "not_found", f"No route {method} {path}.")
+
+
+async def _body(receive: Receive, limit: int) -> bytes:
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise GatewayError(499, "client_closed", "The client closed the connection.")
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise GatewayError(413, "body_too_large", f"The request body is larger than {limit:,} bytes.")
+        chunks.append(chunk)
+        if not message.get("more_body"):
+            return b"".join(chunks)
+
+
+async def _send(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]], rid: str,
+                extra: dict[str, str] | None = None) -> None:
+    h = [*headers, (b"x-request-id", rid.encode()), (b"content-length", str(len(body)).encode())]
+    for k, v in (extra or {}).items():
+        h.append((k.lower().encode(), v.encode()))
+    await send({"type": "http.response.start", "status": status, "headers": h})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def _send_error(send: Send, err: GatewayError, openai: bool, rid: str) -> None:
+    body = err.openai_body() if openai else err.kserve_body()
+    try:
+        await _send(send, err.status, _dumps(body), JSON, rid, err.headers)
+    except RuntimeError:  # the response had already started (a stream): nothing more can be said
+        pass
+
+
+async def _start_stream(send: Send, rid: str) -> None:
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [*SSE_HEADERS, (b"x-request-id", rid.encode())]})
+
+
+async def _chunk(send: Send, obj: dict[str, Any]) -> None:
+    await send({"type": "http.response.body", "body": p.sse(obj), "more_body": True})
+
+
+class _Disconnect:
+    """Watches ``receive`` for the client going away during a stream."""
+
+    def __init__(self, receive: Receive) -> None:
+        self.happened = False
+        self._task = asyncio.create_task(self._watch(receive))
+
+    async def _watch(self, receive: Receive) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                self.happened = True
+                return
+
+    def stop(self) -> None:
+        self._task.cancel()
+
+
+def build() -> Gateway:
+    return Gateway()

@@ -1,0 +1,137 @@
+"""Limits every gateway process shares: requests and tokens per key per minute, concurrent requests per tenant.
+
+Windows are fixed UTC minutes. Admission is one Lua script (one Redis round trip): it refuses when the
+tenant already has ``max_concurrent`` requests in flight, when the key's tokens this minute already reached
+its limit, or when this request would exceed the key's requests this minute; otherwise it counts the request
+and records it as in flight. Tokens are known only once the answer is served, so they are added after it: a
+request admitted under the token limit may take the key past it, and the next ones wait for the next minute.
+An in-flight entry is removed when its request ends; one left by a killed gateway expires after
+``STALE_S``. Refusals are HTTP 429 with ``Retry-After`` (seconds to the next minute, or 1 for concurrency).
+
+Without Redis (the demo) ``LocalLimiter`` applies the same rules within the one gateway process.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from abc import ABC, abstractmethod
+from collections import defaultdict
+from typing import Any
+
+from .protocol import GatewayError
+from .state import Caller
+
+STALE_S = 600
+PREFIX = "tessera:gw:"
+
+ADMIT = """
+local now_ms = tonumber(ARGV[4])
+local conc = tonumber(ARGV[3])
+if conc > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now_ms - tonumber(ARGV[6]) * 1000)
+  if redis.call('ZCARD', KEYS[3]) >= conc then return 3 end
+end
+local tpm = tonumber(ARGV[2])
+if tpm > 0 and tonumber(redis.call('GET', KEYS[2]) or '0') >= tpm then return 2 end
+local rpm = tonumber(ARGV[1])
+if rpm > 0 then
+  local n = redis.call('INCR', KEYS[1])
+  if n == 1 then redis.call('EXPIRE', KEYS[1], 120) end
+  if n > rpm then return 1 end
+end
+if conc > 0 then
+  redis.call('ZADD', KEYS[3], now_ms, ARGV[5])
+  redis.call('EXPIRE', KEYS[3], tonumber(ARGV[6]))
+end
+return 0
+"""
+
+
+def _refusal(kind: int, caller: Caller, now: float) -> GatewayError:
+    retry = str(max(1, math.ceil(60 - now % 60)))
+    if kind == 3:
+        return GatewayError(429, "concurrency_limit", f"Too many requests in flight for this tenant (at most "
+                            f"{caller.tenant.max_concurrent}); retry when one finishes.", kind="rate_limit_error",
+                            headers={"Retry-After": "1"})
+    if kind == 2:
+        return GatewayError(429, "token_rate_limit", f"This key used its {caller.tokens_per_minute:,} tokens for "
+                            f"this minute; retry after {retry} s.", kind="rate_limit_error",
+                            headers={"Retry-After": retry})
+    return GatewayError(429, "request_rate_limit", f"This key sent its {caller.requests_per_minute:,} requests for "
+                        f"this minute; retry after {retry} s.", kind="rate_limit_error", headers={"Retry-After": retry})
+
+
+def _who(caller: Caller) -> str:
+    return caller.key_prefix or caller.subject
+
+
+class Limiter(ABC):
+    @abstractmethod
+    async def admit(self, caller: Caller, request_id: str) -> None:
+        """Raise a 429 GatewayError, or count the request as admitted and in flight."""
+
+    @abstractmethod
+    async def done(self, caller: Caller, request_id: str, tokens: int) -> None:
+        """The request ended having served ``tokens``."""
+
+    async def close(self) -> None:  # noqa: B027 - optional
+        pass
+
+
+class RedisLimiter(Limiter):
+    def __init__(self, redis: Any) -> None:
+        self.redis = redis
+        self._admit = redis.register_script(ADMIT)
+
+    @staticmethod
+    def _keys(caller: Caller, minute: int) -> list[str]:
+        who = _who(caller)
+        return [f"{PREFIX}rpm:{who}:{minute}", f"{PREFIX}tpm:{who}:{minute}", f"{PREFIX}conc:{caller.tenant.id}"]
+
+    async def admit(self, caller: Caller, request_id: str) -> None:
+        now = time.time()
+        keys = self._keys(caller, int(now // 60))
+        verdict = int(await self._admit(keys=keys, args=[caller.requests_per_minute, caller.tokens_per_minute,
+                                                         caller.tenant.max_concurrent, int(now * 1000), request_id,
+                                                         STALE_S]))
+        if verdict:
+            raise _refusal(verdict, caller, now)
+
+    async def done(self, caller: Caller, request_id: str, tokens: int) -> None:
+        now = time.time()
+        _rpm, tpm, conc = self._keys(caller, int(now // 60))
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.zrem(conc, request_id)
+        if tokens:
+            pipe.incrby(tpm, tokens)
+            pipe.expire(tpm, 120)
+        await pipe.execute()
+
+
+class LocalLimiter(Limiter):
+    """The same rules within one process (the demo has one gateway process and no Redis)."""
+
+    def __init__(self) -> None:
+        self.requests: dict[tuple[str, int], int] = defaultdict(int)
+        self.tokens: dict[tuple[str, int], int] = defaultdict(int)
+        self.inflight: dict[int, set[str]] = defaultdict(set)
+
+    async def admit(self, caller: Caller, request_id: str) -> None:
+        now = time.time()
+        minute, who = int(now // 60), _who(caller)
+        for key in [k for k in self.requests if k[1] < minute - 1]:
+            self.requests.pop(key, None)
+            self.tokens.pop(key, None)
+        if caller.tenant.max_concurrent and len(self.inflight[caller.tenant.id]) >= caller.tenant.max_concurrent:
+            raise _refusal(3, caller, now)
+        if caller.tokens_per_minute and self.tokens[(who, minute)] >= caller.tokens_per_minute:
+            raise _refusal(2, caller, now)
+        self.requests[(who, minute)] += 1
+        if caller.requests_per_minute and self.requests[(who, minute)] > caller.requests_per_minute:
+            raise _refusal(1, caller, now)
+        self.inflight[caller.tenant.id].add(request_id)
+
+    async def done(self, caller: Caller, request_id: str, tokens: int) -> None:
+        self.inflight[caller.tenant.id].discard(request_id)
+        self.tokens[(_who(caller), int(time.time() // 60))] += tokens

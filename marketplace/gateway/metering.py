@@ -1,0 +1,295 @@
+"""Usage events the gateway served: made durable on the hot path, written to the database by a consumer.
+
+One event per request: ``{"id": request id, "t": tenant, "d": deployment, "ts": epoch seconds, "i": input
+tokens, "o": output tokens}``. The request id is the usage event id, so a replay is counted once.
+
+Producers (``UsageSink``, async, in the gateway):
+
+- ``RedisStreamSink``: ``XADD`` to the stream ``TESSERA_USAGE_STREAM``. Requests that end while a write is in
+  flight are written together by the next pipeline (natural batching: one round trip under load, no added
+  wait when idle). ``append`` returns once Redis has the event; the gateway sends the answer's last bytes only
+  then, so an acknowledged request always has its event. Durable across a Redis restart as far as Redis is
+  configured to be (production: ``appendonly yes``, ``appendfsync always`` or ``everysec``).
+- ``SpoolSink`` (no Redis: the demo): appended to a local file and ``fsync``-ed before ``append`` returns.
+
+Consumer (``consume``, sync, Django): a consumer group reads the stream in batches (``XREADGROUP``), claims
+what a killed consumer left pending (``XAUTOCLAIM``), writes each tenant's rows through the idempotent ingest
+(``telemetry.services.ingest.store_rows``: COPY into a stage, ``ON CONFLICT DO NOTHING``) and only then acks
+and deletes them. A consumer killed after the write and before the ack replays the batch: the event ids are
+already stored, so nothing is counted twice. The spool is read the same way, its offset saved after each write.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import socket
+import time
+from abc import ABC, abstractmethod
+from collections import defaultdict
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from django.conf import settings
+
+log = logging.getLogger("tessera.gateway.metering")
+
+GROUP = "tessera-usage"
+CLAIM_IDLE_MS = 30_000
+SPOOL_ROTATE_BYTES = 8 * 1024 * 1024
+SPOOL_ROTATE_S = 60.0
+SPOOL_IDLE_S = 120.0  # a spool file unchanged this long, fully consumed, is deleted
+
+
+class MeteringUnavailable(Exception):
+    """The event could not be made durable: the request must not be acknowledged as served."""
+
+
+def event(request_id: str, tenant_id: int, deployment_id: int, n_in: int, n_out: int,
+          ts: float | None = None) -> dict[str, Any]:
+    return {"id": request_id, "t": tenant_id, "d": deployment_id, "ts": round(ts or time.time(), 6), "i": n_in,
+            "o": n_out}
+
+
+def _dumps(e: dict[str, Any]) -> str:
+    return json.dumps(e, separators=(",", ":"))
+
+
+class UsageSink(ABC):
+    """Append events; ``append`` returns only when the event is durable (else MeteringUnavailable)."""
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[dict[str, Any], asyncio.Future]] = []
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self.written = 0
+
+    async def start(self) -> None:
+        self._wake = asyncio.Event()
+        self._task = asyncio.create_task(self._run())
+
+    async def append(self, e: dict[str, Any]) -> None:
+        if self._task is None:
+            await self.start()
+        fut = asyncio.get_running_loop().create_future()
+        self._pending.append((e, fut))
+        assert self._wake is not None
+        self._wake.set()
+        await fut
+
+    async def _run(self) -> None:
+        assert self._wake is not None
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            batch, self._pending = self._pending, []
+            if not batch:
+                continue
+            try:
+                await self._write([e for e, _ in batch])
+            except Exception as exc:  # noqa: BLE001 - every waiter learns the write failed
+                log.error("usage events not durable", extra={"events": len(batch), "error": str(exc)})
+                for _, fut in batch:
+                    if not fut.done():
+                        fut.set_exception(MeteringUnavailable(str(exc)))
+            else:
+                self.written += len(batch)
+                for _, fut in batch:
+                    if not fut.done():
+                        fut.set_result(None)
+
+    @abstractmethod
+    async def _write(self, events: list[dict[str, Any]]) -> None: ...
+
+    async def close(self) -> None:
+        if self._task is not None:
+            while self._pending:
+                assert self._wake is not None
+                self._wake.set()
+                await asyncio.sleep(0.01)
+            self._task.cancel()
+            self._task = None
+
+
+class RedisStreamSink(UsageSink):
+    def __init__(self, redis: Any, stream: str | None = None) -> None:
+        super().__init__()
+        self.redis, self.stream = redis, stream or settings.TESSERA_USAGE_STREAM
+
+    async def _write(self, events: list[dict[str, Any]]) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        for e in events:
+            pipe.xadd(self.stream, {"e": _dumps(e)})
+        await pipe.execute()
+
+
+class SpoolSink(UsageSink):
+    """An append-only local file per gateway process, fsync-ed per batch; rotated by size and age."""
+
+    def __init__(self, directory: Path | None = None) -> None:
+        super().__init__()
+        self.dir = Path(directory or settings.TESSERA_USAGE_SPOOL_DIR)
+        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._file: Any = None
+        self._opened = 0.0
+
+    def _target(self) -> Any:
+        if self._file is not None and (self._file.tell() > SPOOL_ROTATE_BYTES
+                                       or time.monotonic() - self._opened > SPOOL_ROTATE_S):
+            self._file.close()
+            self._file = None
+        if self._file is None:
+            name = f"{socket.gethostname()}-{os.getpid()}-{time.time_ns()}.jsonl"
+            fd = os.open(self.dir / name, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            self._file = os.fdopen(fd, "ab")
+            self._opened = time.monotonic()
+        return self._file
+
+    def _write_sync(self, events: list[dict[str, Any]]) -> None:
+        f = self._target()
+        f.write("".join(_dumps(e) + "\n" for e in events).encode())
+        f.flush()
+        os.fsync(f.fileno())
+
+    async def _write(self, events: list[dict[str, Any]]) -> None:
+        await asyncio.to_thread(self._write_sync, events)
+
+    async def close(self) -> None:
+        await super().close()
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+# --- the consumer (sync, Django) ----------------------------------------------------------------------------
+
+def _rows(events: list[dict[str, Any]]) -> dict[int, list[tuple]]:
+    by_tenant: dict[int, dict[str, tuple]] = defaultdict(dict)
+    for e in events:
+        try:
+            row = (str(e["id"]), int(e["d"]), datetime.fromtimestamp(float(e["ts"]), UTC), int(e["i"]), int(e["o"]), 1)
+            by_tenant[int(e["t"])].setdefault(row[0], row)
+        except (KeyError, TypeError, ValueError):
+            log.error("malformed usage event dropped", extra={"event": str(e)[:200]})
+    return {t: list(rows.values()) for t, rows in by_tenant.items()}
+
+
+def store(events: list[dict[str, Any]]) -> int:
+    """Write events through the idempotent ingest, one transaction per tenant; returns how many were new."""
+    from telemetry.services.ingest import store_rows  # noqa: PLC0415
+
+    return sum(store_rows(tenant, rows) for tenant, rows in sorted(_rows(events).items()))
+
+
+def _consumer_name() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def sync_redis() -> Any:
+    import redis  # noqa: PLC0415
+
+    return redis.Redis.from_url(settings.REDIS_URL)
+
+
+def _ensure_group(r: Any, stream: str) -> None:
+    import redis  # noqa: PLC0415
+
+    try:
+        r.xgroup_create(stream, GROUP, id="0", mkstream=True)
+    except redis.ResponseError as exc:
+        if "BUSYGROUP" not in str(exc):
+            raise
+
+
+def _decode(entries: list) -> tuple[list[bytes], list[dict[str, Any]]]:
+    ids, events = [], []
+    for entry_id, fields in entries or []:
+        ids.append(entry_id)
+        raw = (fields or {}).get(b"e") or (fields or {}).get("e")
+        try:
+            events.append(json.loads(raw))
+        except (TypeError, ValueError):
+            log.error("unreadable usage stream entry dropped", extra={"entry": str(entry_id)})
+    return ids, events
+
+
+def consume_stream(r: Any = None, *, stream: str | None = None, count: int = 5000, block_ms: int | None = None,
+                   consumer: str | None = None) -> tuple[int, int]:
+    """One batch from the stream: (entries processed, new events stored)."""
+    r = r or sync_redis()
+    stream = stream or settings.TESSERA_USAGE_STREAM
+    me = consumer or _consumer_name()
+    _ensure_group(r, stream)
+    _next, entries, *_ = r.xautoclaim(stream, GROUP, me, min_idle_time=CLAIM_IDLE_MS, start_id="0-0", count=count)
+    if not entries:
+        got = r.xreadgroup(GROUP, me, {stream: ">"}, count=count, block=block_ms)
+        entries = got[0][1] if got else []
+    if not entries:
+        return 0, 0
+    ids, events = _decode(entries)
+    new = store(events)
+    pipe = r.pipeline(transaction=False)
+    pipe.xack(stream, GROUP, *ids)
+    pipe.xdel(stream, *ids)
+    pipe.execute()
+    return len(ids), new
+
+
+def consume_spool(directory: Path | None = None, *, max_events: int = 20_000) -> tuple[int, int]:
+    """Read spool files from their saved offsets; delete files fully read and idle."""
+    d = Path(directory or settings.TESSERA_USAGE_SPOOL_DIR)
+    if not d.is_dir():
+        return 0, 0
+    seen = new = 0
+    for path in sorted(d.glob("*.jsonl")):
+        marker = path.with_suffix(".offset")
+        offset = int(marker.read_text() or 0) if marker.exists() else 0
+        with path.open("rb") as f:
+            f.seek(offset)
+            data = f.read()
+        end = data.rfind(b"\n") + 1  # whole lines only: a line being written is read next time
+        if end:
+            events = []
+            for line in data[:end].splitlines():
+                try:
+                    events.append(json.loads(line))
+                except ValueError:
+                    log.error("unreadable spool line dropped", extra={"file": path.name})
+            new += store(events)
+            seen += len(events)
+            tmp = marker.with_suffix(".offset.tmp")
+            tmp.write_text(str(offset + end))
+            os.replace(tmp, marker)
+        elif offset >= path.stat().st_size and time.time() - path.stat().st_mtime > SPOOL_IDLE_S:
+            path.unlink(missing_ok=True)
+            marker.unlink(missing_ok=True)
+        if seen >= max_events:
+            break
+    return seen, new
+
+
+def consume(*, budget_s: float = 20.0, block_ms: int | None = None) -> dict[str, int]:
+    """Drain what is there (the beat task and the consumer command): Redis stream when REDIS_URL is set,
+    else the spool. Returns entries processed and new events stored."""
+    deadline = time.monotonic() + budget_s
+    total = new_total = 0
+    r = sync_redis() if settings.REDIS_URL else None
+    while time.monotonic() < deadline:
+        seen, new = consume_stream(r, block_ms=block_ms) if r is not None else consume_spool()
+        total, new_total = total + seen, new_total + new
+        if not seen:
+            break
+    return {"processed": total, "new": new_total}
+
+
+def backlog() -> int:
+    """Events appended and not yet written (the stream's length; the spool's unread bytes are not counted)."""
+    if not settings.REDIS_URL:
+        return 0
+    try:
+        return int(sync_redis().xlen(settings.TESSERA_USAGE_STREAM))
+    except Exception:  # noqa: BLE001 - a health read
+        return -1

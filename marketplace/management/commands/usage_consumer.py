@@ -1,0 +1,31 @@
+"""`manage.py usage_consumer`: write the gateway's usage stream into the database, continuously."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+from django.core.management.base import BaseCommand
+
+
+class Command(BaseCommand):
+    help = "Consume the gateway's usage stream (Redis consumer group, or the local spool) into the database."
+
+    def add_arguments(self, parser):
+        parser.add_argument("--once", action="store_true", help="drain what is there, then exit")
+        parser.add_argument("--idle-sleep", type=float, default=0.5, help="seconds between polls of the spool")
+
+    def handle(self, *args, **opts):
+        from django.conf import settings
+
+        from marketplace.gateway import metering
+
+        stop = []
+        signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+        while not stop:
+            result = metering.consume(budget_s=5, block_ms=1000 if settings.REDIS_URL else None)
+            if opts["once"]:
+                self.stdout.write(f"usage consumer: {result['processed']} events read, {result['new']} new")
+                return
+            if not result["processed"] and not settings.REDIS_URL:
+                time.sleep(opts["idle_sleep"])

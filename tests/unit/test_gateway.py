@@ -1,0 +1,272 @@
+"""The inference gateway in front of simulated slices (their HTTP front: TESSERA_SIM_TRITON_HTTP), with the
+official ``openai`` client: routing, auth and tenancy, limits, metering into the database.
+
+The same routes in front of real tritonservers: tests/integration/test_gateway_real.py."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from datetime import timedelta
+
+import openai
+import pytest
+from django.utils import timezone
+
+from marketplace.gateway import metering
+from marketplace.gateway import protocol as p
+from marketplace.gateway.limits import LocalLimiter
+from marketplace.gateway.metering import SpoolSink
+from marketplace.hardware import sim_http
+from marketplace.models import Allocation, Invoice, ModelDeployment
+from marketplace.services import deployments, orders, provisioning, serving
+from telemetry.models import UsageEvent
+from tenants.roles import Role
+from tenants.scoping import principal_for_user
+from tests.factories import MembershipFactory, TenantFactory, make_key
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def sim_http_on(settings, sim_dir):
+    settings.TESSERA_SIM_TRITON_HTTP = True
+    serving.reset_runtimes()
+    yield
+    sim_http.stop_all()
+
+
+def _tenant(slug):
+    tenant = TenantFactory(slug=slug, max_slices=8, max_slices_per_tier=8, max_memory_gb=1000)
+    return tenant, principal_for_user(MembershipFactory(tenant=tenant, role=Role.OWNER).user)
+
+
+def _slice(owner, tier):
+    tenant, principal = owner
+    a = orders.create_order(principal, tenant=tenant, tier=tier).allocations.get()
+    assert provisioning.provision(a.pk) == "activated", Allocation.objects.get(pk=a.pk).failure_reason
+    return Allocation.objects.get(pk=a.pk)
+
+
+def _deploy(owner, a, name, template):
+    dep = deployments.deploy(owner[1], a, name, template=template)
+    assert deployments.load(dep.pk) == "ready", ModelDeployment.objects.get(pk=dep.pk).failure_reason
+    return dep
+
+
+@pytest.fixture
+def fleet(sim_http_on, h100_node, tiers):
+    a_owner, b_owner = _tenant("alpha"), _tenant("bravo")
+    a1 = _slice(a_owner, tiers["1g"])
+    gen = _deploy(a_owner, a1, "tiny-gen", "tiny-gen")
+    chat = _deploy(a_owner, a1, "tiny-chat", "tiny-chat")
+    b1 = _slice(b_owner, tiers["1g"])
+    b_gen = _deploy(b_owner, b1, "secret-model", "tiny-gen")
+    _, key_a = make_key(a_owner[0], ["inference"])
+    _, key_b = make_key(b_owner[0], ["inference"])
+    return {"a": a_owner[0], "b": b_owner[0], "a_owner": a_owner, "gen": gen, "chat": chat, "b_gen": b_gen,
+            "key_a": key_a, "key_b": key_b, "tiers": tiers}
+
+
+def _client(gw, key):
+    return openai.OpenAI(base_url=f"{gw.url}/v1", api_key=key, max_retries=0, timeout=30)
+
+
+def _raw(gw, path, key=None, body=None, method=None):
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(gw.url + path, data=data, headers=headers, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, r.read(), r.headers
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read(), exc.headers
+
+
+def _drain():
+    return metering.consume(budget_s=10)
+
+
+def test_chat_completion_is_served_and_metered_exactly(fleet, gateway_factory):
+    gw = gateway_factory()
+    client = _client(gw, fleet["key_a"])
+    resp = client.chat.completions.create(model="tiny-gen", messages=[{"role": "user", "content": "one two three"}],
+                                          max_tokens=5)
+    # the prompt the model sees: "user: one two three\nassistant:" (5 words); the model reports its counts
+    assert resp.usage.prompt_tokens == 5 and resp.usage.completion_tokens == 5 and resp.usage.total_tokens == 10
+    assert resp.choices[0].message.content == "assistant: three two one user:"
+    assert resp.choices[0].finish_reason == "length" and resp.model == "tiny-gen"
+    _drain()
+    ev = UsageEvent.objects.get(tenant=fleet["a"])
+    assert resp.id == f"chatcmpl-{ev.event_id}"
+    assert (ev.deployment_id, ev.input_tokens, ev.output_tokens, ev.requests) == (fleet["gen"].pk, 5, 5, 1)
+
+
+def test_completion_and_streaming_with_usage(fleet, gateway_factory):
+    gw = gateway_factory()
+    client = _client(gw, fleet["key_a"])
+    done = client.completions.create(model="tiny-gen", prompt="alpha beta", max_tokens=3)
+    assert done.choices[0].text == "beta alpha beta" and done.usage.completion_tokens == 3
+    chunks = list(client.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "a b c"}],
+                                                 max_tokens=4, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "assistant: c b a"
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and (usage.prompt_tokens, usage.completion_tokens) == (5, 4)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    _drain()
+    rows = sorted(UsageEvent.objects.filter(tenant=fleet["a"]).values_list("deployment_id", "input_tokens",
+                                                                             "output_tokens"))
+    assert rows == sorted([(fleet["gen"].pk, 2, 3), (fleet["chat"].pk, 5, 4)])
+
+
+def test_models_list_is_the_tenants_own(fleet, gateway_factory):
+    gw = gateway_factory()
+    assert sorted(m.id for m in _client(gw, fleet["key_a"]).models.list()) == ["tiny-chat", "tiny-gen"]
+    assert [m.id for m in _client(gw, fleet["key_b"]).models.list()] == ["secret-model"]
+
+
+def test_another_tenants_model_is_the_same_404_as_an_unknown_one(fleet, gateway_factory):
+    gw = gateway_factory()
+    for path, body in (("/v1/chat/completions", {"model": "{m}", "messages": [{"role": "user", "content": "x"}]}),
+                       ("/v2/models/{m}/generate", {"prompt": "x"})):
+        answers = []
+        for model in ("secret-model", "no-such-model"):
+            b = json.loads(json.dumps(body).replace("{m}", model))
+            status, raw, _ = _raw(gw, path.replace("{m}", model), fleet["key_a"], b)
+            answers.append((status, raw.decode().replace(model, "M")))
+        assert answers[0] == answers[1] and answers[0][0] == 404
+    assert not UsageEvent.objects.exists()
+
+
+def test_kserve_generate_infer_and_metadata(fleet, gateway_factory):
+    gw = gateway_factory()
+    status, raw, headers = _raw(gw, "/v2/models/tiny-gen/generate", fleet["key_a"], {"prompt": "x y", "max_tokens": 2})
+    assert status == 200 and json.loads(raw)["text"] == "y x" and headers["x-request-id"]
+    status, raw, _ = _raw(gw, "/v2/models/tiny-chat/generate_stream", fleet["key_a"], {"prompt": "p q",
+                                                                                     "max_tokens": 3})
+    events = [json.loads(line[5:]) for line in raw.decode().split("\n\n") if line.startswith("data:")]
+    assert status == 200 and [e["text"] for e in events] == ["q", " p", " q"]
+    body = {"inputs": [{"name": "prompt", "shape": [1, 1], "datatype": "BYTES", "data": ["m n o"]}]}
+    status, raw, _ = _raw(gw, "/v2/models/tiny-gen/infer", fleet["key_a"], body)
+    outs = {o["name"]: o["data"] for o in json.loads(raw)["outputs"]}
+    assert status == 200 and outs["input_tokens"] == [3]
+    status, raw, _ = _raw(gw, "/v2/models/tiny-gen", fleet["key_a"])
+    assert status == 200 and json.loads(raw)["name"] == "tiny-gen"
+    assert _raw(gw, "/v2/models/tiny-gen/ready", fleet["key_a"])[0] == 200
+    _drain()
+    got = sorted(UsageEvent.objects.values_list("input_tokens", "output_tokens"))
+    assert got == sorted([(2, 2), (2, 3), (3, 16)])
+
+
+def test_keys_revoked_expired_without_scope_and_tenant_states(fleet, gateway_factory):
+    gw = gateway_factory(refresh_s=0.5)
+    tenant = fleet["a"]
+    key, secret = make_key(tenant, ["inference"])
+    _, no_scope = make_key(tenant, ["read"])
+    _, expired = make_key(tenant, ["inference"], expires_at=timezone.now() + timedelta(seconds=1))
+    gw.refresh()
+    chat = {"model": "tiny-gen", "messages": [{"role": "user", "content": "hi"}]}
+    assert _raw(gw, "/v1/chat/completions", secret, chat)[0] == 200
+    status, raw, _ = _raw(gw, "/v1/chat/completions", no_scope, chat)
+    assert status == 403 and json.loads(raw)["error"]["code"] == "insufficient_scope"
+    time.sleep(1.1)
+    status, raw, _ = _raw(gw, "/v1/chat/completions", expired, chat)
+    assert status == 401 and json.loads(raw)["error"]["code"] == "api_key_expired"
+    key.revoked_at = timezone.now()
+    key.save(update_fields=["revoked_at"])
+    deadline = time.monotonic() + 5
+    while _raw(gw, "/v1/chat/completions", secret, chat)[0] == 200:
+        assert time.monotonic() < deadline, "a revoked key still answered after 5 s"
+        time.sleep(0.1)
+    status, raw, _ = _raw(gw, "/v1/chat/completions", secret, chat)
+    assert status == 401 and json.loads(raw)["error"]["code"] == "api_key_revoked"
+    assert _raw(gw, "/v1/chat/completions", "tsk_nope_nope", chat)[0] == 401
+    assert _raw(gw, "/v1/chat/completions", None, chat)[0] == 401
+
+    tenant.status, tenant.suspended_reason = "suspended", "unpaid invoice INV-7"
+    tenant.save()
+    gw.refresh()
+    status, raw, _ = _raw(gw, "/v1/chat/completions", fleet["key_a"], chat)
+    assert status == 403 and "unpaid invoice INV-7" in json.loads(raw)["error"]["message"]
+    tenant.status, tenant.monthly_spend_limit = "active", 10
+    tenant.save()
+    Invoice.objects.update_or_create(tenant=tenant, period_start=timezone.now().date().replace(day=1), defaults={
+        "period_end": timezone.now().date().replace(day=28) + timedelta(days=4), "currency": "USD", "total": 10})
+    gw.refresh()
+    status, raw, _ = _raw(gw, "/v1/chat/completions", fleet["key_a"], chat)
+    assert status == 402 and json.loads(raw)["error"]["code"] == "spend_limit_reached"
+
+
+def test_request_and_token_limits_answer_429_with_retry_after(fleet, gateway_factory):
+    tenant = fleet["a"]
+    _, few = make_key(tenant, ["inference"])
+    from tenants.models import ApiKey
+
+    ApiKey.objects.filter(prefix=few.split("_")[1]).update(requests_per_minute=2)
+    gw = gateway_factory(limiter=LocalLimiter())
+    chat = {"model": "tiny-gen", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    minute = int(time.time() // 60)
+    statuses = [_raw(gw, "/v1/chat/completions", few, chat) for _ in range(3)]
+    if int(time.time() // 60) == minute:  # the three fell in one window
+        assert [s for s, _, _ in statuses] == [200, 200, 429]
+        assert json.loads(statuses[2][1])["error"]["code"] == "request_rate_limit"
+        assert 1 <= int(statuses[2][2]["Retry-After"]) <= 60
+
+
+def test_load_is_balanced_over_deployments_of_one_name_and_a_dead_one_is_taken_out(fleet, gateway_factory):
+    owner = fleet["a_owner"]
+    second = _slice(owner, fleet["tiers"]["1g"])
+    other = _deploy(owner, second, "tiny-gen", "tiny-gen")
+    gw = gateway_factory()
+    client = _client(gw, fleet["key_a"])
+    for _ in range(8):
+        client.completions.create(model="tiny-gen", prompt="w", max_tokens=1)
+    _drain()
+    per = {d: UsageEvent.objects.filter(deployment_id=d).count() for d in (fleet["gen"].pk, other.pk)}
+    assert sum(per.values()) == 8 and all(per.values()), per  # sequential requests: ties broken at random
+    serving.runtime().kill(serving.spec_for(second.triton_server, second))
+    # the dead one is failed over (no answer lost), then taken out; the answers keep coming from the live one
+    ok = [client.completions.create(model="tiny-gen", prompt="w", max_tokens=1) for _ in range(10)]
+    assert len(ok) == 10
+    _drain()
+    assert UsageEvent.objects.filter(deployment_id=fleet["gen"].pk).count() == per[fleet["gen"].pk] + 10
+
+
+def test_spool_sink_without_redis_is_consumed_once(settings, fleet, tmp_path):
+    import asyncio
+
+    settings.REDIS_URL = ""
+    settings.TESSERA_USAGE_SPOOL_DIR = tmp_path / "spool"
+    sink = SpoolSink()
+
+    async def write():
+        await sink.start()
+        await asyncio.gather(*(sink.append(metering.event(f"gw-{i}", fleet["a"].pk, fleet["gen"].pk, 2, 3))
+                               for i in range(50)))
+        await sink.close()
+
+    asyncio.run(write())
+    assert metering.consume(budget_s=5) == {"processed": 50, "new": 50}
+    assert metering.consume(budget_s=5) == {"processed": 0, "new": 0}
+    assert UsageEvent.objects.count() == 50
+
+
+def test_protocol_errors_and_binary_counts():
+    with pytest.raises(p.GatewayError) as err:
+        p.parse_chat(b'{"model": "m", "messages": []}')
+    assert err.value.status == 400 and err.value.openai_body()["error"]["param"] == "messages"
+    with pytest.raises(p.GatewayError):
+        p.parse_completion(b"not json")
+    with pytest.raises(p.GatewayError):
+        p.parse_chat(b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": -1}')
+    head = json.dumps({"outputs": [
+        {"name": "input_tokens", "datatype": "INT32", "shape": [2, 1], "parameters": {"binary_data_size": 8}},
+        {"name": "output_tokens", "datatype": "INT64", "shape": [1], "parameters": {"binary_data_size": 8}}]}).encode()
+    body = head + (3).to_bytes(4, "little") + (4).to_bytes(4, "little") + (9).to_bytes(8, "little")
+    assert p.infer_counts(body, len(head)) == (7, 9)
+    assert p.infer_counts(b'{"outputs": [{"name": "text", "datatype": "BYTES", "data": ["x"]}]}', None) == (None, None)
