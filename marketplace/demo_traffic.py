@@ -1,19 +1,22 @@
-"""Demo only: an inference gateway for the simulated fleet. It sends requests to each ready
-model through the slice's (simulated) Triton server and reports the tokens as usage events, as a
-tenant's real gateway would, so metering, invoices, telemetry and charts have a true story to tell.
-Enabled with TESSERA_DEMO_TRAFFIC=1 (the demo command sets it)."""
+"""Demo only: traffic for the simulated fleet. Each minute it sends requests to every ready model through the
+inference gateway over HTTP (the gateway reaches the simulated slices' HTTP fronts), so metering, invoices,
+telemetry and charts have a true story to tell: what is billed is what the gateway served. ``backfill`` seeds
+the past days' usage (history from before the demo started). Enabled with TESSERA_DEMO_TRAFFIC=1 (the demo
+command sets it)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import random
-import uuid
+import urllib.request
 from datetime import timedelta
 
+from django.conf import settings
 from django.utils import timezone
 
+from marketplace.gateway.state import mint_try_token
 from marketplace.models import Allocation, ModelDeployment
-from marketplace.services import deployments
 from telemetry.services.ingest import ingest_batch
 from tenants.scoping import Principal
 
@@ -34,28 +37,33 @@ def prompt(rng: random.Random) -> str:
 
 
 def gateway_tick(node_id: int, seconds: int = 60) -> int:
-    """One tick for a node: requests through Triton, then usage events for what was served."""
+    """One tick for a node: requests to each ready model through the inference gateway, over HTTP, as a
+    tenant's application would send them. The gateway meters what it served (its usage stream or spool,
+    written to the database by the consume-usage beat task): nothing here reports usage."""
     sent = 0
     deps = ModelDeployment.objects.filter(state=ModelDeployment.State.READY, allocation__node_id=node_id,
-                                          allocation__state=Allocation.State.ACTIVE).select_related(
-        "tenant", "allocation__tier__profile", "allocation__tier__gpu_model")
+                                          allocation__state=Allocation.State.ACTIVE).select_related("tenant")
     now = timezone.now()
     for dep in deps:
         rng = random.Random(f"{dep.pk}-{now:%Y%m%d%H%M}")
         n = max(1, int(RATES.get(dep.tenant.slug, 10) * seconds / 60 * rng.uniform(0.5, 1.5)))
-        server = deployments.backend_for(dep.allocation)
-        events = []
-        for i in range(n):
-            out = server.infer_text(dep.name, prompt(rng), max_tokens=rng.randint(40, 400))
-            # The tokens the model reports are the tokens metered (and, on the simulator, what its
-            # execution time follows), so measured throughput per slice is consistent end to end.
-            events.append({"event_id": f"gw-{uuid.uuid4().hex}", "deployment": dep.pk,
-                           "ts": (now - timedelta(seconds=seconds * (n - i) / n)).isoformat(),
-                           "input_tokens": out["input_tokens"], "output_tokens": out["output_tokens"],
-                           "requests": 1})
-        ingest_batch(SYSTEM, dep.tenant, events)
-        sent += n
+        token = mint_try_token(dep.tenant_id, 0)  # a short-lived token: the demo's "application" holds no key
+        for _ in range(n):
+            body = {"model": dep.name, "prompt": prompt(rng), "max_tokens": rng.randint(40, 400)}
+            try:
+                _post(f"{settings.TESSERA_GATEWAY_INTERNAL_URL}/v1/completions", body, token)
+                sent += 1
+            except OSError as exc:
+                log.warning("demo request through the gateway failed", extra={"model": dep.name, "error": str(exc)})
+                break
     return sent
+
+
+def _post(url: str, body: dict, token: str) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST", headers={
+        "Content-Type": "application/json", "Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(req, timeout=30) as resp:  # noqa: S310 - the configured gateway URL
+        return json.loads(resp.read())
 
 
 def backfill(days: int = 3) -> int:

@@ -146,3 +146,9 @@ def metered_vs_served(principal: Principal, since: datetime, until: datetime, te
             "metered_output_tokens": int((metered.get(pk) or {}).get("output_tokens") or 0),
         })
     return rows
+
+
+def deployment_served(deployment, since) -> dict:
+    """What the gateway metered for one deployment since ``since`` (one aggregate query)."""
+    return UsageHourly.objects.filter(deployment=deployment, hour__gte=since).aggregate(
+        requests=Sum("requests"), input_tokens=Sum("input_tokens"), output_tokens=Sum("output_tokens"))

@@ -48,6 +48,8 @@ class Principal:
         if self.api_key is not None:
             if not self._key_allows(capability):
                 return set()
+            if capability == "usage" and self.key_tenant_id is not None:
+                return set()  # reporting usage is for operator keys only (a tenant key kept from before)
             if self.key_tenant_id is None:
                 return None if self.is_operator else set()
             ids = {self.key_tenant_id}

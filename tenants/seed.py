@@ -69,7 +69,7 @@ def seed_demo() -> SeedResult:
         if not ApiKey.objects.filter(tenant=tenant, name="inference gateway").exists():
             _key, secret = services.create_api_key(
                 op, tenant=tenant, name="inference gateway",
-                scopes=[Scope.USAGE_WRITE, Scope.READ, Scope.BILLING_READ, Scope.DEPLOYMENTS_WRITE],
+                scopes=[Scope.INFERENCE, Scope.READ, Scope.BILLING_READ, Scope.DEPLOYMENTS_WRITE],
             )
             result.keys[slug] = secret
     return result

@@ -192,7 +192,8 @@ class Tables:
         except signing.BadSignature:
             raise _unauthorized("invalid_api_key", "Invalid API key.") from None
         tenant = self._tenant(int(data["t"]))
-        return Caller(tenant, None, f"user:{data['u']}", settings.TESSERA_GATEWAY_RPM, settings.TESSERA_GATEWAY_TPM)
+        return Caller(tenant, None, f"user:{data['u']}@{tenant.id}", settings.TESSERA_GATEWAY_RPM,
+                      settings.TESSERA_GATEWAY_TPM)
 
     def _tenant(self, tenant_id: int) -> TenantInfo:
         tenant = self.snap.tenants.get(tenant_id)

@@ -205,7 +205,8 @@ def ensure_server(allocation: Allocation, *, timeout: float | None = None) -> Tr
     if server.node_id != node.pk:  # re-placed on another node after a failure
         _update(server, node=node, http_port=None, grpc_port=None, metrics_port=None, address=node.serving_address)
     if server.http_port is None:
-        _reserve_ports(server, check_os=run.kind == "process")
+        listens = run.kind == "process" or (run.kind == "sim" and settings.TESSERA_SIM_TRITON_HTTP)
+        _reserve_ports(server, check_os=listens)
     spec = spec_for(server, allocation)
     status = run.status(spec)
     if status.running and _answers_ready(allocation, server):

@@ -11,6 +11,7 @@ from collections import defaultdict
 from datetime import timedelta
 from functools import wraps
 
+from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied
@@ -25,16 +26,18 @@ from marketplace.api.billing import invoice_csv
 from marketplace.models import Allocation, Gpu, Node
 from marketplace.selectors import billing as billing_sel
 from marketplace.selectors import orders as order_sel
-from marketplace.services import billing, deployments, orders
+from marketplace.services import billing, deployments, inference, orders
 from marketplace.services.fleet import _gpu_states
 from marketplace.web.tables import Column, table
 from telemetry import charts
-from telemetry.selectors import usage_summary
+from telemetry.selectors import deployment_served, usage_summary
 from tenants import services as tenant_services
 from tenants.errors import Forbidden, ServiceError
 from tenants.models import ApiKey, Invitation, Membership, Tenant
-from tenants.roles import Role, Scope
+from tenants.roles import OPERATOR_ONLY_SCOPES, Role, Scope
 from tenants.scoping import principal_for
+
+TENANT_SCOPES = [c for c in Scope.choices if c[0] not in OPERATOR_ONLY_SCOPES]
 
 SESSION_KEY = "portal_tenant"
 FINAL_SLICE_STATES = {"active", "failed", "released"}
@@ -89,7 +92,7 @@ def require(request, capability: str, tenant_id: int | None = None) -> None:
 
 def ctx(request, **extra) -> dict:
     p, t = request.principal, request.tenant
-    caps = {c: p.can(c, t.pk) for c in ("read", "deploy", "billing", "manage_keys", "manage_members")}
+    caps = {c: p.can(c, t.pk) for c in ("read", "deploy", "billing", "manage_keys", "manage_members", "infer")}
     return {"tenant": t, "tenants": request.portal_tenants, "can": caps, "role": p.role_in(t.pk), **extra}
 
 
@@ -330,10 +333,35 @@ def _deployment(request, pk):
 
 
 @portal_view
-def deployment_detail(request, pk):
+def deployment_detail(request, pk, tried=None, try_form=None, status=200):
     dep = _deployment(request, pk)
     moving = dep.state in MOVING_DEPLOYMENT_STATES
-    return render(request, "portal/deployment.html", ctx(request, dep=dep, moving=moving))
+    since = timezone.now() - timedelta(hours=24)
+    served = deployment_served(dep, since)
+    return render(request, "portal/deployment.html", ctx(
+        request, dep=dep, moving=moving, gateway_url=settings.TESSERA_GATEWAY_URL, examples=inference.examples(dep),
+        served=served, tried=tried, try_form=try_form or {"prompt": "", "max_tokens": 32}), status=status)
+
+
+@require_POST
+@portal_view
+def deployment_try(request, pk):
+    """The "Try it" box: one prompt through the gateway, for the signed-in user (a minted short-lived token)."""
+    dep = _deployment(request, pk)
+    require(request, "infer", dep.tenant_id)
+    form = {"prompt": request.POST.get("prompt", ""), "max_tokens": request.POST.get("max_tokens", "32")}
+    try:
+        limit = int(form["max_tokens"] or 32)
+        tried = inference.try_prompt(request.principal, dep, form["prompt"], limit)
+    except ValueError:
+        messages.error(request, "max tokens: a whole number")
+        return deployment_detail(request, pk, try_form=form, status=400)
+    except Forbidden:
+        raise
+    except ServiceError as exc:
+        messages.error(request, error_text(exc))
+        return deployment_detail(request, pk, try_form=form, status=400)
+    return deployment_detail(request, pk, tried=tried, try_form=form)
 
 
 @portal_view
@@ -432,7 +460,7 @@ def _keys(request, form=None, status=200):
     qs = ApiKey.objects.visible_to(request.principal, "manage_keys").filter(tenant=request.tenant) \
         .select_related("created_by")
     tbl = table(request, qs, KEY_COLUMNS, default_sort="-created_at")
-    return render(request, "portal/keys.html", ctx(request, table=tbl, scopes=Scope.choices,
+    return render(request, "portal/keys.html", ctx(request, table=tbl, scopes=TENANT_SCOPES,
                                                    form=form or {"name": "", "scopes": ["read"]}), status=status)
 
 

@@ -18,6 +18,7 @@ urlpatterns = [
     path("models/<int:pk>/status/", v.deployment_status, name="deployment_status"),
     path("models/<int:pk>/remove/", v.deployment_remove, name="deployment_remove"),
     path("models/<int:pk>/retry/", v.deployment_retry, name="deployment_retry"),
+    path("models/<int:pk>/try/", v.deployment_try, name="deployment_try"),
     path("usage/", v.usage, name="usage"),
     path("invoices/", v.invoice_list, name="invoices"),
     path("invoices/<int:pk>/", v.invoice_detail, name="invoice"),

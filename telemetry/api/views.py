@@ -51,7 +51,7 @@ def _tenant_for(principal, slug: str | None) -> Tenant:
         if ids is not None and len(ids) == 1:
             return Tenant.objects.get(pk=next(iter(ids)))
         raise ValidationError({"tenant": ["give the tenant (slug) this batch is for"]})
-    tenant = Tenant.objects.visible_to(principal).filter(slug=slug).first()
+    tenant = Tenant.objects.visible_to(principal, "usage").filter(slug=slug).first()
     if tenant is None:
         raise NotFound("No such tenant.")
     return tenant

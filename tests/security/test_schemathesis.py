@@ -43,7 +43,7 @@ SKIP_UNPINNED = {
     ("POST", "/api/v1/api-keys/{id}/revoke/"),
     ("DELETE", "/api/v1/api-keys/{id}/"),
 }
-ALL_SCOPES = ["read", "billing:read", "usage:write", "deployments:write"]
+ALL_SCOPES = ["read", "billing:read", "deployments:write", "inference"]
 STATS: dict[str, dict] = {}
 CHECKS = [not_a_server_error, response_schema_conformance, status_code_conformance]
 

@@ -17,6 +17,8 @@ pytestmark = pytest.mark.django_db
 def test_create_returns_secret_once_and_stores_only_hash(as_user, members_a, tenant_a):
     api = as_user(members_a[Role.ADMIN])
     r = api.post("/api/v1/api-keys/", {"tenant": "alpha", "name": "gateway", "scopes": ["usage:write"]})
+    assert r.status_code == 400 and "operator keys only" in r.json()["scopes"][0]  # Tessera meters, tenants don't
+    r = api.post("/api/v1/api-keys/", {"tenant": "alpha", "name": "gateway", "scopes": ["inference"]})
     assert r.status_code == 201, r.content
     secret = r.json()["key"]
     assert secret.startswith("tsk_") and len(secret) > 40

@@ -270,3 +270,26 @@ def test_protocol_errors_and_binary_counts():
     body = head + (3).to_bytes(4, "little") + (4).to_bytes(4, "little") + (9).to_bytes(8, "little")
     assert p.infer_counts(body, len(head)) == (7, 9)
     assert p.infer_counts(b'{"outputs": [{"name": "text", "datatype": "BYTES", "data": ["x"]}]}', None) == (None, None)
+
+
+def test_portal_model_page_shows_the_endpoint_and_try_it_is_served_by_the_gateway(fleet, gateway_factory, client,
+                                                                                 settings):
+    from django.urls import reverse
+
+    gw = gateway_factory()
+    settings.TESSERA_GATEWAY_INTERNAL_URL, settings.TESSERA_GATEWAY_URL = gw.url, "https://infer.msp.example"
+    client.force_login(fleet["a_owner"][1].user)
+    body = client.get(reverse("portal:deployment", args=[fleet["gen"].pk])).content.decode()
+    assert "https://infer.msp.example/v1" in body and "&quot;model&quot;: &quot;tiny-gen&quot;" in body
+    assert "$TESSERA_API_KEY" in body and 'id="try-it"' in body
+    r = client.post(reverse("portal:deployment_try", args=[fleet["gen"].pk]), {"prompt": "hello world",
+                                                                             "max_tokens": "3"})
+    assert r.status_code == 200 and "assistant: world hello" in r.content.decode()
+    _drain()
+    ev = UsageEvent.objects.get(deployment=fleet["gen"])
+    assert (ev.input_tokens, ev.output_tokens) == (4, 3)
+    assert r.context["tried"]["id"] == f"chatcmpl-{ev.event_id}"
+    viewer = MembershipFactory(tenant=fleet["a"], role=Role.VIEWER).user
+    client.force_login(viewer)
+    assert client.post(reverse("portal:deployment_try", args=[fleet["gen"].pk]), {"prompt": "x"}).status_code == 403
+    assert 'id="try-it"' not in client.get(reverse("portal:deployment", args=[fleet["gen"].pk])).content.decode()

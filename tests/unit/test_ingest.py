@@ -60,8 +60,28 @@ def post(api, events, **extra):
     return api.post(URL, {"events": events, **extra}, format="json")
 
 
-def test_counts_new_duplicates_and_rejected(as_key, world, deps):
-    api = as_key(world["secret_a"])
+class _Reporter:
+    """An operator key with usage:write (an MSP-run gateway) reporting for one tenant."""
+
+    def __init__(self, api, secret, slug):
+        self.api, self.secret, self.slug = api, secret, slug
+
+    def post(self, url, data, format=None):
+        self.api.credentials(HTTP_AUTHORIZATION=f"Bearer {self.secret}")
+        return self.api.post(url, {"tenant": self.slug, **data} if isinstance(data, dict) else data, format=format)
+
+
+@pytest.fixture
+def reporter(api, operator):
+    from tenants.models import ApiKey
+
+    key, secret = make_key(None, ["usage:write"], created_by=operator)
+    assert ApiKey.objects.get(pk=key.pk).tenant is None
+    return lambda slug: _Reporter(api, secret, slug)
+
+
+def test_counts_new_duplicates_and_rejected(as_key, world, deps, reporter):
+    api = reporter("alpha")
     r = post(api, [ev(1, deps["a"]), ev(2, deps["a"]), ev(3, deps["a"])])
     assert r.status_code == 200, r.content
     assert r.json() == {"new": 3, "duplicates": 0, "rejected": []}
@@ -74,8 +94,8 @@ def test_counts_new_duplicates_and_rejected(as_key, world, deps):
     assert totals(world["a"]) == {"i": 11 + 12 + 13 + 14, "o": 2 + 4 + 6 + 8, "r": 4, "n": 4}
 
 
-def test_replaying_a_batch_three_times_leaves_totals_exact(as_key, world, deps):
-    api = as_key(world["secret_a"])
+def test_replaying_a_batch_three_times_leaves_totals_exact(as_key, world, deps, reporter):
+    api = reporter("alpha")
     batch = [ev(n, deps["a"], hour=n % 3, minute=n % 60, requests=1 + n % 4) for n in range(300)]
     expected = {"i": sum(10 + n for n in range(300)), "o": sum(2 * n for n in range(300)),
                 "r": sum(1 + n % 4 for n in range(300)), "n": 300}
@@ -89,16 +109,16 @@ def test_replaying_a_batch_three_times_leaves_totals_exact(as_key, world, deps):
     assert [h.events for h in hours] == [100, 100, 100]
 
 
-def test_duplicates_inside_one_batch_count_once_first_wins(as_key, world, deps):
-    api = as_key(world["secret_a"])
+def test_duplicates_inside_one_batch_count_once_first_wins(as_key, world, deps, reporter):
+    api = reporter("alpha")
     r = post(api, [ev(1, deps["a"]), ev(1, deps["a"], input_tokens=5000), ev(2, deps["a"]), ev(2, deps["a"])])
     assert r.json() == {"new": 2, "duplicates": 2, "rejected": []}
     assert totals(world["a"])["i"] == 11 + 12
     assert UsageEvent.objects.get(tenant=world["a"], event_id="ev-1").input_tokens == 11
 
 
-def test_malformed_batch_is_refused_whole_naming_the_items(as_key, world, deps):
-    api = as_key(world["secret_a"])
+def test_malformed_batch_is_refused_whole_naming_the_items(as_key, world, deps, reporter):
+    api = reporter("alpha")
     good = ev(0, deps["a"])
     missing_ts = {k: v for k, v in ev(1, deps["a"]).items() if k != "ts"}
     naive = ev(3, deps["a"], ts="2025-01-01T10:00:00")
@@ -120,8 +140,8 @@ def test_malformed_batch_is_refused_whole_naming_the_items(as_key, world, deps):
     assert not UsageEvent.objects.exists()
 
 
-def test_batch_limit(as_key, world, deps):
-    api = as_key(world["secret_a"])
+def test_batch_limit(as_key, world, deps, reporter):
+    api = reporter("alpha")
     big = [ev(n, deps["a"], event_id=f"{n:0100d}") for n in range(10_001)]
     r = post(api, big)
     assert r.status_code == 400 and "at most 10000" in r.json()["events"][0]
@@ -131,8 +151,8 @@ def test_batch_limit(as_key, world, deps):
     assert totals(world["a"])["n"] == 10_000
 
 
-def test_other_tenants_deployment_is_rejected_with_reason(as_key, world, deps):
-    r = post(as_key(world["secret_a"]), [ev(1, deps["b"]), ev(2, deps["a"])])
+def test_other_tenants_deployment_is_rejected_with_reason(as_key, world, deps, reporter):
+    r = post(reporter("alpha"), [ev(1, deps["b"]), ev(2, deps["a"])])
     assert r.status_code == 200
     assert r.json()["rejected"] == [{"index": 0, "event_id": "ev-1",
                                      "reason": f"no deployment {deps['b'].pk} in this tenant"}]
@@ -141,8 +161,8 @@ def test_other_tenants_deployment_is_rejected_with_reason(as_key, world, deps):
     assert not UsageHourly.objects.filter(tenant=world["b"]).exists()
 
 
-def test_model_name_resolution(as_key, world, members_a, deps, tiers):
-    api = as_key(world["secret_a"])
+def test_model_name_resolution(as_key, world, members_a, deps, tiers, reporter):
+    api = reporter("alpha")
     by_name = {k: v for k, v in ev(1, deps["a"]).items() if k != "deployment"} | {"model": "tiny-gen"}
     unknown = by_name | {"event_id": "ev-2", "model": "nope"}
     mismatch = ev(3, deps["a"], model="other")
@@ -156,12 +176,12 @@ def test_model_name_resolution(as_key, world, members_a, deps, tiers):
     r = post(api, [by_name | {"event_id": "ev-9"}])
     assert r.json()["new"] == 0 and "ambiguous" in r.json()["rejected"][0]["reason"]
     # Tenant B's tiny-gen is never what A's name means.
-    r = post(as_key(make_key(world["b"], ["usage:write"])[1]), [by_name | {"event_id": "b-1"}])
+    r = post(reporter("bravo"), [by_name | {"event_id": "b-1"}])
     assert r.json()["new"] == 1 and UsageEvent.objects.get(event_id="b-1").deployment_id == deps["b"].pk
 
 
-def test_late_event_is_counted_in_its_old_hour(as_key, world, deps):
-    api = as_key(world["secret_a"])
+def test_late_event_is_counted_in_its_old_hour(as_key, world, deps, reporter):
+    api = reporter("alpha")
     old = datetime(2024, 3, 5, 14, 0, tzinfo=UTC)
     UsageHourly.objects.create(tenant=world["a"], deployment=deps["a"], hour=old, input_tokens=100, output_tokens=10,
                                requests=1, events=1, billed_input_tokens=100, billed_output_tokens=10,
@@ -173,8 +193,8 @@ def test_late_event_is_counted_in_its_old_hour(as_key, world, deps):
     assert (h.billed_input_tokens, h.billed_output_tokens) == (100, 10)  # billing sees the difference
 
 
-def test_future_and_removed_deployment_events_are_rejected(as_key, world, members_a, deps):
-    api = as_key(world["secret_a"])
+def test_future_and_removed_deployment_events_are_rejected(as_key, world, members_a, deps, reporter):
+    api = reporter("alpha")
     soon = (timezone.now() + timedelta(minutes=2)).isoformat()
     later = (timezone.now() + timedelta(minutes=30)).isoformat()
     r = post(api, [ev(1, deps["a"], ts=soon), ev(2, deps["a"], ts=later)])
@@ -188,25 +208,32 @@ def test_future_and_removed_deployment_events_are_rejected(as_key, world, member
     assert r.json()["new"] == 1 and "was removed" in r.json()["rejected"][0]["reason"]
 
 
-def test_who_may_post_usage(as_key, as_user, world, members_a, deps):
+def test_who_may_post_usage(as_key, as_user, world, members_a, deps, reporter, operator):
+    """Tessera bills what its gateway served: no tenant user or tenant key reports usage, whatever its role or
+    scopes (a tenant key that still carries usage:write from before is refused too); operators and operator keys
+    with usage:write (an MSP-run external gateway) may."""
     r = post(as_key(world["secret_b"]), [ev(1, deps["b"])])  # tenant B's key has scope read only
     assert r.status_code == 403
     _, billing_key = make_key(world["a"], ["read", "billing:read"])
     assert post(as_key(billing_key), [ev(1, deps["a"])]).status_code == 403
-    for role, code in [(Role.VIEWER, 403), (Role.BILLING, 403), (Role.MEMBER, 200), (Role.OWNER, 200)]:
+    assert post(as_key(world["secret_a"]), [ev(1, deps["a"])]).status_code == 403  # a legacy usage:write key
+    for role in (Role.VIEWER, Role.BILLING, Role.MEMBER, Role.ADMIN, Role.OWNER):
         r = post(as_user(members_a[role]), [ev(10, deps["a"])], tenant="alpha")
-        assert r.status_code == code, (role, r.content)
-    assert post(as_user(members_a[Role.OWNER]), [ev(11, deps["a"])], tenant="bravo").status_code == 404
-    assert post(as_key(world["secret_a"]), [ev(12, deps["a"])], tenant="bravo").status_code == 404
-    assert UsageEvent.objects.count() == 1
+        assert r.status_code == 403, (role, r.content)
+    assert post(reporter("alpha"), [ev(10, deps["a"])]).status_code == 200
+    assert post(as_user(operator), [ev(11, deps["a"])], tenant="alpha").status_code == 200
+    assert post(reporter("nope"), [ev(12, deps["a"])]).status_code == 404
+    assert UsageEvent.objects.count() == 2
     with pytest.raises(Forbidden):
         ingest.ingest_batch(principal_for_key(world["key_b"]), world["b"], [ev(1, deps["b"])])
+    with pytest.raises(Forbidden):
+        ingest.ingest_batch(principal_for_key(world["key_a"]), world["a"], [ev(1, deps["a"])])
 
 
-def test_hourly_api_isolation(as_key, world, deps, django_assert_max_num_queries):
-    post(as_key(world["secret_a"]), [ev(1, deps["a"]), ev(2, deps["a"], hour=1)])
+def test_hourly_api_isolation(as_key, world, deps, django_assert_max_num_queries, reporter):
+    post(reporter("alpha"), [ev(1, deps["a"]), ev(2, deps["a"], hour=1)])
     _, usage_b = make_key(world["b"], ["usage:write"])
-    post(as_key(usage_b), [ev(1, deps["b"])])
+    post(reporter("bravo"), [ev(1, deps["b"])])
     api_a = as_key(world["secret_a"])
     api_a.get("/api/v1/usage/hourly/")
     with django_assert_max_num_queries(5):  # key lookup (+ last-used touch), count, page: not per row
@@ -227,9 +254,9 @@ def test_hourly_api_isolation(as_key, world, deps, django_assert_max_num_queries
     assert as_key(usage_b).get("/api/v1/usage/hourly/").status_code == 403  # usage:write cannot read
 
 
-def test_usage_summary_reads_rollups(as_key, world, deps, operator, django_assert_max_num_queries):
-    post(as_key(world["secret_a"]), [ev(n, deps["a"], hour=n % 2) for n in range(10)])
-    post(as_key(make_key(world["b"], ["usage:write"])[1]), [ev(1, deps["b"])])
+def test_usage_summary_reads_rollups(as_key, world, deps, operator, django_assert_max_num_queries, reporter):
+    post(reporter("alpha"), [ev(n, deps["a"], hour=n % 2) for n in range(10)])
+    post(reporter("bravo"), [ev(1, deps["b"])])
     p = principal_for_key(world["key_a"])
     start, end = HOUR0 - timedelta(days=1), HOUR0 + timedelta(days=1)
     with django_assert_max_num_queries(3):

@@ -182,13 +182,13 @@ def test_posts_need_csrf(members_a, world):
 
 
 def test_key_create_shows_secret_once_and_stores_hash(owner_client, world):
-    r = owner_client.post(reverse("portal:key_create"), {"name": "ci", "scopes": ["read", "usage:write"]})
+    r = owner_client.post(reverse("portal:key_create"), {"name": "ci", "scopes": ["read", "inference"]})
     assert r.status_code == 200
     secret = r.context["secret"]
     body = r.content.decode()
     assert f'class="secret" id="key-secret">{secret}<' in body
     key = ApiKey.objects.get(name="ci")
-    assert key.hashed_key != secret and secret not in key.hashed_key and key.scopes == ["read", "usage:write"]
+    assert key.hashed_key != secret and secret not in key.hashed_key and key.scopes == ["inference", "read"]
     assert secret not in owner_client.get(reverse("portal:keys")).content.decode()
     r = owner_client.post(reverse("portal:key_revoke", args=[key.pk]))
     assert r.status_code == 302

@@ -21,12 +21,15 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser):
         parser.add_argument("--addr", default="127.0.0.1:8000", help="address:port for the web app")
+        parser.add_argument("--gateway-addr", default="127.0.0.1:8001",
+                            help="address:port for the inference gateway (where tenants call their models)")
         parser.add_argument("--no-run", action="store_true", help="migrate and seed only")
         parser.add_argument("--no-worker", action="store_true", help="do not start the embedded worker")
         parser.add_argument("--exit-after", type=float, default=0,
                             help="stop after this many seconds (smoke tests)")
 
     def handle(self, *args, **opts):
+        os.environ.setdefault("TESSERA_GATEWAY_URL", f"http://{opts['gateway_addr']}")
         call_command("migrate", interactive=False, verbosity=0)
         self.stdout.write("database migrated")
         result = seed_demo()
@@ -36,6 +39,9 @@ class Command(BaseCommand):
         if opts["no_run"]:
             return
         os.environ["TESSERA_DEMO_TRAFFIC"] = "1"
+        # The simulated slices answer Triton's HTTP protocol, so the gateway reaches them as it reaches real ones.
+        os.environ["TESSERA_SIM_TRITON_HTTP"] = "1"
+        gateway = self._start_gateway(opts["gateway_addr"])
         worker = None if opts["no_worker"] else self._start_worker()
         if worker is not None:
             threading.Thread(target=self._deploy_and_backfill, daemon=True).start()
@@ -49,12 +55,14 @@ class Command(BaseCommand):
         except KeyboardInterrupt:
             pass
         finally:
-            if worker is not None:
-                worker.terminate()
+            for proc in (worker, gateway):
+                if proc is None:
+                    continue
+                proc.terminate()
                 try:
-                    worker.wait(timeout=10)
+                    proc.wait(timeout=10)
                 except subprocess.TimeoutExpired:
-                    worker.kill()
+                    proc.kill()
             self.stdout.write("demo stopped")
 
     def _deploy_and_backfill(self):
@@ -84,6 +92,12 @@ class Command(BaseCommand):
         while time.monotonic() < deadline and ModelDeployment.objects.exclude(state="ready").exists():
             time.sleep(1)
 
+    def _start_gateway(self, addr: str):
+        host, _, port = addr.rpartition(":")
+        cmd = [sys.executable, "manage.py", "gateway", "--host", host or "127.0.0.1", "--port", port]
+        self.stdout.write(f"inference gateway: http://{addr}/v1 (OpenAI-compatible), http://{addr}/v2 (KServe)")
+        return subprocess.Popen(cmd, env=os.environ.copy())
+
     def _start_worker(self):
         from marketplace.models import Node
 
@@ -101,6 +115,8 @@ class Command(BaseCommand):
         w(f"  web app        http://{addr}/  (operators land in the console, tenant users in the portal)")
         w(f"  Django admin   http://{addr}/admin/")
         w(f"  API docs       http://{addr}/api/docs/")
+        w(f"  gateway        {os.environ.get('TESSERA_GATEWAY_URL', 'http://127.0.0.1:8001')}/v1  "
+          f"(keys with the inference scope; each model's portal page has examples)")
         w(f"  operator login {result.operator_email} / {result.operator_password}")
         w(f"  tenant users   owner@acme.example, ml@acme.example, ops@borealis.example ... / {result.user_password}")
         for slug, secret in result.keys.items():
