@@ -131,7 +131,7 @@ def metered_vs_served(principal: Principal, since: datetime, until: datetime, te
     ids = set(metered) | set(served)
     operator = principal.is_operator  # a node's hostname is fleet-internal: tenants get None
     deps = {d["pk"]: d for d in ModelDeployment.objects.filter(pk__in=ids).values(
-        "pk", "name", "state", "tenant__slug", "allocation_id", "allocation__node__hostname")}
+        "pk", "name", "state", "tenant__slug", "allocation_id", "allocation__node_id", "allocation__node__hostname")}
     rows = []
     for pk in sorted(ids):
         d = deps.get(pk, {})
@@ -140,6 +140,7 @@ def metered_vs_served(principal: Principal, since: datetime, until: datetime, te
         rows.append({
             "deployment": pk, "model": d.get("name"), "state": d.get("state"), "tenant": d.get("tenant__slug"),
             "allocation": d.get("allocation_id"), "node": d.get("allocation__node__hostname") if operator else None,
+            "node_id": d.get("allocation__node_id") if operator else None,
             "metered_requests": m, "served_requests": s, "difference": m - s,
             "served_failures": int((served.get(pk) or {}).get("failures") or 0),
             "metered_input_tokens": int((metered.get(pk) or {}).get("input_tokens") or 0),

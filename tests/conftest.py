@@ -66,6 +66,12 @@ def world(tenant_a, tenant_b, members_a, operator):
 
 
 @pytest.fixture
+def usage_key(operator):
+    """An operator key with usage:write (an MSP-run external gateway): the only kind that reports usage."""
+    return make_key(None, ["usage:write"], created_by=operator)[1]
+
+
+@pytest.fixture
 def as_user(api):
     def login(user):
         api.credentials()

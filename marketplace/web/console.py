@@ -294,6 +294,25 @@ def drift(request):
     return _page(request, "drift.html", {"table": t, "show": show})
 
 
+@require_GET
+@operator_required
+def metering(request):
+    """Per deployment, the last 24 complete hours: requests Tessera metered against what Triton served."""
+    from django.conf import settings  # noqa: PLC0415
+
+    from telemetry.selectors import metered_vs_served  # noqa: PLC0415
+
+    until = timezone.now().replace(minute=0, second=0, microsecond=0)
+    rows = metered_vs_served(request.principal, until - timedelta(hours=24), until)
+    tolerance = settings.TESSERA_METERING_TOLERANCE
+    for r in rows:
+        big = max(r["metered_requests"], r["served_requests"])
+        r["off"] = abs(r["difference"]) >= 5 and abs(r["difference"]) > tolerance * big
+    rows.sort(key=lambda r: (not r["off"], -abs(r["difference"]), r["deployment"]))
+    return _page(request, "metering.html", {"rows": rows, "until": until, "tolerance_pct": tolerance * 100,
+                                            "off": sum(r["off"] for r in rows)})
+
+
 # --- tenants ------------------------------------------------------------------------------------
 
 TENANT_COLUMNS = [

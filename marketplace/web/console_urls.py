@@ -10,6 +10,7 @@ urlpatterns = [
     path("nodes/", v.nodes, name="nodes"),
     path("allocations/", v.allocations, name="allocations"),
     path("allocations/drift/", v.drift, name="allocation_drift"),
+    path("allocations/metering/", v.metering, name="allocation_metering"),
     path("allocations/<int:pk>/", v.allocation_detail, name="allocation_detail"),
     path("allocations/<int:pk>/retry/", v.allocation_retry, name="allocation_retry"),
     path("allocations/<int:pk>/release/", v.allocation_release, name="allocation_release"),

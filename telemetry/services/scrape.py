@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from django.db import IntegrityError, transaction
 from django.db.models import F
@@ -29,6 +29,7 @@ from marketplace.services.deployments import backend_for
 from telemetry.models import TritonCounter, TritonServedHourly
 
 log = logging.getLogger("tessera.scrape")
+MIN_MISMATCH = 5  # requests: below this a difference is the hour boundary, not a fault
 
 
 def record_counters(dep: ModelDeployment, read: Callable[[], tuple[int, ...]],
@@ -112,6 +113,42 @@ def scrape_node(node_id: int) -> dict:
         found["deployments"] += 1
         found["requests"] += d_inf
         found["failures"] += d_fail
+    found["mismatches"] = len(check_metering(node_id))
+    return found
+
+
+def check_metering(node_id: int, now: datetime | None = None) -> list[dict]:
+    """Compare what Tessera metered (the gateway's usage events) with what each deployment's Triton server says
+    it served, over the complete hours of the last day (the current hour is still settling: events reach the
+    database within seconds, a scrape's reading within its interval). A difference beyond
+    ``TESSERA_METERING_TOLERANCE`` (share of the larger count; at least MIN_MISMATCH requests) opens one
+    unresolved DriftEvent per slice, which the console's overview lists until an operator resolves it."""
+    from django.conf import settings  # noqa: PLC0415
+
+    from marketplace.models import DriftEvent  # noqa: PLC0415
+    from telemetry import selectors  # noqa: PLC0415
+    from tenants.scoping import Principal  # noqa: PLC0415
+
+    now = now or timezone.now()
+    until = now.replace(minute=0, second=0, microsecond=0)
+    since = until - timedelta(hours=24)
+    rows = [r for r in selectors.metered_vs_served(Principal(is_operator=True), since, until)
+            if r["allocation"] is not None and r["node_id"] == node_id]
+    open_for = set(DriftEvent.objects.filter(node_id=node_id, kind=DriftEvent.Kind.METERING_MISMATCH,
+                                             resolved=False).values_list("allocation_id", flat=True))
+    found = []
+    for r in rows:
+        m, s = r["metered_requests"], r["served_requests"]
+        if abs(m - s) < MIN_MISMATCH or abs(m - s) <= settings.TESSERA_METERING_TOLERANCE * max(m, s):
+            continue
+        found.append(r)
+        if r["allocation"] in open_for:
+            continue
+        DriftEvent.objects.create(
+            node_id=node_id, allocation_id=r["allocation"], kind=DriftEvent.Kind.METERING_MISMATCH, resolved=False,
+            detail=(f"{r['tenant']}/{r['model']}: {m:,} requests metered, {s:,} served by Triton in the 24 h to "
+                    f"{until:%Y-%m-%d %H:%M} UTC ({m - s:+,})"))
+        log.warning("metered and served differ", extra={"deployment": r["deployment"], "metered": m, "served": s})
     return found
 
 

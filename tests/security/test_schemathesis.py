@@ -83,7 +83,7 @@ def _seed(operator, tiers):
     allocation.refresh_from_db()
     dep = deployments.deploy(owner_p, allocation, "fuzz-gen", template="tiny-gen")
     deployments.load(dep.pk)
-    ingest.ingest_batch(owner_p, tenant, [{"event_id": "fuzz-1", "deployment": dep.pk, "input_tokens": 10,
+    ingest.ingest_batch(op_p, tenant, [{"event_id": "fuzz-1", "deployment": dep.pk, "input_tokens": 10,
                                            "output_tokens": 5, "ts": timezone.now().isoformat()}])
     invoice = billing.current_invoice(tenant)
     invitation, _ = services.invite(op_p, tenant=tenant, email="new@fuzz.example", send=False)

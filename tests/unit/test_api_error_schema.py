@@ -183,6 +183,7 @@ def check(doc, p, method, response, media_type="application/json"):
 
 
 def test_real_error_bodies_match_the_documented_components(doc, api, as_key, as_user, world, operator, members_a,
+                                                           usage_key,
                                                            tiers, settings):
     key = world["secret_a"]
     # 404: another tenant's object, and a page past the end
@@ -208,7 +209,7 @@ def test_real_error_bodies_match_the_documented_components(doc, api, as_key, as_
     r = as_key(key).get("/api/v1/tenants/?search=a%00b")
     assert r.status_code == 400
     assert check(doc, "/api/v1/tenants/", "get", r) == {"non_field_errors": ["Null characters are not allowed."]}
-    r = as_key(key).post("/api/v1/usage/events/", "{not json", content_type="application/json")
+    r = as_key(usage_key).post("/api/v1/usage/events/", "{not json", content_type="application/json")
     assert r.status_code == 400
     assert "detail" in check(doc, "/api/v1/usage/events/", "post", r)
     # 401: no credentials, and an unknown key; the challenge names the Bearer scheme
@@ -282,7 +283,7 @@ def test_chart_parameters_are_field_errors_not_500(doc, as_user, operator, query
     assert set(body) == {field} and isinstance(body[field], list)
 
 
-def test_unknown_tenant_in_a_usage_batch_is_a_documented_404(doc, as_key, world):
-    r = as_key(world["secret_a"]).post("/api/v1/usage/events/", {"tenant": "bravo", "events": []}, format="json")
+def test_unknown_tenant_in_a_usage_batch_is_a_documented_404(doc, as_key, world, usage_key):
+    r = as_key(usage_key).post("/api/v1/usage/events/", {"tenant": "nope", "events": []}, format="json")
     assert r.status_code == 404
     check(doc, "/api/v1/usage/events/", "post", r)

@@ -78,7 +78,7 @@ def test_docker_compose_config_where_the_plugin_exists():
 
 
 def test_the_services_are_there(services):
-    for name in ("postgres", "redis", "migrate", "web", "control", "demo"):
+    for name in ("postgres", "redis", "migrate", "web", "control", "demo", "gateway", "usage-consumer"):
         assert name in services, name
     assert len(node_workers(services)) >= 2
     assert services["demo"]["profiles"] == ["demo"]
@@ -91,6 +91,13 @@ def test_web_runs_gunicorn_after_migrations(services):
     assert (ROOT / "marketplace" / "wsgi.py").exists()
     assert web["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
     assert services["migrate"]["command"] == ["python", "manage.py", "migrate", "--noinput"]
+
+
+def test_the_gateway_listens_on_all_interfaces_and_its_usage_is_consumed(services):
+    gw = services["gateway"]
+    assert gw["command"][:3] == ["python", "manage.py", "gateway"] and "0.0.0.0" in gw["command"]
+    assert "8001:8001" in gw["ports"] and (ROOT / "marketplace" / "management" / "commands" / "gateway.py").exists()
+    assert services["usage-consumer"]["command"] == ["python", "manage.py", "usage_consumer"]
 
 
 def test_exactly_one_beat_on_the_control_queue(services):

@@ -130,17 +130,36 @@ def test_models_list_is_the_tenants_own(fleet, gateway_factory):
     assert [m.id for m in _client(gw, fleet["key_b"]).models.list()] == ["secret-model"]
 
 
-def test_another_tenants_model_is_the_same_404_as_an_unknown_one(fleet, gateway_factory):
+GATEWAY_MODEL_ROUTES = [
+    ("GET", "/v1/models/{m}", None),
+    ("POST", "/v1/chat/completions", {"model": "{m}", "messages": [{"role": "user", "content": "x"}]}),
+    ("POST", "/v1/chat/completions", {"model": "{m}", "messages": [{"role": "user", "content": "x"}], "stream": True}),
+    ("POST", "/v1/completions", {"model": "{m}", "prompt": "x"}),
+    ("GET", "/v2/models/{m}", None),
+    ("GET", "/v2/models/{m}/ready", None),
+    ("POST", "/v2/models/{m}/infer", {"inputs": [{"name": "prompt", "shape": [1, 1], "datatype": "BYTES",
+                                                  "data": ["x"]}]}),
+    ("POST", "/v2/models/{m}/generate", {"prompt": "x"}),
+    ("POST", "/v2/models/{m}/generate_stream", {"prompt": "x"}),
+]
+
+
+@pytest.mark.parametrize("method,path,body", GATEWAY_MODEL_ROUTES)
+def test_another_tenants_model_is_the_same_404_as_an_unknown_one(fleet, gateway_factory, method, path, body):
+    """Every gateway route that names a model: tenant A's key on tenant B's model answers exactly what it answers
+    for a model that does not exist (no oracle), and nothing is served or metered."""
     gw = gateway_factory()
-    for path, body in (("/v1/chat/completions", {"model": "{m}", "messages": [{"role": "user", "content": "x"}]}),
-                       ("/v2/models/{m}/generate", {"prompt": "x"})):
-        answers = []
-        for model in ("secret-model", "no-such-model"):
-            b = json.loads(json.dumps(body).replace("{m}", model))
-            status, raw, _ = _raw(gw, path.replace("{m}", model), fleet["key_a"], b)
-            answers.append((status, raw.decode().replace(model, "M")))
-        assert answers[0] == answers[1] and answers[0][0] == 404
-    assert not UsageEvent.objects.exists()
+    answers = []
+    for model in ("secret-model", "no-such-model"):
+        b = json.loads(json.dumps(body).replace("{m}", model)) if body is not None else None
+        status, raw, _ = _raw(gw, path.replace("{m}", model), fleet["key_a"], b, method=method)
+        answers.append((status, raw.decode().replace(model, "M")))
+    assert answers[0] == answers[1] and answers[0][0] == 404, answers
+    # and tenant B's own key is served on the same route
+    b = json.loads(json.dumps(body).replace("{m}", "secret-model")) if body is not None else None
+    assert _raw(gw, path.replace("{m}", "secret-model"), fleet["key_b"], b, method=method)[0] == 200
+    _drain()
+    assert not UsageEvent.objects.filter(tenant=fleet["a"]).exists()
 
 
 def test_kserve_generate_infer_and_metadata(fleet, gateway_factory):
@@ -293,3 +312,28 @@ def test_portal_model_page_shows_the_endpoint_and_try_it_is_served_by_the_gatewa
     client.force_login(viewer)
     assert client.post(reverse("portal:deployment_try", args=[fleet["gen"].pk]), {"prompt": "x"}).status_code == 403
     assert 'id="try-it"' not in client.get(reverse("portal:deployment", args=[fleet["gen"].pk])).content.decode()
+
+
+def test_metered_vs_served_mismatch_opens_one_drift_event_and_shows_in_the_console(fleet, client, operator):
+    from django.urls import reverse
+
+    from marketplace.models import DriftEvent
+    from telemetry.models import TritonServedHourly, UsageHourly
+    from telemetry.services.scrape import check_metering
+
+    hour = timezone.now().replace(minute=0, second=0, microsecond=0) - timedelta(hours=2)
+    gen, chat = fleet["gen"], fleet["chat"]
+    for dep, metered, served in ((gen, 100, 160), (chat, 200, 202)):  # gen: 60 served and never metered
+        UsageHourly.objects.create(tenant=fleet["a"], deployment=dep, hour=hour, requests=metered, events=metered,
+                                   input_tokens=metered * 10, output_tokens=metered, updated_at=timezone.now())
+        TritonServedHourly.objects.create(tenant=fleet["a"], deployment=dep, hour=hour, requests=served)
+    node_id = gen.allocation.node_id
+    found = check_metering(node_id)
+    assert [r["deployment"] for r in found] == [gen.pk]  # chat is within the 2 % tolerance
+    check_metering(node_id)  # still off: the open event is not repeated
+    (event,) = DriftEvent.objects.filter(kind=DriftEvent.Kind.METERING_MISMATCH)
+    assert not event.resolved and event.allocation_id == gen.allocation_id and "(-60)" in event.detail
+    client.force_login(operator)
+    assert "Metered requests differ" in client.get(reverse("console:overview")).content.decode()
+    page = client.get(reverse("console:allocation_metering")).content.decode()
+    assert "1 deployment out of tolerance" in page and '<span class="badge warn">-60</span>' in page

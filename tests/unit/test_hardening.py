@@ -34,13 +34,13 @@ def test_api_key_rate_limit_gives_429_with_retry_after_and_spares_other_keys(wor
     assert as_key(world["secret_b"]).get("/api/v1/me/").status_code == 200  # another key: own bucket
 
 
-def test_usage_ingest_has_its_own_scope(world, as_key, settings):
+def test_usage_ingest_has_its_own_scope(world, as_key, settings, usage_key):
     settings.TESSERA_API_RATE = "100/min"
     settings.TESSERA_USAGE_INGEST_RATE = "2/min"
-    api = as_key(world["secret_a"])
+    api = as_key(usage_key)
     for _ in range(2):
-        assert api.post("/api/v1/usage/events/", {"events": []}).status_code != 429
-    assert api.post("/api/v1/usage/events/", {"events": []}).status_code == 429
+        assert api.post("/api/v1/usage/events/", {"tenant": "alpha", "events": []}).status_code != 429
+    assert api.post("/api/v1/usage/events/", {"tenant": "alpha", "events": []}).status_code == 429
     assert api.get("/api/v1/me/").status_code == 200  # reads are counted separately
 
 
