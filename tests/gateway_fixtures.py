@@ -18,6 +18,12 @@ import pytest
 import uvicorn
 
 from marketplace.gateway.app import Gateway
+from marketplace.hardware import sim_http
+from marketplace.models import Allocation, ModelDeployment
+from marketplace.services import deployments, orders, provisioning, serving
+from tenants.roles import Role
+from tenants.scoping import principal_for_user
+from tests.factories import MembershipFactory, TenantFactory, make_key
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -118,3 +124,45 @@ class GatewayProcess:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self.kill()
+
+
+@pytest.fixture
+def sim_http_on(settings, sim_dir):
+    settings.TESSERA_SIM_TRITON_HTTP = True
+    serving.reset_runtimes()
+    yield
+    sim_http.stop_all()
+
+
+def gateway_tenant(slug):
+    tenant = TenantFactory(slug=slug, max_slices=8, max_slices_per_tier=8, max_memory_gb=1000)
+    return tenant, principal_for_user(MembershipFactory(tenant=tenant, role=Role.OWNER).user)
+
+
+def gateway_slice(owner, tier):
+    tenant, principal = owner
+    a = orders.create_order(principal, tenant=tenant, tier=tier).allocations.get()
+    assert provisioning.provision(a.pk) == "activated", Allocation.objects.get(pk=a.pk).failure_reason
+    return Allocation.objects.get(pk=a.pk)
+
+
+def gateway_deploy(owner, a, name, template):
+    dep = deployments.deploy(owner[1], a, name, template=template)
+    assert deployments.load(dep.pk) == "ready", ModelDeployment.objects.get(pk=dep.pk).failure_reason
+    return dep
+
+
+@pytest.fixture
+def gateway_fleet(sim_http_on, h100_node, tiers):
+    """Two tenants on simulated slices with HTTP fronts: alpha has tiny-gen and tiny-chat, bravo secret-model;
+    one inference key each."""
+    a_owner, b_owner = gateway_tenant("alpha"), gateway_tenant("bravo")
+    a1 = gateway_slice(a_owner, tiers["1g"])
+    gen = gateway_deploy(a_owner, a1, "tiny-gen", "tiny-gen")
+    chat = gateway_deploy(a_owner, a1, "tiny-chat", "tiny-chat")
+    b1 = gateway_slice(b_owner, tiers["1g"])
+    b_gen = gateway_deploy(b_owner, b1, "secret-model", "tiny-gen")
+    _, key_a = make_key(a_owner[0], ["inference"])
+    _, key_b = make_key(b_owner[0], ["inference"])
+    return {"a": a_owner[0], "b": b_owner[0], "a_owner": a_owner, "gen": gen, "chat": chat, "b_gen": b_gen,
+            "key_a": key_a, "key_b": key_b, "tiers": tiers}

@@ -19,55 +19,19 @@ from marketplace.gateway import metering
 from marketplace.gateway import protocol as p
 from marketplace.gateway.limits import LocalLimiter
 from marketplace.gateway.metering import SpoolSink
-from marketplace.hardware import sim_http
-from marketplace.models import Allocation, Invoice, ModelDeployment
-from marketplace.services import deployments, orders, provisioning, serving
+from marketplace.models import Invoice
+from marketplace.services import serving
 from telemetry.models import UsageEvent
 from tenants.roles import Role
-from tenants.scoping import principal_for_user
-from tests.factories import MembershipFactory, TenantFactory, make_key
+from tests.factories import MembershipFactory, make_key
+from tests.gateway_fixtures import gateway_deploy, gateway_slice
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
 @pytest.fixture
-def sim_http_on(settings, sim_dir):
-    settings.TESSERA_SIM_TRITON_HTTP = True
-    serving.reset_runtimes()
-    yield
-    sim_http.stop_all()
-
-
-def _tenant(slug):
-    tenant = TenantFactory(slug=slug, max_slices=8, max_slices_per_tier=8, max_memory_gb=1000)
-    return tenant, principal_for_user(MembershipFactory(tenant=tenant, role=Role.OWNER).user)
-
-
-def _slice(owner, tier):
-    tenant, principal = owner
-    a = orders.create_order(principal, tenant=tenant, tier=tier).allocations.get()
-    assert provisioning.provision(a.pk) == "activated", Allocation.objects.get(pk=a.pk).failure_reason
-    return Allocation.objects.get(pk=a.pk)
-
-
-def _deploy(owner, a, name, template):
-    dep = deployments.deploy(owner[1], a, name, template=template)
-    assert deployments.load(dep.pk) == "ready", ModelDeployment.objects.get(pk=dep.pk).failure_reason
-    return dep
-
-
-@pytest.fixture
-def fleet(sim_http_on, h100_node, tiers):
-    a_owner, b_owner = _tenant("alpha"), _tenant("bravo")
-    a1 = _slice(a_owner, tiers["1g"])
-    gen = _deploy(a_owner, a1, "tiny-gen", "tiny-gen")
-    chat = _deploy(a_owner, a1, "tiny-chat", "tiny-chat")
-    b1 = _slice(b_owner, tiers["1g"])
-    b_gen = _deploy(b_owner, b1, "secret-model", "tiny-gen")
-    _, key_a = make_key(a_owner[0], ["inference"])
-    _, key_b = make_key(b_owner[0], ["inference"])
-    return {"a": a_owner[0], "b": b_owner[0], "a_owner": a_owner, "gen": gen, "chat": chat, "b_gen": b_gen,
-            "key_a": key_a, "key_b": key_b, "tiers": tiers}
+def fleet(gateway_fleet):
+    return gateway_fleet
 
 
 def _client(gw, key):
@@ -239,8 +203,8 @@ def test_request_and_token_limits_answer_429_with_retry_after(fleet, gateway_fac
 
 def test_load_is_balanced_over_deployments_of_one_name_and_a_dead_one_is_taken_out(fleet, gateway_factory):
     owner = fleet["a_owner"]
-    second = _slice(owner, fleet["tiers"]["1g"])
-    other = _deploy(owner, second, "tiny-gen", "tiny-gen")
+    second = gateway_slice(owner, fleet["tiers"]["1g"])
+    other = gateway_deploy(owner, second, "tiny-gen", "tiny-gen")
     gw = gateway_factory()
     client = _client(gw, fleet["key_a"])
     for _ in range(8):
