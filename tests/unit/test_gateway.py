@@ -301,3 +301,26 @@ def test_metered_vs_served_mismatch_opens_one_drift_event_and_shows_in_the_conso
     assert "Metered requests differ" in client.get(reverse("console:overview")).content.decode()
     page = client.get(reverse("console:allocation_metering")).content.decode()
     assert "1 deployment out of tolerance" in page and '<span class="badge warn">-60</span>' in page
+
+
+def test_the_hot_path_makes_no_database_query(fleet, gateway_factory, monkeypatch):
+    """Keys, routes, tenants and limits come from the in-memory snapshot: serving (plain, streamed, KServe) runs
+    no SQL in any thread of the process."""
+    from django.db.backends import utils
+
+    gw = gateway_factory(refresh_s=3600)  # loaded once at startup, not again during the test
+    ran = []
+    for name in ("execute", "executemany"):
+        original = getattr(utils.CursorWrapper, name)
+        monkeypatch.setattr(utils.CursorWrapper, name,
+                            lambda self, sql, *a, _o=original, **k: ran.append(sql) or _o(self, sql, *a, **k))
+    client = _client(gw, fleet["key_a"])
+    for _ in range(5):
+        client.chat.completions.create(model="tiny-gen", messages=[{"role": "user", "content": "q"}], max_tokens=2)
+    list(client.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "q"}],
+                                        max_tokens=3, stream=True))
+    assert _raw(gw, "/v2/models/tiny-gen/generate", fleet["key_a"], {"prompt": "q"})[0] == 200
+    assert _raw(gw, "/v1/chat/completions", fleet["key_b"], {"model": "tiny-gen", "messages": []})[0] == 400
+    assert ran == []
+    gw.refresh()  # the spy sees queries where there are some: the snapshot's four
+    assert len(ran) >= 4
