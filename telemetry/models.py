@@ -21,6 +21,8 @@ class UsageEvent(models.Model):
     output_tokens = models.BigIntegerField()
     requests = models.IntegerField(default=1)
     received_at = models.DateTimeField(default=timezone.now)
+    latency_ms = models.PositiveIntegerField(null=True, blank=True,
+                                             help_text="the gateway's time to the last byte; empty: reported usage")
 
     objects = TenantScopedQuerySet.as_manager()
     tenant_path = "tenant_id"
@@ -31,7 +33,9 @@ class UsageEvent(models.Model):
             models.CheckConstraint(condition=models.Q(input_tokens__gte=0, output_tokens__gte=0, requests__gte=0),
                                    name="usage_event_non_negative"),
         ]
-        indexes = [models.Index(fields=["tenant", "ts"])]
+        indexes = [models.Index(fields=["tenant", "ts"]),
+                   models.Index(fields=["deployment", "ts"], condition=models.Q(latency_ms__isnull=False),
+                                name="usage_event_served_latency")]
 
     def __str__(self) -> str:
         return f"{self.tenant_id}:{self.event_id}"

@@ -15,6 +15,7 @@ Every answer carries ``x-request-id``: the id of the usage event the request mad
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import logging
 import time
@@ -36,6 +37,9 @@ Receive = Callable[[], Awaitable[dict[str, Any]]]
 JSON = [(b"content-type", b"application/json")]
 SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
                (b"x-accel-buffering", b"no")]
+
+
+_started: contextvars.ContextVar[float] = contextvars.ContextVar("started")
 
 
 def _dumps(obj: Any) -> bytes:
@@ -110,6 +114,7 @@ class Gateway:
             return
         if not self.started:
             await self.startup()
+        _started.set(time.perf_counter())
         path, method = scope["path"], scope["method"]
         openai = path.startswith("/v1/")
         rid = uuid.uuid4().hex
@@ -240,7 +245,8 @@ class Gateway:
     async def _meter(self, caller: Caller, up: Upstream, rid: str, n_in: int, n_out: int) -> None:
         assert self.sink is not None
         try:
-            await self.sink.append(event(rid, caller.tenant.id, up.deployment_id, n_in, n_out))
+            ms = (time.perf_counter() - _started.get(time.perf_counter())) * 1000
+            await self.sink.append(event(rid, caller.tenant.id, up.deployment_id, n_in, n_out, ms=ms))
         except MeteringUnavailable:
             raise GatewayError(503, "metering_unavailable", "The request could not be recorded for billing, so its "
                                "answer is withheld; retry shortly.", kind="server_error",

@@ -1,7 +1,8 @@
 """Usage events the gateway served: made durable on the hot path, written to the database by a consumer.
 
 One event per request: ``{"id": request id, "t": tenant, "d": deployment, "ts": epoch seconds, "i": input
-tokens, "o": output tokens}``. The request id is the usage event id, so a replay is counted once.
+tokens, "o": output tokens, "ms": milliseconds from the request's arrival to its metering}``. The request id is
+the usage event id, so a replay is counted once.
 
 Producers (``UsageSink``, async, in the gateway):
 
@@ -49,9 +50,12 @@ class MeteringUnavailable(Exception):
 
 
 def event(request_id: str, tenant_id: int, deployment_id: int, n_in: int, n_out: int,
-          ts: float | None = None) -> dict[str, Any]:
-    return {"id": request_id, "t": tenant_id, "d": deployment_id, "ts": round(ts or time.time(), 6), "i": n_in,
-            "o": n_out}
+          ts: float | None = None, ms: float | None = None) -> dict[str, Any]:
+    e = {"id": request_id, "t": tenant_id, "d": deployment_id, "ts": round(ts or time.time(), 6), "i": n_in,
+         "o": n_out}
+    if ms is not None:
+        e["ms"] = max(0, round(ms))
+    return e
 
 
 def _dumps(e: dict[str, Any]) -> str:
@@ -170,7 +174,9 @@ def _rows(events: list[dict[str, Any]]) -> dict[int, list[tuple]]:
     by_tenant: dict[int, dict[str, tuple]] = defaultdict(dict)
     for e in events:
         try:
-            row = (str(e["id"]), int(e["d"]), datetime.fromtimestamp(float(e["ts"]), UTC), int(e["i"]), int(e["o"]), 1)
+            ms = e.get("ms")
+            row = (str(e["id"]), int(e["d"]), datetime.fromtimestamp(float(e["ts"]), UTC), int(e["i"]), int(e["o"]), 1,
+                   int(ms) if ms is not None else None)
             by_tenant[int(e["t"])].setdefault(row[0], row)
         except (KeyError, TypeError, ValueError):
             log.error("malformed usage event dropped", extra={"event": str(e)[:200]})

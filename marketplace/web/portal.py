@@ -30,7 +30,7 @@ from marketplace.services import billing, deployments, inference, orders
 from marketplace.services.fleet import _gpu_states
 from marketplace.web.tables import Column, table
 from telemetry import charts
-from telemetry.selectors import deployment_served, usage_summary
+from telemetry.selectors import deployment_latency, deployment_served, usage_summary
 from tenants import services as tenant_services
 from tenants.errors import Forbidden, ServiceError
 from tenants.models import ApiKey, Invitation, Membership, Tenant
@@ -338,9 +338,11 @@ def deployment_detail(request, pk, tried=None, try_form=None, status=200):
     moving = dep.state in MOVING_DEPLOYMENT_STATES
     since = timezone.now() - timedelta(hours=24)
     served = deployment_served(dep, since)
+    latency = deployment_latency(dep, since)
     return render(request, "portal/deployment.html", ctx(
         request, dep=dep, moving=moving, gateway_url=settings.TESSERA_GATEWAY_URL, examples=inference.examples(dep),
-        served=served, tried=tried, try_form=try_form or {"prompt": "", "max_tokens": 32}), status=status)
+        served=served, latency=latency, tried=tried, try_form=try_form or {"prompt": "", "max_tokens": 32}),
+        status=status)
 
 
 @require_POST

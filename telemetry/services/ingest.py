@@ -214,13 +214,13 @@ def _sql() -> tuple[str, str]:
     ev, hr = UsageEvent._meta.db_table, UsageHourly._meta.db_table
     stage = (f"CREATE TEMP TABLE IF NOT EXISTS {STAGE} (event_id text NOT NULL, deployment_id bigint NOT NULL, "
              f"ts timestamptz NOT NULL, input_tokens bigint NOT NULL, output_tokens bigint NOT NULL, "
-             f"requests integer NOT NULL) ON COMMIT DELETE ROWS")
+             f"requests integer NOT NULL, latency_ms integer) ON COMMIT DELETE ROWS")
     sums = ", ".join(f"{c} = {hr}.{c} + EXCLUDED.{c}" for c in ("input_tokens", "output_tokens", "requests", "events"))
     upsert = f"""
         WITH ins AS (
             INSERT INTO {ev} (tenant_id, deployment_id, event_id, ts, input_tokens, output_tokens, requests,
-                              received_at)
-            SELECT %(tenant)s, deployment_id, event_id, ts, input_tokens, output_tokens, requests, %(now)s
+                              received_at, latency_ms)
+            SELECT %(tenant)s, deployment_id, event_id, ts, input_tokens, output_tokens, requests, %(now)s, latency_ms
             FROM {STAGE} ORDER BY event_id COLLATE "C"
             ON CONFLICT (tenant_id, event_id) DO NOTHING
             RETURNING deployment_id, ts, input_tokens, output_tokens, requests
@@ -246,8 +246,8 @@ def _store_postgresql(tenant_id: int, rows: list[tuple], now: datetime) -> int:
     with connection.cursor() as cur:
         cur.execute(stage_ddl)
         cur.execute(f"DELETE FROM {STAGE}")  # empty unless an outer transaction (tests) reused it
-        with cur.copy(f"COPY {STAGE} (event_id, deployment_id, ts, input_tokens, output_tokens, requests) "
-                      f"FROM STDIN") as copy:
+        with cur.copy(f"COPY {STAGE} (event_id, deployment_id, ts, input_tokens, output_tokens, requests, "
+                      f"latency_ms) FROM STDIN") as copy:
             write = copy.write_row
             for row in rows:
                 write(row)
@@ -266,9 +266,9 @@ def _store_portable(tenant_id: int, rows: list[tuple], now: datetime) -> int:
     new = [r for r in rows if r[0] not in existing]
     UsageEvent.objects.bulk_create(
         [UsageEvent(tenant_id=tenant_id, deployment_id=dep, event_id=eid, ts=ts, input_tokens=i, output_tokens=o,
-                    requests=r, received_at=now) for eid, dep, ts, i, o, r in new], batch_size=500)
+                    requests=r, received_at=now, latency_ms=ms) for eid, dep, ts, i, o, r, ms in new], batch_size=500)
     agg: dict[tuple[int, datetime], list[int]] = defaultdict(lambda: [0, 0, 0, 0])
-    for _eid, dep, ts, i, o, r in new:
+    for _eid, dep, ts, i, o, r, _ms in new:
         a = agg[(dep, _hour(ts))]
         a[0] += i
         a[1] += o
@@ -285,10 +285,11 @@ def _store_portable(tenant_id: int, rows: list[tuple], now: datetime) -> int:
 
 
 def store_rows(tenant_id: int, rows: list[tuple], now: datetime | None = None) -> int:
-    """Store accepted rows (event_id, deployment_id, ts UTC, input, output, requests), unique event ids;
+    """Store accepted rows (event_id, deployment_id, ts UTC, input, output, requests[, latency_ms]), unique event ids;
     returns how many were new. One transaction: events and their hours together."""
     if not rows:
         return 0
+    rows = [r if len(r) == 7 else (*r, None) for r in rows]  # (.., latency_ms): only the gateway measures it
     now = now or timezone.now()
     store = _store_postgresql if connection.vendor == "postgresql" else _store_portable
     outermost = not connection.in_atomic_block

@@ -264,14 +264,16 @@ def test_portal_model_page_shows_the_endpoint_and_try_it_is_served_by_the_gatewa
     client.force_login(fleet["a_owner"][1].user)
     body = client.get(reverse("portal:deployment", args=[fleet["gen"].pk])).content.decode()
     assert "https://infer.msp.example/v1" in body and "&quot;model&quot;: &quot;tiny-gen&quot;" in body
-    assert "$TESSERA_API_KEY" in body and 'id="try-it"' in body
+    assert "$TESSERA_API_KEY" in body and 'id="try-it"' in body and "latency p50" not in body
     r = client.post(reverse("portal:deployment_try", args=[fleet["gen"].pk]), {"prompt": "hello world",
                                                                              "max_tokens": "3"})
     assert r.status_code == 200 and "assistant: world hello" in r.content.decode()
     _drain()
     ev = UsageEvent.objects.get(deployment=fleet["gen"])
     assert (ev.input_tokens, ev.output_tokens) == (4, 3)
-    assert r.context["tried"]["id"] == f"chatcmpl-{ev.event_id}"
+    assert r.context["tried"]["id"] == f"chatcmpl-{ev.event_id}" and ev.latency_ms is not None
+    page = client.get(reverse("portal:deployment", args=[fleet["gen"].pk])).content.decode()
+    assert "1 requests" in page and f"latency p50 {ev.latency_ms} ms, p95 {ev.latency_ms} ms" in page
     viewer = MembershipFactory(tenant=fleet["a"], role=Role.VIEWER).user
     client.force_login(viewer)
     assert client.post(reverse("portal:deployment_try", args=[fleet["gen"].pk]), {"prompt": "x"}).status_code == 403
