@@ -151,6 +151,13 @@ class Gateway:
         if path in ("/healthz", "/health"):  # unauthenticated: nothing about other tenants or the fleet's size
             await _send(send, 200 if self.tables.ready else 503, _dumps({"ready": self.tables.ready}), JSON, rid)
             return
+        if path == "/openapi.json" and method == "GET":
+            from django.conf import settings  # noqa: PLC0415
+
+            from .openapi import document  # noqa: PLC0415
+
+            await _send(send, 200, _dumps(document(settings.TESSERA_GATEWAY_URL)), JSON, rid)
+            return
         headers = dict(scope["headers"])
         caller = self.tables.authenticate(_header(headers, b"authorization"))
         if parts[0] == "v1":

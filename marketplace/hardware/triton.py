@@ -1185,7 +1185,7 @@ class SimTritonBackend(TritonBackend):
             except ValueError as exc:
                 # As on the real server: an error the python model puts in its response is a status-500
                 # error for the client, yet Triton counts the request as executed and *successful*.
-                error, n_out = str(exc), 0
+                error, n_in, n_out = str(exc), len(text.split()), 0
             queue, c_in, c_out = 20_000, 5_000, 5_000
             if self.tokens_per_s:
                 c_infer = max(1, round((n_in + n_out) / self.tokens_per_s * 1e9) - c_in - c_out)

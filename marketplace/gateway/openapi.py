@@ -1,0 +1,105 @@
+"""The gateway's OpenAPI document (``GET /openapi.json``): its routes, bodies, answers and errors, for integrators
+and for the schema fuzzing test (tests/security/test_gateway_schemathesis.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+OPENAI_ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type", "code"],
+    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                   "param": {"type": ["string", "null"]}, "code": {"type": "string"}}}}}
+KSERVE_ERROR = {"type": "object", "required": ["error"],
+                "properties": {"error": {"type": "string"}, "code": {"type": "string"}}}
+USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+         "properties": {k: {"type": "integer", "minimum": 0} for k in ("prompt_tokens", "completion_tokens",
+                                                                        "total_tokens")}}
+MODEL = {"type": "object", "required": ["id", "object", "owned_by"],
+         "properties": {"id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
+                        "owned_by": {"type": "string"}}}
+MAX_TOKENS = {"type": "integer", "minimum": 0, "maximum": 1_000_000}
+STREAM = {"type": "boolean"}
+STREAM_OPTIONS = {"type": "object", "properties": {"include_usage": {"type": "boolean"}}}
+MESSAGE = {"type": "object", "required": ["role", "content"], "properties": {
+    "role": {"enum": ["system", "developer", "user", "assistant", "tool"]}, "content": {"type": "string"}}}
+COMPLETION = {"type": "object", "required": ["id", "object", "choices", "usage"], "properties": {
+    "id": {"type": "string"}, "object": {"type": "string"}, "created": {"type": "integer"},
+    "model": {"type": "string"}, "choices": {"type": "array"}, "usage": USAGE}}
+MODEL_PARAM = {"name": "model", "in": "path", "required": True, "description": "your deployment's name",
+               "schema": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}}
+ANY_OBJECT = {"type": "object"}
+# each event's data: a JSON object (a chunk, or an error as the stream's last event); OpenAI streams end "[DONE]"
+SSE = {"text/event-stream": {"schema": {"type": ["object", "string"]}}}
+
+
+def _errors(schema: dict, *codes: int) -> dict[str, Any]:
+    why = {400: "invalid request, or the model refused it", 401: "missing, unknown, revoked or expired key",
+           402: "the tenant's monthly spend limit is reached", 403: "the key lacks the inference scope, or the "
+           "tenant is suspended", 404: "unknown model, or another tenant's (the same answer)",
+           413: "body too large", 429: "request, token or concurrency limit (Retry-After)",
+           500: "the gateway failed", 502: "the model failed", 503: "the model is not answering, or metering is "
+           "unavailable (Retry-After)"}
+    return {str(c): {"description": why[c], "content": {"application/json": {"schema": schema}}} for c in codes}
+
+
+ALL = (400, 401, 402, 403, 404, 413, 429, 500, 502, 503)
+
+
+def _op(summary: str, ok: dict[str, Any], errors: dict, body: dict | None = None, params: list | None = None
+        ) -> dict[str, Any]:
+    op: dict[str, Any] = {"summary": summary, "responses": {"200": ok, **errors}, "security": [{"bearer": []}]}
+    if body is not None:
+        op["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
+    if params:
+        op["parameters"] = params
+    return op
+
+
+def document(server_url: str = "") -> dict[str, Any]:
+    oe, ke = _errors(OPENAI_ERROR, *ALL), _errors(KSERVE_ERROR, *ALL)
+    json_or_sse = lambda schema: {"description": "the answer (server-sent events when stream is true)",  # noqa: E731
+                                  "content": {"application/json": {"schema": schema}, **SSE}}
+    chat = {"type": "object", "required": ["model", "messages"], "properties": {
+        "model": {"type": "string"}, "messages": {"type": "array", "minItems": 1, "items": MESSAGE},
+        "max_tokens": MAX_TOKENS, "max_completion_tokens": MAX_TOKENS, "stream": STREAM,
+        "stream_options": STREAM_OPTIONS, "n": {"const": 1}}}
+    completion = {"type": "object", "required": ["model", "prompt"], "properties": {
+        "model": {"type": "string"}, "prompt": {"type": "string"}, "max_tokens": MAX_TOKENS, "stream": STREAM,
+        "stream_options": STREAM_OPTIONS, "n": {"const": 1}}}
+    generate = {"type": "object", "description": "keys name the model's input tensors (Tessera's text models: "
+                "prompt, max_tokens)", "properties": {"prompt": {"type": "string"}, "max_tokens": MAX_TOKENS}}
+    paths = {
+        "/v1/models": {"get": _op("List your models", {"description": "your ready models", "content": {
+            "application/json": {"schema": {"type": "object", "required": ["object", "data"], "properties": {
+                "object": {"const": "list"}, "data": {"type": "array", "items": MODEL}}}}}}, oe)},
+        "/v1/models/{model}": {"get": _op("One of your models", {"description": "the model", "content": {
+            "application/json": {"schema": MODEL}}}, oe, params=[MODEL_PARAM])},
+        "/v1/chat/completions": {"post": _op("Chat completion (OpenAI-compatible)", json_or_sse(COMPLETION), oe,
+                                             chat)},
+        "/v1/completions": {"post": _op("Text completion (OpenAI-compatible)", json_or_sse(COMPLETION), oe,
+                                        completion)},
+        "/v2/models/{model}": {"get": _op("Model metadata (KServe v2)", {"description": "metadata", "content": {
+            "application/json": {"schema": ANY_OBJECT}}}, ke, params=[MODEL_PARAM])},
+        "/v2/models/{model}/ready": {"get": _op("Model readiness (KServe v2)", {"description": "ready"}, ke,
+                                                params=[MODEL_PARAM])},
+        "/v2/models/{model}/infer": {"post": _op("Inference (KServe v2; JSON or binary tensors)", {
+            "description": "the output tensors", "content": {"application/json": {"schema": ANY_OBJECT}}}, ke,
+            {"type": "object", "required": ["inputs"], "properties": {"inputs": {"type": "array"}}},
+            [MODEL_PARAM])},
+        "/v2/models/{model}/generate": {"post": _op("Generate (Triton's generate extension)", {
+            "description": "the output tensors", "content": {"application/json": {"schema": ANY_OBJECT}}}, ke,
+            generate, [MODEL_PARAM])},
+        "/v2/models/{model}/generate_stream": {"post": _op("Generate, streamed", {
+            "description": "one event per response", "content": SSE}, ke, generate, [MODEL_PARAM])},
+    }
+    doc: dict[str, Any] = {
+        "openapi": "3.1.0",
+        "info": {"title": "Tessera inference gateway", "version": "1",
+                 "description": "Call your models with an API key that has the inference scope. Every answer "
+                                "carries x-request-id, the id of the usage event Tessera bills."},
+        "paths": paths,
+        "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+    }
+    if server_url:
+        doc["servers"] = [{"url": server_url}]
+    return doc
