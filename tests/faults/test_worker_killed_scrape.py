@@ -340,13 +340,13 @@ def test_worker_killed_inside_the_scrape_transaction_counts_exactly_once(scene):
     w2 = scene.worker("solo")  # restores the unacked message after the visibility timeout
     replay = scene.wait_succeeded(w2, task_id, 120)
     # the replay adds only what d1 served since its committed scrape, and all of d2
-    assert replay == {"deployments": 2, "requests": m1 + n2 + m2, "failures": 0, "errors": 0}
+    assert replay == {"deployments": 2, "requests": m1 + n2 + m2, "failures": 0, "errors": 0, "mismatches": 0}
     scene.assert_exact(d1, total1)
     scene.assert_exact(d2, total2)
     assert not scene.unacked(task_id)
 
     nxt = scene.scrape()  # the next scheduled scrape: nothing new was served, nothing is added
-    assert scene.wait_succeeded(w2, nxt, 60) == {"deployments": 2, "requests": 0, "failures": 0, "errors": 0}
+    assert scene.wait_succeeded(w2, nxt, 60) == {"deployments": 2, "requests": 0, "failures": 0, "errors": 0, "mismatches": 0}
     scene.assert_exact(d1, total1)
     scene.assert_exact(d2, total2)
     print(f"\nheld backend {held.pid} at COMMIT (d2 requests={held.requests}); N=({n1}, {n2}) M=({m1}, {m2}); "
@@ -384,14 +384,14 @@ def test_pool_child_killed_inside_the_scrape_transaction_is_requeued_and_counts_
         hold.release()  # the rerun commits
 
     rerun = scene.wait_succeeded(w, task_id, 60)
-    assert rerun == {"deployments": 2, "requests": total2 - n2, "failures": 0, "errors": 0}
+    assert rerun == {"deployments": 2, "requests": total2 - n2, "failures": 0, "errors": 0, "mismatches": 0}
     assert "WorkerLostError" in w.log_path.read_text(errors="replace")
     scene.assert_exact(d1, total1)
     scene.assert_exact(d2, total2)
 
     total1, total2 = scene.infer(d1, 2), scene.infer(d2, 1)
     nxt = scene.scrape()
-    assert scene.wait_succeeded(w, nxt, 60) == {"deployments": 2, "requests": 3, "failures": 0, "errors": 0}
+    assert scene.wait_succeeded(w, nxt, 60) == {"deployments": 2, "requests": 3, "failures": 0, "errors": 0, "mismatches": 0}
     scene.assert_exact(d1, total1)
     scene.assert_exact(d2, total2)
     print(f"\nheld backend {held.pid}, child {children[0]} killed; rerun held as {again.pid}; "
