@@ -17,6 +17,7 @@ from django.utils import timezone
 
 from marketplace.gateway.state import mint_try_token
 from marketplace.models import Allocation, ModelDeployment
+from telemetry.models import TritonServedHourly
 from telemetry.services.ingest import ingest_batch
 from tenants.scoping import Principal
 
@@ -67,7 +68,8 @@ def _post(url: str, body: dict, token: str) -> dict:
 
 
 def backfill(days: int = 3) -> int:
-    """Seed: usage the gateway 'reported' over the past days (hourly batches), for the demo charts."""
+    """Seed: the past days' history, for the demo charts: what the gateway metered (hourly batches) and what the
+    slices' Triton servers served (the same requests), so metered and served agree as they would have."""
     total = 0
     now = timezone.now().replace(minute=0, second=0, microsecond=0)
     for dep in ModelDeployment.objects.filter(state__in=["ready", "loading", "pending"]).select_related("tenant"):
@@ -82,4 +84,6 @@ def backfill(days: int = 3) -> int:
                        "requests": 20} for i in range(n)]
             if events:
                 total += ingest_batch(SYSTEM, dep.tenant, events).new
+                TritonServedHourly.objects.update_or_create(tenant=dep.tenant, deployment=dep, hour=hour,
+                                                            defaults={"requests": 20 * n})
     return total
