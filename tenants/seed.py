@@ -40,9 +40,10 @@ class SeedResult:
 
 
 @transaction.atomic
-def seed_demo() -> SeedResult:
-    operator_password = secrets.token_urlsafe(9)
-    user_password = secrets.token_urlsafe(9)
+def seed_demo(operator_password: str | None = None, user_password: str | None = None) -> SeedResult:
+    """Seed (or re-seed) the demo MSP. Passwords are new unless given (the demo command keeps the first run's)."""
+    operator_password = operator_password or secrets.token_urlsafe(9)
+    user_password = user_password or secrets.token_urlsafe(9)
     operator, _ = User.objects.get_or_create(email=OPERATOR_EMAIL, defaults={"full_name": "MSP Operator"})
     operator.is_staff = True
     operator.is_superuser = True

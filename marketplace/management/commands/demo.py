@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -32,7 +33,7 @@ class Command(BaseCommand):
         os.environ.setdefault("TESSERA_GATEWAY_URL", f"http://{opts['gateway_addr']}")
         call_command("migrate", interactive=False, verbosity=0)
         self.stdout.write("database migrated")
-        result = seed_demo()
+        result = self._seed_logins()
         counts = seed_fleet()
         self.stdout.write(f"simulated fleet: {counts['nodes']} nodes, {counts['allocations']} allocations ordered")
         self._print_logins(result, opts["addr"])
@@ -44,7 +45,10 @@ class Command(BaseCommand):
         gateway = self._start_gateway(opts["gateway_addr"])
         worker = None if opts["no_worker"] else self._start_worker()
         if worker is not None:
-            threading.Thread(target=self._deploy_and_backfill, daemon=True).start()
+            threading.Thread(target=self._deploy_and_backfill, args=(result, opts["addr"]), daemon=True).start()
+        # A service manager stops the demo with SIGTERM: leave through the same path as Ctrl-C, so the
+        # embedded worker and the gateway are stopped with it (not left running).
+        signal.signal(signal.SIGTERM, _interrupt)
         if opts["exit_after"]:
             def stop():
                 time.sleep(opts["exit_after"])
@@ -65,7 +69,23 @@ class Command(BaseCommand):
                     proc.kill()
             self.stdout.write("demo stopped")
 
-    def _deploy_and_backfill(self):
+    def _seed_logins(self):
+        """Seed the demo; the logins of the first run are kept in var/demo-logins.json (mode 0600), so a restart
+        keeps the passwords and can show the API keys again."""
+        from django.conf import settings
+
+        path = settings.VAR_DIR / "demo-logins.json"
+        saved = json.loads(path.read_text()) if path.exists() else {}
+        result = seed_demo(saved.get("operator_password"), saved.get("user_password"))
+        result.keys = {**saved.get("keys", {}), **result.keys}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"operator_password": result.operator_password, "user_password": result.user_password,
+                       "keys": result.keys}, f, indent=2)
+        return result
+
+    def _deploy_and_backfill(self, result=None, addr="127.0.0.1:8000"):
         """Once the worker has made the demo slices active: a model on each, and three days of the
         usage their gateway reported, so invoices and charts have something to show."""
         from django.db import close_old_connections
@@ -91,6 +111,8 @@ class Command(BaseCommand):
             self.stdout.write(f"demo: {new} models deployed, {n} usage events of the last 3 days reported")
         while time.monotonic() < deadline and ModelDeployment.objects.exclude(state="ready").exists():
             time.sleep(1)
+        if result is not None:  # again, now that it is ready: the worker's log lines have scrolled the first away
+            self._print_logins(result, addr, title="Tessera demo is ready")
 
     def _start_gateway(self, addr: str):
         host, _, port = addr.rpartition(":")
@@ -108,10 +130,10 @@ class Command(BaseCommand):
         self.stdout.write(f"embedded worker: {' '.join(cmd[2:])}")
         return subprocess.Popen(cmd, env=os.environ.copy())
 
-    def _print_logins(self, result, addr):
+    def _print_logins(self, result, addr, title="Tessera demo"):
         w = self.stdout.write
         w("")
-        w(self.style.SUCCESS("Tessera demo"))
+        w(self.style.SUCCESS(title))
         w(f"  web app        http://{addr}/  (operators land in the console, tenant users in the portal)")
         w(f"  Django admin   http://{addr}/admin/")
         w(f"  API docs       http://{addr}/api/docs/")
@@ -122,5 +144,9 @@ class Command(BaseCommand):
         for slug, secret in result.keys.items():
             w(f"  API key {slug:14s} {secret}")
         if not result.keys:
-            w("  API keys were created on the first run and are not shown again; create more in the API.")
+            w("  API keys: create them in the portal (API keys) or the API.")
         w("")
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
