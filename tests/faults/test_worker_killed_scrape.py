@@ -346,7 +346,8 @@ def test_worker_killed_inside_the_scrape_transaction_counts_exactly_once(scene):
     assert not scene.unacked(task_id)
 
     nxt = scene.scrape()  # the next scheduled scrape: nothing new was served, nothing is added
-    assert scene.wait_succeeded(w2, nxt, 60) == {"deployments": 2, "requests": 0, "failures": 0, "errors": 0, "mismatches": 0}
+    assert scene.wait_succeeded(w2, nxt, 60) == {"deployments": 2, "requests": 0, "failures": 0, "errors": 0,
+                                                 "mismatches": 0}
     scene.assert_exact(d1, total1)
     scene.assert_exact(d2, total2)
     print(f"\nheld backend {held.pid} at COMMIT (d2 requests={held.requests}); N=({n1}, {n2}) M=({m1}, {m2}); "
@@ -391,7 +392,8 @@ def test_pool_child_killed_inside_the_scrape_transaction_is_requeued_and_counts_
 
     total1, total2 = scene.infer(d1, 2), scene.infer(d2, 1)
     nxt = scene.scrape()
-    assert scene.wait_succeeded(w, nxt, 60) == {"deployments": 2, "requests": 3, "failures": 0, "errors": 0, "mismatches": 0}
+    assert scene.wait_succeeded(w, nxt, 60) == {"deployments": 2, "requests": 3, "failures": 0, "errors": 0,
+                                                "mismatches": 0}
     scene.assert_exact(d1, total1)
     scene.assert_exact(d2, total2)
     print(f"\nheld backend {held.pid}, child {children[0]} killed; rerun held as {again.pid}; "
