@@ -5,12 +5,15 @@ from django.http import JsonResponse
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerSplitView
 
+from marketplace.api.root import ApiRootView
+
 
 def healthz(request):
     return JsonResponse({"status": "ok"})
 
 
 api_v1 = [
+    path("", ApiRootView.as_view(), name="root"),
     path("", include("tenants.api.urls")),
     path("", include("marketplace.api.urls")),
     path("", include("telemetry.api.urls")),
@@ -25,3 +28,7 @@ urlpatterns = [
     path("", include("telemetry.urls")),  # /metrics, /charts/<name>/, /api/v1/charts/<name>/
     path("", include("marketplace.web.urls")),
 ]
+
+handler403 = "marketplace.web.errors.forbidden"
+handler404 = "marketplace.web.errors.not_found"
+handler500 = "marketplace.web.errors.server_error"
