@@ -69,9 +69,15 @@ class Gateway:
         self.loop = asyncio.get_running_loop()
         if settings.REDIS_URL and (self.sink is None or self.limiter is None):
             import redis.asyncio as aioredis  # noqa: PLC0415
+            from redis.asyncio.retry import Retry  # noqa: PLC0415
+            from redis.backoff import NoBackoff  # noqa: PLC0415
+            from redis.exceptions import ConnectionError as RedisConnectionError  # noqa: PLC0415
 
-            # Enough connections for every request in flight: redis-py's pool raises past its size.
-            self._redis = aioredis.Redis.from_url(settings.REDIS_URL, max_connections=4096)
+            # Enough connections for every request in flight: redis-py's pool raises past its size. A pooled
+            # connection Redis closed (a restart) is retried once on a new one instead of failing the request.
+            self._redis = aioredis.Redis.from_url(settings.REDIS_URL, max_connections=4096,
+                                                  retry=Retry(NoBackoff(), 1),
+                                                  retry_on_error=[RedisConnectionError])
         if self.sink is None:
             self.sink = RedisStreamSink(self._redis) if self._redis is not None else SpoolSink()
         if self.limiter is None:
@@ -88,6 +94,8 @@ class Gateway:
             self._refresher.cancel()
         if self.sink is not None:
             await self.sink.close()
+        if self.limiter is not None:
+            await self.limiter.close()
         await self.client.close()
         if self._redis is not None:
             await self._redis.aclose()

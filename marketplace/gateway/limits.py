@@ -6,23 +6,32 @@ its limit, or when this request would exceed the key's requests this minute; oth
 and records it as in flight. Tokens are known only once the answer is served, so they are added after it: a
 request admitted under the token limit may take the key past it, and the next ones wait for the next minute.
 An in-flight entry is removed when its request ends; one left by a killed gateway expires after
-``STALE_S``. Refusals are HTTP 429 with ``Retry-After`` (seconds to the next minute, or 1 for concurrency).
+``stale_s()``: the longest a request may take upstream (``TESSERA_GATEWAY_UPSTREAM_TIMEOUT_S``) plus 30 s.
+Refusals are HTTP 429 with ``Retry-After`` (seconds to the next minute, or 1 for concurrency). Requests that
+arrive while a Redis round trip is in flight share the next pipeline; Redis away is a 503 ``limits_unavailable``.
 
 Without Redis (the demo) ``LocalLimiter`` applies the same rules within the one gateway process.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import math
 import time
 from abc import ABC, abstractmethod
 from collections import defaultdict
 from typing import Any
 
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
 from .protocol import GatewayError
 from .state import Caller
 
-STALE_S = 600
+log = logging.getLogger("tessera.gateway")
+
+REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, OSError)
 PREFIX = "tessera:gw:"
 
 ADMIT = """
@@ -62,6 +71,12 @@ def _refusal(kind: int, caller: Caller, now: float) -> GatewayError:
                         f"this minute; retry after {retry} s.", kind="rate_limit_error", headers={"Retry-After": retry})
 
 
+def stale_s() -> int:
+    from django.conf import settings  # noqa: PLC0415
+
+    return int(settings.TESSERA_GATEWAY_UPSTREAM_TIMEOUT_S) + 30
+
+
 def _who(caller: Caller) -> str:
     return caller.key_prefix or caller.subject
 
@@ -79,10 +94,70 @@ class Limiter(ABC):
         pass
 
 
+class _Pipeliner:
+    """Redis commands of requests that arrive while a round trip is in flight go together in the next pipeline
+    (one write, one read, however many requests): the per-request round trips were most of the gateway's CPU."""
+
+    def __init__(self, redis: Any) -> None:
+        self.redis = redis
+        self._queue: list[tuple[Any, int, asyncio.Future]] = []
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+
+    async def run(self, add: Any, n: int) -> list[Any]:
+        """``add(pipe)`` queues ``n`` commands; returns their results (raises the first error among them)."""
+        if self._task is None:
+            self._wake = asyncio.Event()
+            self._task = asyncio.create_task(self._loop())
+        fut = asyncio.get_running_loop().create_future()
+        self._queue.append((add, n, fut))
+        assert self._wake is not None
+        self._wake.set()
+        return await fut
+
+    async def _loop(self) -> None:
+        assert self._wake is not None
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            batch, self._queue = self._queue, []
+            if not batch:
+                continue
+            pipe = self.redis.pipeline(transaction=False)
+            for add, _n, _fut in batch:
+                add(pipe)
+            try:
+                results = await pipe.execute(raise_on_error=False)
+            except Exception as exc:  # noqa: BLE001 - every waiter learns the round trip failed
+                for _add, _n, fut in batch:
+                    if not fut.done():
+                        fut.set_exception(exc)
+                continue
+            i = 0
+            for _add, n, fut in batch:
+                part, i = results[i:i + n], i + n
+                error = next((r for r in part if isinstance(r, Exception)), None)
+                if fut.done():
+                    continue
+                if error is not None:
+                    fut.set_exception(error)
+                else:
+                    fut.set_result(part)
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+
+
 class RedisLimiter(Limiter):
     def __init__(self, redis: Any) -> None:
         self.redis = redis
         self._admit = redis.register_script(ADMIT)
+        self._pipe = _Pipeliner(redis)
+
+    async def close(self) -> None:
+        self._pipe.close()
 
     @staticmethod
     def _keys(caller: Caller, minute: int) -> list[str]:
@@ -92,21 +167,36 @@ class RedisLimiter(Limiter):
     async def admit(self, caller: Caller, request_id: str) -> None:
         now = time.time()
         keys = self._keys(caller, int(now // 60))
-        verdict = int(await self._admit(keys=keys, args=[caller.requests_per_minute, caller.tokens_per_minute,
-                                                         caller.tenant.max_concurrent, int(now * 1000), request_id,
-                                                         STALE_S]))
+        args = [caller.requests_per_minute, caller.tokens_per_minute, caller.tenant.max_concurrent, int(now * 1000),
+                request_id, stale_s()]
+
+        def add(pipe: Any) -> None:
+            pipe.scripts.add(self._admit)  # the pipeline loads the script first where Redis lacks it (a restart)
+            pipe.evalsha(self._admit.sha, len(keys), *keys, *args)
+
+        try:
+            (verdict,) = await self._pipe.run(add, 1)
+            verdict = int(verdict)
+        except REDIS_DOWN:
+            raise GatewayError(503, "limits_unavailable", "The gateway cannot check this key's limits right now; "
+                               "retry shortly.", kind="server_error", headers={"Retry-After": "1"}) from None
         if verdict:
             raise _refusal(verdict, caller, now)
 
     async def done(self, caller: Caller, request_id: str, tokens: int) -> None:
         now = time.time()
         _rpm, tpm, conc = self._keys(caller, int(now // 60))
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.zrem(conc, request_id)
-        if tokens:
-            pipe.incrby(tpm, tokens)
-            pipe.expire(tpm, 120)
-        await pipe.execute()
+
+        def add(pipe: Any) -> None:
+            pipe.zrem(conc, request_id)
+            if tokens:
+                pipe.incrby(tpm, tokens)
+                pipe.expire(tpm, 120)
+
+        try:
+            await self._pipe.run(add, 3 if tokens else 1)
+        except REDIS_DOWN as exc:  # the answer has gone out: its in-flight entry expires after stale_s()
+            log.warning("gateway limits not updated after a request", extra={"error": str(exc)})
 
 
 class LocalLimiter(Limiter):

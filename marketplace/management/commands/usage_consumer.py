@@ -16,14 +16,25 @@ class Command(BaseCommand):
         parser.add_argument("--idle-sleep", type=float, default=0.5, help="seconds between polls of the spool")
 
     def handle(self, *args, **opts):
+        import logging
+
         from django.conf import settings
 
         from marketplace.gateway import metering
 
+        log = logging.getLogger("tessera.gateway.metering")
         stop = []
         signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
         while not stop:
-            result = metering.consume(budget_s=5, block_ms=1000 if settings.REDIS_URL else None)
+            try:
+                result = metering.consume(budget_s=5, block_ms=1000 if settings.REDIS_URL else None)
+            except Exception as exc:  # noqa: BLE001 - the database or Redis is away: nothing acked, try again
+                log.error("usage consumer: batch not written; retrying", extra={"error": str(exc)})
+                from django.db import connection
+
+                connection.close()
+                time.sleep(2)
+                continue
             if opts["once"]:
                 self.stdout.write(f"usage consumer: {result['processed']} events read, {result['new']} new")
                 return
