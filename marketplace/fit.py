@@ -69,6 +69,7 @@ class ModelShape:
     max_context: int = 0  # 0: no limit (or no KV cache)
     fixed_mib: int = 0
     adapters_mib: tuple[int, ...] = field(default_factory=tuple)  # LoRA adapters held with the model
+    overhead_included: bool = False  # fixed_mib is the whole need (a spec's declared memory)
 
     def __post_init__(self) -> None:
         if self.weight_dtype not in DTYPE_BYTES:
@@ -99,8 +100,12 @@ class ModelShape:
         return sum(self.adapters_mib) * MIB
 
     @property
+    def overhead_mib(self) -> int:
+        return 0 if self.overhead_included else overhead_mib(self.backend)
+
+    @property
     def overhead_bytes(self) -> int:
-        return overhead_mib(self.backend) * MIB
+        return self.overhead_mib * MIB
 
 
 @dataclass(frozen=True)
@@ -170,7 +175,7 @@ def fit(model: ModelShape, slice_mib: int, *, context: int = 0, concurrency: int
                   f"{needed_mib:,} MiB needed, {slice_mib - other_mib:,} MiB free; at most {max_tokens:,} cached "
                   f"tokens fit (e.g. {max_context:,} tokens x {concurrency})")
     return Fit(slice_mib=slice_mib, other_mib=other_mib, weights_mib=model.weights_bytes / MIB,
-               overhead_mib=overhead_mib(model.backend), adapters_mib=sum(model.adapters_mib),
+               overhead_mib=model.overhead_mib, adapters_mib=sum(model.adapters_mib),
                kv_per_token_bytes=per_token, context=context, concurrency=concurrency, kv_mib=kv / MIB,
                needed_mib=needed_mib, fits=fits, headroom_mib=headroom, max_cached_tokens=int(max_tokens),
                max_context=int(max_context), max_concurrency=int(max_concurrency), reason=reason)

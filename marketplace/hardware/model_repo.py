@@ -350,6 +350,44 @@ def copy_models(src: Path, repo_dir: Path, names: list[str]) -> None:
         os.rename(staging, target)
 
 
+def write_files(repo_dir: Path, files: dict[str, str], *, copies: dict[str, str] | None = None) -> None:
+    """Write generated model folders (``{"<model>/<path>": text}``, plus files ``copies`` from the model store)
+    into a slice's repository: each model folder staged whole then renamed into place; a no-op when the
+    folder already holds exactly these bytes."""
+    repo_dir = Path(repo_dir)
+    repo_dir.mkdir(parents=True, exist_ok=True)
+    by_model: dict[str, dict[str, bytes]] = {}
+    for path, text in files.items():
+        model, rel = path.split("/", 1)
+        by_model.setdefault(model, {})[rel] = text.encode() if isinstance(text, str) else bytes(text)
+    for path, src in (copies or {}).items():
+        model, rel = path.split("/", 1)
+        by_model.setdefault(model, {})[rel] = Path(src).read_bytes()
+    for model, content in by_model.items():
+        if not triton.MODEL_NAME_RE.match(model):
+            raise ValueError(f"bad model name {model!r}")
+        target = repo_dir / model
+        if target.is_dir() and triton._read_tree(target) == content:
+            continue
+        staging = Path(tempfile.mkdtemp(prefix=f".{model}.tessera-new-", dir=repo_dir))
+        for rel, data in content.items():
+            _check_rel(rel)
+            (staging / rel).parent.mkdir(parents=True, exist_ok=True)
+            (staging / rel).write_bytes(data)
+        for dirpath, _dirs, names in os.walk(staging):
+            Path(dirpath).chmod(0o755)
+            for f in names:
+                (Path(dirpath) / f).chmod(0o644)
+        if target.exists():
+            triton.remove_model(repo_dir, model)
+        os.rename(staging, target)
+
+
+def _check_rel(rel: str) -> None:
+    if _clean_name(rel) != rel:
+        raise ValueError(f"bad path {rel!r}")
+
+
 def archive_bytes(files: dict[str, bytes | str], kind: str = "tar") -> bytes:
     """Build an archive from ``{path: content}`` (tests, the demo)."""
     buf = io.BytesIO()
