@@ -272,6 +272,9 @@ SPECTACULAR_SETTINGS = {
         "AllocationStateEnum": "marketplace.models.orders.Allocation.State",
         "DriftEventKindEnum": "marketplace.models.orders.DriftEvent.Kind",
         "ModelDeploymentStateEnum": "marketplace.models.deployments.ModelDeployment.State",
+        "SpecBackendEnum": "marketplace.hardware.triton.BACKENDS",
+        "RepositoryBackendEnum": "marketplace.hardware.model_repo.KNOWN_BACKENDS",
+        "LibraryBackendEnum": "marketplace.models.library.LIBRARY_BACKENDS",
     },
 }
 
