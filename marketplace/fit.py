@@ -181,7 +181,13 @@ def fit(model: ModelShape, slice_mib: int, *, context: int = 0, concurrency: int
                max_context=int(max_context), max_concurrency=int(max_concurrency), reason=reason)
 
 
-def vllm_memory_utilization(needed_mib: int, slice_mib: int) -> float:
+def vllm_memory_utilization(needed_mib: int, slice_mib: int, free_mib: int | None = None) -> float:
     """vLLM's ``gpu_memory_utilization``: the share of the device this model may take (weights, activations,
-    KV cache), rounded down to 0.01 so vLLM never takes more than the fit reserved; at least 0.05."""
-    return max(0.05, math.floor(min(needed_mib / slice_mib, 0.99) * 100) / 100)
+    KV cache). Rounded up to 0.01 so vLLM's KV budget holds what the fit sized (``max_model_len`` x
+    ``max_num_seqs``), unless that would reach past the slice's free memory (other models): then rounded down.
+    Between 0.05 and 0.99."""
+    share = needed_mib / slice_mib
+    up = math.ceil(share * 100) / 100
+    if free_mib is not None and up * slice_mib > free_mib:
+        up = math.floor(share * 100) / 100
+    return max(0.05, min(up, 0.99))

@@ -161,7 +161,8 @@ def vllm_model_json(m: LibraryModel, result: fit.Fit, *, concurrency: int) -> di
         "model": str(store_root() / m.store_path),
         "disable_log_requests": True,
         "tensor_parallel_size": 1,
-        "gpu_memory_utilization": fit.vllm_memory_utilization(result.needed_mib, result.slice_mib),
+        "gpu_memory_utilization": fit.vllm_memory_utilization(result.needed_mib, result.slice_mib,
+                                                              result.slice_mib - result.other_mib),
         "max_model_len": result.context,
         "max_num_seqs": concurrency,
     }

@@ -104,6 +104,8 @@ def test_bad_inputs():
 
 def test_vllm_memory_utilization():
     assert f.vllm_memory_utilization(40_000, 80_000) == 0.5
+    assert f.vllm_memory_utilization(40_001, 80_000) == 0.51  # up: vLLM's budget holds what the fit sized
+    assert f.vllm_memory_utilization(40_001, 80_000, free_mib=40_500) == 0.5  # unless others would be squeezed
     assert f.vllm_memory_utilization(90_000, 80_000) == 0.99
     assert f.vllm_memory_utilization(10, 80_000) == 0.05
 
