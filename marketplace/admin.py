@@ -8,6 +8,7 @@ from .models import (
     GpuInstance,
     GpuModel,
     LibraryModel,
+    LoraAdapter,
     MigPlacement,
     MigProfile,
     ModelDeployment,
@@ -95,6 +96,15 @@ class LibraryModelAdmin(admin.ModelAdmin):
                     "max_context", "backend", "active"]
     list_filter = ["family", "backend", "weight_dtype", "active"]
     search_fields = ["key", "name", "family"]
+
+
+@admin.register(LoraAdapter)
+class LoraAdapterAdmin(admin.ModelAdmin):
+    list_display = ["name", "tenant", "base", "rank", "size_bytes", "created_at"]
+    list_filter = ["base"]
+    search_fields = ["name", "tenant__slug"]
+    readonly_fields = ["tenant", "base", "source", "store_path", "filename", "archive_sha256", "rank",
+                       "target_modules", "size_bytes", "file_count", "path", "created_by", "created_at"]
 
 
 @admin.register(ModelRepository)

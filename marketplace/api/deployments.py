@@ -9,7 +9,7 @@ from rest_framework.decorators import action
 from rest_framework.response import Response
 
 from marketplace.hardware import triton
-from marketplace.models import Allocation, LibraryModel, ModelDeployment, ModelRepository
+from marketplace.models import Allocation, LibraryModel, LoraAdapter, ModelDeployment, ModelRepository
 from marketplace.selectors import orders as selectors
 from marketplace.services import deployments
 from tenants.scoping import principal_for
@@ -20,6 +20,11 @@ from .viewsets import ScopedViewSetMixin
 class ScopedAllocationField(serializers.PrimaryKeyRelatedField):
     def get_queryset(self):
         return Allocation.objects.visible_to(principal_for(self.context["request"]))
+
+
+class ScopedAdapterField(serializers.PrimaryKeyRelatedField):
+    def get_queryset(self):
+        return LoraAdapter.objects.visible_to(principal_for(self.context["request"]))
 
 
 class ScopedRepositoryField(serializers.PrimaryKeyRelatedField):
@@ -89,6 +94,9 @@ class DeploymentSerializer(serializers.ModelSerializer):
                                        help_text="library models: max context in tokens (0: the longest that fits)")
     concurrency = serializers.IntegerField(required=False, min_value=1, max_value=100_000, default=1,
                                            help_text="library models: concurrent sequences the cache is sized for")
+    adapters = ScopedAdapterField(many=True, required=False,
+                                  help_text="with library_model: your LoRA adapters for it (ids), served by vLLM "
+                                            "multi-LoRA (a request selects one with the lora_name parameter)")
     declared_memory_mb = serializers.IntegerField(required=False, write_only=True, min_value=1, default=0,
                                                   help_text="repositories: memory need (default: the configs' "
                                                             "tessera_memory_mb, else the files' size)")
@@ -97,7 +105,7 @@ class DeploymentSerializer(serializers.ModelSerializer):
     class Meta:
         model = ModelDeployment
         fields = ["id", "allocation", "tenant", "name", "template", "spec", "repository", "model", "library_model",
-                  "context", "concurrency", "declared_memory_mb", "backend", "memory_mb", "state",
+                  "adapters", "context", "concurrency", "declared_memory_mb", "backend", "memory_mb", "state",
                   "waiting_reason", "failure_reason", "created_at", "updated_at", "ready_at"]
         read_only_fields = ["id", "tenant", "backend", "memory_mb", "state", "waiting_reason", "failure_reason",
                             "created_at", "updated_at", "ready_at"]
@@ -154,7 +162,7 @@ class DeploymentViewSet(ScopedViewSetMixin, mixins.ListModelMixin, mixins.Retrie
                                  repository=data.get("repository"), model=data.get("model"),
                                  library_model=data.get("library_model"), context=data.get("context", 0),
                                  concurrency=data.get("concurrency", 1),
-                                 memory_mb=data.get("declared_memory_mb", 0))
+                                 memory_mb=data.get("declared_memory_mb", 0), adapters=data.get("adapters"))
         return Response(self.get_serializer(dep).data, status=status.HTTP_201_CREATED)
 
     @extend_schema(responses={202: DeploymentSerializer})

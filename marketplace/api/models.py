@@ -11,7 +11,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from marketplace import fit
-from marketplace.models import LibraryModel, ModelRepository
+from marketplace.models import LibraryModel, LoraAdapter, ModelRepository
 from marketplace.selectors import models as sel
 from marketplace.services import models as model_svc
 from tenants.api.serializers import ScopedTenantField
@@ -97,6 +97,58 @@ class ModelRepositoryViewSet(ScopedViewSetMixin, mixins.ListModelMixin, mixins.R
 
     def destroy(self, request, *args, **kwargs):
         model_svc.delete_repository(self.principal, self.get_object())
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+class LoraAdapterSerializer(serializers.ModelSerializer):
+    tenant = ScopedTenantField(required=False, help_text="tenant slug (API keys: their own tenant)")
+    base = serializers.SlugRelatedField(slug_field="key", queryset=LibraryModel.objects.filter(active=True),
+                                        help_text="the library model it was trained on (key)")
+    archive = serializers.FileField(write_only=True, required=False,
+                                    help_text="PEFT's adapter_config.json + adapter_model.safetensors as .tar.gz or "
+                                              ".zip (multipart)")
+    store_path = serializers.CharField(required=False, allow_blank=True, max_length=500,
+                                       help_text="instead of an archive: its folder in the MSP's model store")
+
+    class Meta:
+        model = LoraAdapter
+        fields = ["id", "tenant", "name", "base", "source", "archive", "store_path", "filename", "archive_sha256",
+                  "rank", "target_modules", "size_bytes", "file_count", "created_at"]
+        read_only_fields = ["id", "source", "filename", "archive_sha256", "rank", "target_modules", "size_bytes",
+                            "file_count", "created_at"]
+        validators = []
+
+    validate = ModelRepositorySerializer.validate
+
+
+class LoraAdapterViewSet(ScopedViewSetMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin,
+                         mixins.CreateModelMixin, mixins.DestroyModelMixin, viewsets.GenericViewSet):
+    """A tenant's LoRA adapters for library base models. Deploy them with their base model
+    (``POST /api/v1/deployments/`` with ``library_model`` and ``adapters``): vLLM multi-LoRA, each adapter selected
+    by its name; the fit counts their memory."""
+
+    queryset_model = LoraAdapter
+    selector = sel.adapters
+    serializer_class = LoraAdapterSerializer
+    parser_classes = [MultiPartParser, FormParser, JSONParser]
+    filterset_fields = ["source", "name"]
+    search_fields = ["name"]
+    ordering_fields = ["created_at", "name"]
+    ordering = ["-created_at"]
+    capabilities = {"create": "deploy", "destroy": "deploy"}
+
+    def create(self, request, *args, **kwargs):
+        s = self.get_serializer(data=request.data)
+        s.is_valid(raise_exception=True)
+        d = s.validated_data
+        if d.get("archive"):
+            ad = model_svc.upload_adapter(self.principal, d["tenant"], d["name"], d["base"], d["archive"])
+        else:
+            ad = model_svc.adapter_from_store(self.principal, d["tenant"], d["name"], d["base"], d["store_path"])
+        return Response(self.get_serializer(ad).data, status=status.HTTP_201_CREATED)
+
+    def destroy(self, request, *args, **kwargs):
+        model_svc.delete_adapter(self.principal, self.get_object())
         return Response(status=status.HTTP_204_NO_CONTENT)
 
 

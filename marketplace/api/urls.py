@@ -19,6 +19,7 @@ router.register("allocations", orders.AllocationViewSet, basename="allocation")
 router.register("deployments", deployments.DeploymentViewSet, basename="deployment")
 router.register("model-repositories", models.ModelRepositoryViewSet, basename="modelrepository")
 router.register("library", models.LibraryModelViewSet, basename="librarymodel")
+router.register("lora-adapters", models.LoraAdapterViewSet, basename="loraadapter")
 
 router.register("invoices", billing.InvoiceViewSet, basename="invoice")
 router.register("webhooks", billing.WebhookEndpointViewSet, basename="webhook")

@@ -17,6 +17,7 @@ Every refusal is a ``RepoError`` naming the file (``path``) or field and leaves 
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 import shutil
@@ -299,9 +300,11 @@ def kind_of(head: bytes, filename: str = "") -> str:
     raise RepoError("the archive must be a .tar.gz (or .tgz) or a .zip file", path=filename or None)
 
 
-def import_repository(source: BinaryIO | Path, dest: Path, limits: Limits, *, filename: str = "") -> Repo:
-    """Unpack ``source`` (an archive file object, or a folder/archive path of the model store) and validate it;
-    on success it lies at ``dest`` (created), on any refusal nothing is left behind."""
+def import_repository(source: BinaryIO | Path, dest: Path, limits: Limits, *, filename: str = "",
+                      validate=None) -> Repo:
+    """Unpack ``source`` (an archive file object, or a folder/archive path of the model store) and validate it
+    (``validate``: ``validate_tree`` for a Triton repository, ``validate_adapter`` for a LoRA adapter); on
+    success it lies at ``dest`` (created), on any refusal nothing is left behind."""
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.staging-", dir=dest.parent))
@@ -319,7 +322,7 @@ def import_repository(source: BinaryIO | Path, dest: Path, limits: Limits, *, fi
             finally:
                 if isinstance(source, Path):
                     fh.close()
-        base, repo = validate_tree(w.root)
+        base, repo = (validate or validate_tree)(w.root)
         for dirpath, _dirs, files in os.walk(base):
             Path(dirpath).chmod(0o755)
             for f in files:
@@ -328,6 +331,45 @@ def import_repository(source: BinaryIO | Path, dest: Path, limits: Limits, *, fi
         return repo
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+LORA_WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+LORA_MAX_RANK = 512
+
+
+@dataclass
+class Adapter:
+    rank: int
+    base_model: str  # base_model_name_or_path of adapter_config.json (informational)
+    target_modules: list[str]
+    file_count: int
+    size_bytes: int
+
+
+def validate_adapter(root: Path) -> tuple[Path, Adapter]:
+    """A LoRA adapter in PEFT's layout: ``adapter_config.json`` (``r``, ``target_modules``) and
+    ``adapter_model.safetensors`` (or ``.bin``); a single wrapping folder is allowed."""
+    base = root
+    entries = [p for p in root.iterdir() if not p.name.startswith(".")]
+    if not (root / "adapter_config.json").is_file() and len(entries) == 1 and entries[0].is_dir():
+        base = entries[0]
+    cfg_path = base / "adapter_config.json"
+    if not cfg_path.is_file():
+        raise RepoError("no adapter_config.json: a LoRA adapter is PEFT's adapter_config.json + adapter_model.*")
+    try:
+        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RepoError(f"not valid JSON ({exc})", path="adapter_config.json") from None
+    rank = cfg.get("r") if isinstance(cfg, dict) else None
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 1 <= rank <= LORA_MAX_RANK:
+        raise RepoError(f"r (the LoRA rank) must be an integer from 1 to {LORA_MAX_RANK}", path="adapter_config.json")
+    if not any((base / f).is_file() for f in LORA_WEIGHT_FILES):
+        raise RepoError(f"no {' or '.join(LORA_WEIGHT_FILES)}")
+    files = [p for p in base.rglob("*") if p.is_file()]
+    modules = cfg.get("target_modules") or []
+    return base, Adapter(rank=rank, base_model=str(cfg.get("base_model_name_or_path") or "")[:300],
+                         target_modules=[str(m) for m in modules] if isinstance(modules, list) else [str(modules)],
+                         file_count=len(files), size_bytes=sum(p.stat().st_size for p in files))
 
 
 def copy_models(src: Path, repo_dir: Path, names: list[str]) -> None:

@@ -32,6 +32,8 @@ class ModelDeployment(models.Model):
                                    related_name="deployments", help_text="the tenant's own repository it came from")
     library_model = models.ForeignKey("marketplace.LibraryModel", null=True, blank=True, on_delete=models.PROTECT,
                                       related_name="deployments", help_text="the library model it serves")
+    adapters = models.ManyToManyField("marketplace.LoraAdapter", blank=True, related_name="deployments",
+                                      help_text="LoRA adapters served with a library model (vLLM multi-LoRA)")
     context = models.PositiveIntegerField(default=0, help_text="max context (tokens) the fit reserved cache for")
     concurrency = models.PositiveIntegerField(default=1, help_text="concurrent sequences the fit reserved cache for")
     state = models.CharField(max_length=16, choices=State.choices, default=State.PENDING)

@@ -80,3 +80,34 @@ class ModelRepository(models.Model):
 
     def __str__(self) -> str:
         return f"{self.name} ({self.tenant_id})"
+
+
+class LoraAdapter(models.Model):
+    """A tenant's LoRA adapter (PEFT layout) for a library base model, served by vLLM multi-LoRA on a deployment of
+    that base model; stored under TESSERA_UPLOAD_ROOT like a repository."""
+
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.PROTECT, related_name="lora_adapters")
+    name = models.CharField(max_length=64, help_text="the name requests select it by (vLLM's lora_name)")
+    base = models.ForeignKey(LibraryModel, on_delete=models.PROTECT, related_name="adapters")
+    source = models.CharField(max_length=8, choices=ModelRepository.Source.choices)
+    store_path = models.CharField(max_length=500, blank=True)
+    filename = models.CharField(max_length=255, blank=True)
+    archive_sha256 = models.CharField(max_length=64, blank=True)
+    rank = models.PositiveIntegerField(help_text="r of adapter_config.json")
+    target_modules = models.JSONField(default=list)
+    size_bytes = models.PositiveBigIntegerField()
+    file_count = models.PositiveIntegerField()
+    path = models.CharField(max_length=300, help_text="relative to TESSERA_UPLOAD_ROOT")
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL,
+                                   related_name="+")
+    created_at = models.DateTimeField(default=timezone.now)
+
+    objects = TenantScopedQuerySet.as_manager()
+    tenant_path = "tenant_id"
+
+    class Meta:
+        ordering = ["-created_at"]
+        constraints = [models.UniqueConstraint(fields=["tenant", "name"], name="lora_adapter_name_per_tenant")]
+
+    def __str__(self) -> str:
+        return f"{self.name} on {self.base_id} ({self.tenant_id})"

@@ -9,7 +9,7 @@ from decimal import ROUND_HALF_UP, Decimal
 from django.utils import timezone
 
 from marketplace import fit
-from marketplace.models import LibraryModel, ModelRepository, PricePlan
+from marketplace.models import LibraryModel, LoraAdapter, ModelRepository, PricePlan
 from marketplace.selectors import orders as order_sel
 from marketplace.selectors.planner import shape_figures, window
 from marketplace.services import models as model_svc
@@ -23,6 +23,10 @@ def library(active_only: bool = True):
 
 def repositories(principal: Principal):
     return ModelRepository.objects.visible_to(principal).select_related("tenant")
+
+
+def adapters(principal: Principal):
+    return LoraAdapter.objects.visible_to(principal).select_related("tenant", "base")
 
 
 @dataclass

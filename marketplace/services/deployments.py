@@ -72,7 +72,7 @@ def spec_to_json(spec: triton.ModelSpec) -> dict:
 
 
 def _source(name: str, *, template, spec, repository, model, library_model, context, concurrency, memory_mb,
-            allocation: Allocation):
+            allocation: Allocation, adapters=()):
     """What a deployment writes to the slice and how much memory it takes: (stored spec, backend, fit shape,
     context, concurrency, name). Templates and full specs declare their memory (runtime included); an
     uploaded repository takes its declared memory or its files' size plus its backend's overhead; a library
@@ -91,7 +91,12 @@ def _source(name: str, *, template, spec, repository, model, library_model, cont
     if library_model is not None:
         if not library_model.active:
             raise ServiceError(f"{library_model.name} is no longer offered", field="library_model")
-        shape = model_svc.library_shape(library_model)
+        for a in adapters:
+            if a.tenant_id != allocation.tenant_id:
+                raise ServiceError("the adapter belongs to another tenant", field="adapters")
+            if a.base_id != library_model.pk:
+                raise ServiceError(f"adapter {a.name} was trained for another base model", field="adapters")
+        shape = model_svc.library_shape(library_model, tuple(model_svc.adapter_mib(a) for a in adapters))
         if context and context > library_model.max_context:
             raise ServiceError(f"context {context:,} exceeds {library_model.name}'s max context of "
                                f"{library_model.max_context:,} tokens", field="context")
@@ -107,7 +112,7 @@ def _source(name: str, *, template, spec, repository, model, library_model, cont
 
 def deploy(principal: Principal, allocation: Allocation, name: str, *, template: str | None = None,
            spec: dict | None = None, repository=None, model: str | None = None, library_model=None,
-           context: int = 0, concurrency: int = 1, memory_mb: int = 0) -> ModelDeployment:
+           context: int = 0, concurrency: int = 1, memory_mb: int = 0, adapters=None) -> ModelDeployment:
     """Deploy a template, a full spec, a model of the tenant's own repository or a library model to an active
     slice. Refused (400, with the numbers) when it does not fit next to the models already there."""
     if not principal.can("deploy", allocation.tenant_id):
@@ -116,9 +121,12 @@ def deploy(principal: Principal, allocation: Allocation, name: str, *, template:
         raise ServiceError("the repository belongs to another tenant", field="repository")
     if concurrency < 1:
         raise ServiceError("concurrency must be at least 1", field="concurrency")
+    adapters = list(adapters or ())
+    if adapters and library_model is None:
+        raise ServiceError("LoRA adapters are deployed with their library base model", field="adapters")
     stored, backend, backends, shape, context, concurrency, name = _source(
         name, template=template, spec=spec, repository=repository, model=model, library_model=library_model,
-        context=context, concurrency=concurrency, memory_mb=memory_mb, allocation=allocation)
+        context=context, concurrency=concurrency, memory_mb=memory_mb, allocation=allocation, adapters=adapters)
     with transaction.atomic():
         allocation = Allocation.objects.select_for_update(of=("self",)).select_related(
             "tier__profile", "tier__gpu_model", "node").get(pk=allocation.pk)
@@ -146,16 +154,21 @@ def deploy(principal: Principal, allocation: Allocation, name: str, *, template:
         if stored.get("kind") == "library":
             from marketplace.services import models as model_svc  # noqa: PLC0415
 
-            files = model_svc.library_files(name, library_model, result, concurrency=concurrency)
+            files = model_svc.library_files(name, library_model, result, concurrency=concurrency,
+                                            adapters=adapters)
             stored.update(files=files, models=model_svc.model_names(files), model=name,
                           memory_mb=result.needed_mib, fit=result.as_dict(),
                           copy=model_svc.tensorrtllm_copies(name, library_model)
-                          if library_model.backend == "tensorrtllm" else {})
+                          if library_model.backend == "tensorrtllm" else {},
+                          adapters=[{"id": a.pk, "name": a.name, "rank": a.rank,
+                                     "memory_mb": model_svc.adapter_mib(a)} for a in adapters])
         dep = ModelDeployment.objects.create(
             allocation=allocation, tenant_id=allocation.tenant_id, name=name, backend=backend,
             spec=stored, memory_mb=result.needed_mib, created_by=principal.user, repository=repository,
             library_model=library_model, context=context, concurrency=concurrency,
         )
+        if adapters:
+            dep.adapters.set(adapters)
         transaction.on_commit(lambda: _enqueue("deploy_model", dep, allocation))
     return dep
 

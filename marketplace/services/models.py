@@ -16,7 +16,7 @@ from django.db import transaction
 
 from marketplace import fit
 from marketplace.hardware import model_repo, triton
-from marketplace.models import LibraryModel, ModelRepository, Tier
+from marketplace.models import LibraryModel, LoraAdapter, ModelRepository, Tier
 from tenants.errors import Forbidden, ServiceError
 from tenants.scoping import Principal
 
@@ -83,17 +83,83 @@ def upload_repository(principal: Principal, tenant, name: str, upload) -> ModelR
                   size=size, sha=digest.hexdigest())
 
 
-def import_from_store(principal: Principal, tenant, name: str, store_path: str) -> ModelRepository:
-    """An object of the MSP's model store (a repository folder or an archive under TESSERA_MODEL_STORE_ROOT)."""
+def _store_object(store_path: str) -> Path:
+    """A path inside TESSERA_MODEL_STORE_ROOT (no '..', no absolute path, no symlink out of it)."""
     root = store_root().resolve()
     raw = (store_path or "").strip()
     if not raw or raw.startswith("/") or ".." in raw.split("/") or "\\" in raw:
         raise ServiceError("a path relative to the model store, without '..'", field="store_path")
-    path = (root / raw)
+    path = root / raw
     if path.is_symlink() or not path.resolve().is_relative_to(root) or not path.exists():
         raise ServiceError(f"{raw}: no such object in the model store", field="store_path")
+    return path
+
+
+def import_from_store(principal: Principal, tenant, name: str, store_path: str) -> ModelRepository:
+    """An object of the MSP's model store (a repository folder or an archive under TESSERA_MODEL_STORE_ROOT)."""
+    path = _store_object(store_path)
+    raw = store_path.strip()
     return _store(principal, tenant, name, path, kind="store", filename=path.name, store_path=raw,
                   size=path.stat().st_size if path.is_file() else 0)
+
+
+def _store_adapter(principal: Principal, tenant, name: str, base: LibraryModel, source: BinaryIO | Path, *,
+                   kind: str, filename: str = "", store_path: str = "", sha: str = "") -> LoraAdapter:
+    if not principal.can("deploy", tenant.pk):
+        raise Forbidden("Your role or API-key scopes do not allow adding LoRA adapters.")
+    if not triton.MODEL_NAME_RE.match(name or ""):
+        raise ServiceError("1 to 64 characters from a-z A-Z 0-9 _ -", field="name")
+    if base.backend != "vllm":
+        raise ServiceError(f"LoRA adapters are served by vLLM; {base.name} runs on {base.backend}", field="base")
+    if LoraAdapter.objects.filter(tenant=tenant, name=name).exists():
+        raise ServiceError(f"an adapter named {name} exists; choose another name", field="name")
+    rel = f"{tenant.slug}/lora-{uuid.uuid4().hex}"
+    dest = upload_root() / rel
+    try:
+        ad = model_repo.import_repository(source, dest, limits(), filename=filename,
+                                          validate=model_repo.validate_adapter)
+    except model_repo.RepoError as exc:
+        raise ServiceError(str(exc), field="archive" if kind == "upload" else "store_path") from None
+    try:
+        with transaction.atomic():
+            return LoraAdapter.objects.create(
+                tenant=tenant, name=name, base=base, source=kind, store_path=store_path, filename=filename[:255],
+                archive_sha256=sha, rank=ad.rank, target_modules=ad.target_modules, size_bytes=ad.size_bytes,
+                file_count=ad.file_count, path=rel, created_by=principal.user)
+    except BaseException:
+        shutil.rmtree(dest, ignore_errors=True)
+        raise
+
+
+def upload_adapter(principal: Principal, tenant, name: str, base: LibraryModel, upload) -> LoraAdapter:
+    """A LoRA adapter archive (PEFT's adapter_config.json + adapter_model.safetensors), validated like a
+    repository (paths, links, devices, file count, expanded size)."""
+    size = getattr(upload, "size", 0) or 0
+    if size > settings.TESSERA_UPLOAD_MAX_BYTES:
+        raise ServiceError(f"the archive is {size:,} bytes; the limit is {settings.TESSERA_UPLOAD_MAX_BYTES:,}",
+                           field="archive")
+    digest = hashlib.sha256()
+    for chunk in upload.chunks():
+        digest.update(chunk)
+    upload.seek(0)
+    fh = upload.file if hasattr(upload, "file") else upload
+    return _store_adapter(principal, tenant, name, base, fh, kind="upload", filename=getattr(upload, "name", "") or "",
+                          sha=digest.hexdigest())
+
+
+def adapter_from_store(principal: Principal, tenant, name: str, base: LibraryModel, store_path: str) -> LoraAdapter:
+    path = _store_object(store_path)
+    return _store_adapter(principal, tenant, name, base, path, kind="store", filename=path.name, store_path=store_path)
+
+
+def delete_adapter(principal: Principal, adapter: LoraAdapter) -> None:
+    if not principal.can("deploy", adapter.tenant_id):
+        raise Forbidden("Your role or API-key scopes do not allow removing LoRA adapters.")
+    if adapter.deployments.exclude(state="removed").exists():
+        raise ServiceError("this adapter is deployed; remove its deployment first", field="adapter")
+    path = upload_root() / adapter.path
+    adapter.delete()
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def delete_repository(principal: Principal, repo: ModelRepository) -> None:
@@ -154,7 +220,14 @@ VLLM_DTYPE = {"BF16": "bfloat16", "FP16": "float16"}
 VLLM_KV_DTYPE = {"FP8": "fp8"}
 
 
-def vllm_model_json(m: LibraryModel, result: fit.Fit, *, concurrency: int) -> dict:
+VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's accepted max_lora_rank values
+
+
+def adapter_mib(adapter: LoraAdapter) -> int:
+    return max(1, math.ceil(adapter.size_bytes / MIB))
+
+
+def vllm_model_json(m: LibraryModel, result: fit.Fit, *, concurrency: int, adapters=()) -> dict:
     """The vLLM backend's ``model.json`` (engine arguments): the weights from the model store,
     ``gpu_memory_utilization`` and ``max_model_len`` from the fit on this slice."""
     args = {
@@ -170,20 +243,31 @@ def vllm_model_json(m: LibraryModel, result: fit.Fit, *, concurrency: int) -> di
         args["dtype"] = VLLM_DTYPE[m.weight_dtype]
     if m.kv_dtype in VLLM_KV_DTYPE:
         args["kv_cache_dtype"] = VLLM_KV_DTYPE[m.kv_dtype]
+    if adapters:
+        top = max(a.rank for a in adapters)
+        args.update(enable_lora="true", max_loras=len(adapters),
+                    max_lora_rank=next((r for r in VLLM_LORA_RANKS if r >= top), VLLM_LORA_RANKS[-1]))
     return args
 
 
-def vllm_files(name: str, m: LibraryModel, result: fit.Fit, *, concurrency: int) -> dict[str, str]:
+def vllm_files(name: str, m: LibraryModel, result: fit.Fit, *, concurrency: int, adapters=()) -> dict[str, str]:
     """The Triton repository of a vLLM library model: ``<name>/config.pbtxt`` (backend vllm, KIND_MODEL: vLLM
-    places itself on the slice's one device) and ``<name>/1/model.json``."""
+    places itself on the slice's one device), ``<name>/1/model.json`` and, with LoRA adapters,
+    ``<name>/1/multi_lora.json`` (adapter name -> its folder; a request picks one with the ``lora_name``
+    parameter)."""
     config = "\n".join([
         f'name: "{name}"', 'backend: "vllm"',
         "instance_group [ { count: 1 kind: KIND_MODEL } ]",
         'model_transaction_policy { decoupled: true }',
         f'parameters {{ key: "{triton.MEMORY_PARAMETER}" value: {{ string_value: "{result.needed_mib}" }} }}',
     ]) + "\n"
-    return {f"{name}/config.pbtxt": config,
-            f"{name}/1/model.json": json.dumps(vllm_model_json(m, result, concurrency=concurrency), indent=2) + "\n"}
+    files = {f"{name}/config.pbtxt": config,
+             f"{name}/1/model.json": json.dumps(vllm_model_json(m, result, concurrency=concurrency,
+                                                                adapters=adapters), indent=2) + "\n"}
+    if adapters:
+        files[f"{name}/1/multi_lora.json"] = json.dumps(
+            {a.name: str(upload_root() / a.path) for a in adapters}, indent=2, sort_keys=True) + "\n"
+    return files
 
 
 def tensorrtllm_files(name: str, m: LibraryModel, result: fit.Fit, *, concurrency: int) -> dict[str, str]:
@@ -255,8 +339,13 @@ def tensorrtllm_copies(name: str, m: LibraryModel) -> dict[str, str]:
             f"{name}-post/1/model.py": str(base / "postprocessing/1/model.py")}
 
 
-def library_files(name: str, m: LibraryModel, result: fit.Fit, *, concurrency: int) -> dict[str, str]:
-    files = (vllm_files if m.backend == "vllm" else tensorrtllm_files)(name, m, result, concurrency=concurrency)
+def library_files(name: str, m: LibraryModel, result: fit.Fit, *, concurrency: int, adapters=()) -> dict[str, str]:
+    if m.backend == "vllm":
+        files = vllm_files(name, m, result, concurrency=concurrency, adapters=adapters)
+    else:
+        if adapters:
+            raise ServiceError("LoRA adapters are served with vLLM library models", field="adapters")
+        files = tensorrtllm_files(name, m, result, concurrency=concurrency)
     for path, text in files.items():  # every generated config is checked against Triton's own schema
         if path.endswith("/config.pbtxt"):
             triton.parse_model_config(text)

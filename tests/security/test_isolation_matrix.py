@@ -35,6 +35,7 @@ from marketplace.models import (
     Invoice,
     InvoiceLine,
     LibraryModel,
+    LoraAdapter,
     MigProfile,
     ModelDeployment,
     ModelRepository,
@@ -127,7 +128,7 @@ CLASSIFICATION: dict[str, str] = {
     "api:deployment-list": LIST, "api:invoice-list": LIST, "api:webhook-list": LIST,
     "api:usagehourly-list": LIST, "api:billing-spend": LIST, "api:billing-usage": LIST,
     "api:usage-metered-vs-served": LIST, "chart-api": LIST, "chart-page": LIST,
-    "api:modelrepository-list": LIST, "api:find-tier": LIST,
+    "api:modelrepository-list": LIST, "api:find-tier": LIST, "api:loraadapter-list": LIST,
     "portal:home": LIST, "portal:slices": LIST, "portal:deployments": LIST, "portal:usage": LIST,
     "portal:invoices": LIST, "portal:keys": LIST, "portal:members": LIST, "portal:repositories": LIST,
     "portal:find_tier": LIST,
@@ -142,6 +143,7 @@ CLASSIFICATION: dict[str, str] = {
     "api:allocation-detail": OBJECT, "api:allocation-release": OBJECT, "api:allocation-retry": OBJECT,
     "api:deployment-detail": OBJECT, "api:deployment-retry": OBJECT, "api:invoice-detail": OBJECT,
     "api:invoice-export": OBJECT, "api:modelrepository-detail": OBJECT,
+    "api:loraadapter-detail": OBJECT,
     "api:invoice-finalize": OBJECT, "api:invoice-refresh": OBJECT, "api:webhook-detail": OBJECT,
     "api:webhook-deliveries": OBJECT, "api:usagehourly-detail": OBJECT,
     "portal:slice": OBJECT, "portal:slice_status": OBJECT, "portal:slice_release": OBJECT,
@@ -207,6 +209,8 @@ def b_world(world, h100_node, tiers, operator):
                                usage_from=datetime(2026, 10, 1, tzinfo=UTC), usage_to=datetime(2026, 11, 1, tzinfo=UTC))
     repo = ModelRepository.objects.create(tenant=b, name=SECRET_MODEL + "-repo", source="upload", size_bytes=1,
                                           file_count=1, manifest=[], path="bravo/x")
+    lora = LoraAdapter.objects.create(tenant=b, name=SECRET_MODEL + "-lora", base=LibraryModel.objects.first(),
+                                      source="upload", rank=8, size_bytes=1, file_count=2, path="bravo/l")
     hook = WebhookEndpoint.objects.create(tenant=b, url=HOOK_URL, secret="s3cret-bravo", events=["invoice.finalized"])
     hour = timezone.now().replace(minute=0, second=0, microsecond=0) - timedelta(hours=1)
     uh = UsageHourly.objects.create(tenant=b, deployment=dep, hour=hour, input_tokens=111, output_tokens=222,
@@ -216,7 +220,7 @@ def b_world(world, h100_node, tiers, operator):
                                        target="Bravo") if audit_model else None
     secret_a = world["secret_a"]
     return {
-        "world": world, "a": a, "b": b, "order": order, "repository": repo, "alloc": alloc, "dep": dep,
+        "world": world, "a": a, "b": b, "order": order, "repository": repo, "lora": lora, "alloc": alloc, "dep": dep,
         "invoice": inv, "hook": hook,
         "usage": uh, "instance": alloc.instance, "membership": Membership.objects.get(tenant=b),
         "invitation": world["inv_b"], "key": world["key_b"], "tier": tiers["1g"], "plan": plan,
@@ -228,7 +232,7 @@ def bind(ep: Endpoint, bw) -> dict:
     """Path kwargs for `ep`, naming tenant B's objects."""
     n = ep.name
     by_suffix = [  # (name fragment, object)
-        ("modelrepository", bw["repository"]),
+        ("modelrepository", bw["repository"]), ("loraadapter", bw["lora"]),
         ("auditevent", bw["audit"]), ("tenant", bw["b"]), ("membership", bw["membership"]),
         ("member_", bw["membership"]), ("invitation", bw["invitation"]),
         ("apikey", bw["key"]), ("key_", bw["key"]), ("gpuinstance", bw["instance"]), ("order", bw["order"]),
@@ -289,8 +293,8 @@ def b_markers(bw, with_slug=True) -> list[str]:
 
 
 SNAPSHOT_MODELS = [Tenant, Membership, Invitation, ApiKey, Order, Allocation, AllocationEvent, GpuInstance,
-                   ModelDeployment, ModelRepository, Invoice, InvoiceLine, WebhookEndpoint, WebhookDelivery,
-                   UsageEvent, UsageHourly, SpendNotice]
+                   ModelDeployment, ModelRepository, LoraAdapter, Invoice, InvoiceLine, WebhookEndpoint,
+                   WebhookDelivery, UsageEvent, UsageHourly, SpendNotice]
 
 
 def snapshot(b) -> dict:
