@@ -368,3 +368,17 @@ def fit_tiers(shape: fit.ModelShape, *, context: int = 0, concurrency: int = 1,
             continue
         out.append((t, fit.fit(shape, t.memory_mib, context=context, concurrency=concurrency)))
     return out
+
+
+def check_tier_fits(tier: Tier, library_model: LibraryModel, *, context: int = 0, concurrency: int = 1) -> fit.Fit:
+    """An order made for a model: refused (400, with the numbers) when the model cannot run on the tier."""
+    if library_model.backend not in tier.backends:
+        raise ServiceError(f"{tier.name} does not offer the {library_model.backend} backend", field="library_model")
+    if context > library_model.max_context:
+        raise ServiceError(f"context {context:,} exceeds {library_model.name}'s max context of "
+                           f"{library_model.max_context:,} tokens", field="context")
+    result = fit.fit(library_shape(library_model), tier.memory_mib, context=context or 1, concurrency=concurrency)
+    if not result.fits:
+        raise ServiceError(f"{result.reason} on {tier.name}; find a tier that fits at /portal/find-tier/ or "
+                           "POST /api/v1/find-tier/", field="tier", code="does_not_fit")
+    return result

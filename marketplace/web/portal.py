@@ -208,6 +208,11 @@ def order(request, tier_id):
     except ValueError:
         quantity = 0
     try:
+        lib_key = request.POST.get("library_model", "")
+        if lib_key:  # ordered from "find a tier": the model must fit the tier
+            lib = get_object_or_404(model_sel.library(), key=lib_key)
+            model_svc.check_tier_fits(tier, lib, context=_int(request.POST.get("context")),
+                                      concurrency=max(1, _int(request.POST.get("concurrency"), 1)))
         o = orders.create_order(request.principal, tenant=t, tier=tier, quantity=quantity)
     except ServiceError as exc:
         if isinstance(exc, Forbidden):
@@ -219,6 +224,13 @@ def order(request, tier_id):
     if len(allocs) == 1:
         return redirect("portal:slice", pk=allocs[0].pk)
     return redirect("portal:slices")
+
+
+def _int(value, default: int = 0) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return default
 
 
 # --- slices -------------------------------------------------------------------------------------

@@ -107,3 +107,16 @@ def test_deploy_repository_and_library_model_through_the_api(as_key, key_a, worl
     assert r.status_code == 201 and r.json()["context"] == 16384 and r.json()["backend"] == "vllm"
     assert ModelDeployment.objects.filter(allocation=a).count() == 2
     assert Allocation.objects.get(pk=a.pk).state == Allocation.State.ACTIVE
+
+
+def test_an_order_for_a_library_model_is_refused_where_it_does_not_fit(as_key, key_a, h100_node, tiers):
+    from marketplace.models import Order
+
+    c = as_key(key_a)
+    r = c.post("/api/v1/orders/", {"tier": "h100-3g", "library_model": "llama-3.1-70b-instruct-fp8",
+                                   "context": 8192}, format="json")
+    assert r.status_code == 400 and "does not fit" in r.content.decode() and "40,448 MiB are free" in r.content.decode()
+    assert not Order.objects.exists()
+    r = c.post("/api/v1/orders/", {"tier": "h100-7g", "library_model": "llama-3.1-70b-instruct-fp8",
+                                   "context": 8192}, format="json")
+    assert r.status_code == 201 and Order.objects.count() == 1

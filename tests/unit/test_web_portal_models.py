@@ -65,3 +65,10 @@ def test_find_a_tier_then_order_and_deploy(owner_client, h100_node, tiers, world
 def test_find_a_tier_refuses_bad_input(owner_client, tiers):
     r = owner_client.get(reverse("portal:find_tier"), {"library_model": "qwen2.5-7b-instruct", "context": "99999"})
     assert r.status_code == 400 and "max context" in r.content.decode()
+
+
+def test_order_from_find_a_tier_checks_the_fit(owner_client, h100_node, tiers, world):
+    r = owner_client.post(reverse("portal:order", args=[tiers["3g"].pk]), {
+        "quantity": "1", "library_model": "llama-3.1-70b-instruct-fp8", "context": "8192", "concurrency": "1"})
+    assert r.status_code == 400 and "does not fit" in r.content.decode()
+    assert not Allocation.objects.exists()
