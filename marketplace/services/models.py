@@ -87,7 +87,7 @@ def _store_object(store_path: str) -> Path:
     """A path inside TESSERA_MODEL_STORE_ROOT (no '..', no absolute path, no symlink out of it)."""
     root = store_root().resolve()
     raw = (store_path or "").strip()
-    if not raw or raw.startswith("/") or ".." in raw.split("/") or "\\" in raw:
+    if not raw or raw.startswith("/") or ".." in raw.split("/") or "\\" in raw or "\x00" in raw:
         raise ServiceError("a path relative to the model store, without '..'", field="store_path")
     path = root / raw
     if path.is_symlink() or not path.resolve().is_relative_to(root) or not path.exists():

@@ -80,7 +80,7 @@ def test_import_from_the_model_store(owner, settings):
     tenant, p = owner
     repo = model_svc.import_from_store(p, tenant, "from-store", "tenants-shared/echo")
     assert repo.source == "store" and repo.manifest[0]["name"] == "echo"
-    for bad in ("../etc", "/etc", "nope/x"):
+    for bad in ("../etc", "/etc", "nope/x", "a\x00b"):
         with pytest.raises(ServiceError) as exc:
             model_svc.import_from_store(p, tenant, "bad", bad)
         assert exc.value.field == "store_path"
