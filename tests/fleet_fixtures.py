@@ -34,7 +34,10 @@ def sim_dir(settings, tmp_path):
 
 @pytest.fixture
 def catalog(db):
+    from marketplace.services.models import sync_library
+
     sync_catalog()
+    sync_library()  # the migration seeds it too, but a transactional test's flush empties the table
 
 
 def make_node(hostname="node-a", platform_key="hgx-h100-8"):

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import django_filters
-from drf_spectacular.utils import extend_schema, extend_schema_field
+from drf_spectacular.extensions import OpenApiSerializerFieldExtension
+from drf_spectacular.utils import extend_schema
 from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.response import Response
@@ -68,9 +69,24 @@ class ModelSpecSerializer(serializers.Serializer):
     memory_mb = serializers.IntegerField(min_value=1, help_text="declared memory need on the slice, runtime included")
 
 
-@extend_schema_field(ModelSpecSerializer)
 class ModelSpecField(serializers.JSONField):
-    """Validated by ModelSpec itself (its messages name the field); the schema is ModelSpecSerializer's."""
+    """Validated by ModelSpec itself (its messages name the field). In requests its schema is
+    ModelSpecSerializer's; in responses it is the stored spec (see StoredSpecSchema)."""
+
+
+class ModelSpecFieldSchema(OpenApiSerializerFieldExtension):
+    """Requests: a full ModelSpec. Responses: what Tessera stored — a ModelSpec with its files by name only,
+    or for a repository's or library model ``kind`` (upload | library), the model folders and, for a library
+    model, the fit and the adapters."""
+
+    target_class = "marketplace.api.deployments.ModelSpecField"
+
+    def map_serializer_field(self, auto_schema, direction):
+        if direction == "request":
+            return auto_schema.resolve_serializer(ModelSpecSerializer, direction).ref
+        return {"type": "object", "additionalProperties": True, "description": (
+            "the stored spec: a ModelSpec with `files` as the list of file names; or `kind` \"upload\" "
+            "(repository, model, models) or \"library\" (library_model, models, fit, adapters, files by name)")}
 
 
 class DeploymentSerializer(serializers.ModelSerializer):

@@ -253,7 +253,7 @@ class LibraryModelViewSet(viewsets.ReadOnlyModelViewSet):
     @extend_schema(parameters=[OpenApiParameter("context", int), OpenApiParameter("concurrency", int),
                                OpenApiParameter("currency", str)],
                    responses={200: TierFitSerializer(many=True)})
-    @action(detail=True, methods=["get"])
+    @action(detail=True, methods=["get"], pagination_class=None, filter_backends=[])
     def fit(self, request, pk=None):
         """This model on every active tier (fits or not): memory needed, headroom, the largest context x
         concurrency, price, tokens/s and cost per 1M tokens."""

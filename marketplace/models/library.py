@@ -4,6 +4,7 @@ store) and a tenant's own uploaded Triton model repositories."""
 from __future__ import annotations
 
 from django.conf import settings
+from django.core.validators import RegexValidator
 from django.db import models
 from django.utils import timezone
 
@@ -17,7 +18,8 @@ LIBRARY_BACKENDS = [("vllm", "vLLM"), ("tensorrtllm", "TensorRT-LLM")]
 class LibraryModel(models.Model):
     """An operator-curated model: its architecture (what the memory fit needs) and where its weights are."""
 
-    key = models.SlugField(max_length=80, unique=True)
+    key = models.CharField(max_length=80, unique=True, validators=[RegexValidator(
+        r"^[a-z0-9][a-z0-9._-]*$", "lower-case letters, digits, . _ -")], help_text='e.g. "qwen2.5-7b-instruct"')
     name = models.CharField(max_length=120)
     family = models.CharField(max_length=40, help_text="llama, mixtral, qwen2, ...")
     params = models.PositiveBigIntegerField(help_text="parameter count (model card)")

@@ -210,6 +210,20 @@ def repository_shape(repo: ModelRepository, names: list[str], memory_mb: int = 0
 
 # --- the MSP's library -----------------------------------------------------------------------------
 
+LIBRARY_SEED = Path(__file__).resolve().parents[1] / "data" / "model_library.json"
+
+
+def sync_library() -> int:
+    """Create or update the seeded library models (marketplace/data/model_library.json; migration 0010 does the
+    same with the historical model). Returns how many entries the seed has."""
+    data = json.loads(LIBRARY_SEED.read_text())
+    for m in data["models"]:
+        fields = {k: m[k] for k in ("name", "family", "params", "layers", "hidden_size", "attention_heads",
+                                    "kv_heads", "head_dim", "weight_dtype", "kv_dtype", "max_context", "backend",
+                                    "store_path")}
+        LibraryModel.objects.update_or_create(key=m["key"], defaults={**fields, "source_url": m["source"]})
+    return len(data["models"])
+
 def library_shape(m: LibraryModel, adapters_mib: tuple[int, ...] = ()) -> fit.ModelShape:
     return fit.ModelShape(name=m.name, backend=m.backend, params=m.params, layers=m.layers, kv_heads=m.kv_heads,
                           head_dim=m.head_dim, weight_dtype=m.weight_dtype, kv_dtype=m.kv_dtype,

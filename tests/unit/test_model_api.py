@@ -59,7 +59,7 @@ def test_upload_needs_the_deploy_capability(as_user, members_a, h100_node):
     assert r.status_code == 403 and not ModelRepository.objects.exists()
 
 
-def test_library_lists_seeded_models_with_figures(as_key, key_a):
+def test_library_lists_seeded_models_with_figures(as_key, key_a, catalog):
     r = as_key(key_a).get("/api/v1/library/?search=llama")
     rows = {m["key"]: m for m in r.json()["results"]}
     assert rows["llama-3.1-8b-instruct"]["kv_cache_bytes_per_token"] == 131072
