@@ -323,10 +323,10 @@ def import_repository(source: BinaryIO | Path, dest: Path, limits: Limits, *, fi
                 if isinstance(source, Path):
                     fh.close()
         base, repo = (validate or validate_tree)(w.root)
-        for dirpath, _dirs, files in os.walk(base):
-            Path(dirpath).chmod(0o755)
+        for dirpath, _dirs, files in os.walk(base):  # Tessera's own: a tenant's model on the node never reads it
+            Path(dirpath).chmod(0o700)
             for f in files:
-                (Path(dirpath) / f).chmod(0o644)
+                (Path(dirpath) / f).chmod(0o600)
         os.rename(base, dest)
         return repo
     finally:
@@ -392,19 +392,35 @@ def copy_models(src: Path, repo_dir: Path, names: list[str]) -> None:
         os.rename(staging, target)
 
 
-def write_files(repo_dir: Path, files: dict[str, str], *, copies: dict[str, str] | None = None) -> None:
-    """Write generated model folders (``{"<model>/<path>": text}``, plus files ``copies`` from the model store)
-    into a slice's repository: each model folder staged whole then renamed into place; a no-op when the
-    folder already holds exactly these bytes."""
+MODEL_DIR_PLACEHOLDER = "${TESSERA_MODEL_DIR}"
+
+
+def write_files(repo_dir: Path, files: dict[str, str], *, copies: dict[str, str] | None = None,
+                copy_dirs: dict[str, str] | None = None) -> None:
+    """Write generated model folders (``{"<model>/<path>": text}``, plus files ``copies`` and whole folders
+    ``copy_dirs`` (e.g. a tenant's LoRA adapters) from the model store or the upload root) into a slice's
+    repository, so its server reads nothing outside it: each model folder staged whole then renamed into place;
+    a no-op when the folder already holds exactly these bytes. ``${TESSERA_MODEL_DIR}`` in a text becomes the
+    model folder's path on this node."""
     repo_dir = Path(repo_dir)
     repo_dir.mkdir(parents=True, exist_ok=True)
     by_model: dict[str, dict[str, bytes]] = {}
     for path, text in files.items():
         model, rel = path.split("/", 1)
+        if isinstance(text, str):
+            text = text.replace(MODEL_DIR_PLACEHOLDER, str(repo_dir / model))
         by_model.setdefault(model, {})[rel] = text.encode() if isinstance(text, str) else bytes(text)
     for path, src in (copies or {}).items():
         model, rel = path.split("/", 1)
         by_model.setdefault(model, {})[rel] = Path(src).read_bytes()
+    for path, src in (copy_dirs or {}).items():
+        model, rel = path.split("/", 1)
+        src = Path(src)
+        for f in sorted(src.rglob("*")):
+            if f.is_symlink():
+                raise ValueError(f"symlink in {src}")
+            if f.is_file():
+                by_model.setdefault(model, {})[f"{rel}/{f.relative_to(src).as_posix()}"] = f.read_bytes()
     for model, content in by_model.items():
         if not triton.MODEL_NAME_RE.match(model):
             raise ValueError(f"bad model name {model!r}")

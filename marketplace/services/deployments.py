@@ -161,7 +161,8 @@ def deploy(principal: Principal, allocation: Allocation, name: str, *, template:
                           copy=model_svc.tensorrtllm_copies(name, library_model)
                           if library_model.backend == "tensorrtllm" else {},
                           adapters=[{"id": a.pk, "name": a.name, "rank": a.rank,
-                                     "memory_mb": model_svc.adapter_mib(a)} for a in adapters])
+                                     "memory_mb": model_svc.adapter_mib(a)} for a in adapters],
+                          adapter_dirs=model_svc.adapter_dirs(name, adapters))
         dep = ModelDeployment.objects.create(
             allocation=allocation, tenant_id=allocation.tenant_id, name=name, backend=backend,
             spec=stored, memory_mb=result.needed_mib, created_by=principal.user, repository=repository,
@@ -220,7 +221,11 @@ def write_model(dep: ModelDeployment, repo: Path) -> None:
 
         model_repo.copy_models(model_svc.upload_root() / dep.spec["path"], repo, dep.spec["models"])
     elif kind == "library":
-        model_repo.write_files(repo, dep.spec["files"], copies=dep.spec.get("copy") or {})
+        from marketplace.services import models as model_svc  # noqa: PLC0415
+
+        model_repo.write_files(repo, dep.spec["files"], copies=dep.spec.get("copy") or {},
+                               copy_dirs={k: str(model_svc.upload_root() / v)
+                                          for k, v in (dep.spec.get("adapter_dirs") or {}).items()})
     else:
         triton.write_repository(repo, spec_from_json(dep.spec))
 

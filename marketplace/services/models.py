@@ -278,10 +278,16 @@ def vllm_files(name: str, m: LibraryModel, result: fit.Fit, *, concurrency: int,
     files = {f"{name}/config.pbtxt": config,
              f"{name}/1/model.json": json.dumps(vllm_model_json(m, result, concurrency=concurrency,
                                                                 adapters=adapters), indent=2) + "\n"}
-    if adapters:
+    if adapters:  # copied into the model folder at deploy (adapter_dirs): the server reads nothing outside it
         files[f"{name}/1/multi_lora.json"] = json.dumps(
-            {a.name: str(upload_root() / a.path) for a in adapters}, indent=2, sort_keys=True) + "\n"
+            {a.name: f"{model_repo.MODEL_DIR_PLACEHOLDER}/1/loras/{a.name}" for a in adapters}, indent=2,
+            sort_keys=True) + "\n"
     return files
+
+
+def adapter_dirs(name: str, adapters) -> dict[str, str]:
+    """Where each adapter goes in the model folder -> its folder, relative to TESSERA_UPLOAD_ROOT."""
+    return {f"{name}/1/loras/{a.name}": a.path for a in adapters}
 
 
 def tensorrtllm_files(name: str, m: LibraryModel, result: fit.Fit, *, concurrency: int) -> dict[str, str]:

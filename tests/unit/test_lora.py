@@ -58,8 +58,13 @@ def test_adapters_deploy_with_their_base_and_count_in_the_fit(owner, tiers, sett
     folder = deployments.repo_dir(a) / "tuned" / "1"
     args = json.loads((folder / "model.json").read_text())
     assert args["enable_lora"] == "true" and args["max_loras"] == 2 and args["max_lora_rank"] == 64
-    assert json.loads((folder / "multi_lora.json").read_text()) == {
-        "chat": str(settings.TESSERA_UPLOAD_ROOT / chat.path), "sql": str(settings.TESSERA_UPLOAD_ROOT / sql.path)}
+    assert json.loads((folder / "multi_lora.json").read_text()) == {  # copied into the slice's repository
+        "chat": str(folder / "loras" / "chat"), "sql": str(folder / "loras" / "sql")}
+    assert (folder / "loras/sql/adapter_model.safetensors").read_bytes() == WEIGHTS
+    stored = settings.TESSERA_UPLOAD_ROOT / sql.path
+    assert (stored.stat().st_mode & 0o777) == 0o700  # the upload root is Tessera's own, not the tenants' models'
+    assert ((stored / "adapter_model.safetensors").stat().st_mode & 0o777) == 0o600
+    assert deployments.load(dep.pk).startswith("nothing to do")
     assert not (deployments.repo_dir(a) / "plain" / "1" / "multi_lora.json").exists()
     with pytest.raises(ServiceError, match="deployed"):
         model_svc.delete_adapter(owner[1], sql)
