@@ -308,7 +308,7 @@ def _deployment_list(request, form=None, status=200):
     return render(request, "portal/deployments.html", ctx(
         request, table=tbl, active_slices=list(active), templates=list(deployments.TEMPLATES),
         repositories=list(model_sel.repositories(p).filter(tenant=t).order_by("name")),
-        library=list(model_sel.library()),
+        library=list(model_sel.library()), adapters=list(model_sel.adapters(p).filter(tenant=t).order_by("name")),
         form=form or {"name": "", "allocation": request.GET.get("slice", ""), "template": "tiny-gen",
                       "library_model": request.GET.get("library_model", ""), "context": "", "concurrency": "1"}),
         status=status)
@@ -346,13 +346,16 @@ def deployment_create(request):
             if repo is not None:
                 dep = deployments.deploy(p, alloc, form["name"], repository=repo)
             elif lib is not None:
-                dep = deployments.deploy(p, alloc, form["name"], library_model=lib, **numbers)
+                chosen = list(model_sel.adapters(p).filter(tenant=t, pk__in=[
+                    x for x in request.POST.getlist("adapters") if x.isdigit()]))
+                dep = deployments.deploy(p, alloc, form["name"], library_model=lib, adapters=chosen, **numbers)
             else:
                 dep = deployments.deploy(p, alloc, form["name"], template=form["template"] or "tiny-gen")
         except ServiceError as exc:
             if isinstance(exc, Forbidden):
                 raise
-            known = ("name", "allocation", "template", "repository", "library_model", "context", "concurrency")
+            known = ("name", "allocation", "template", "repository", "library_model", "context", "concurrency",
+                     "adapters")
             form["errors"][exc.field if exc.field in known else "spec"] = exc.message
         else:
             messages.success(request, f"Deploying {dep.name} on slice #{alloc.pk}.")
@@ -583,10 +586,13 @@ def invitation_revoke(request, pk):
 
 # --- a tenant's own model repositories, and "find a tier" ------------------------------------------
 
-def _repositories(request, form=None, status=200):
+def _repositories(request, form=None, status=200, adapter_form=None):
     repos = model_sel.repositories(request.principal).filter(tenant=request.tenant).order_by("-created_at")
+    adapters = model_sel.adapters(request.principal).filter(tenant=request.tenant).order_by("-created_at")
     return render(request, "portal/repositories.html", ctx(
         request, repositories=list(repos), form=form or {"name": "", "store_path": ""},
+        adapter_form=adapter_form or {"name": "", "base": ""}, adapters=list(adapters),
+        bases=list(model_sel.library().filter(backend="vllm")),
         max_mb=settings.TESSERA_UPLOAD_MAX_BYTES // (1024 * 1024)), status=status)
 
 
@@ -621,6 +627,32 @@ def repository_upload(request):
             return redirect("portal:repositories")
     messages.error(request, "The repository was not stored: " + "; ".join(form["errors"].values()))
     return _repositories(request, form=form, status=400)
+
+
+@require_POST
+@portal_view
+def adapter_upload(request):
+    p, t = request.principal, request.tenant
+    require(request, "deploy")
+    form = {"name": request.POST.get("name", "").strip(), "base": request.POST.get("base", ""), "errors": {}}
+    base = model_sel.library().filter(key=form["base"]).first()
+    upload = request.FILES.get("archive")
+    if base is None:
+        form["errors"]["base"] = "choose the library model it was trained on"
+    if not upload:
+        form["errors"]["archive"] = "choose the adapter's archive (.tar.gz or .zip)"
+    if not form["errors"]:
+        try:
+            ad = model_svc.upload_adapter(p, t, form["name"], base, upload)
+        except ServiceError as exc:
+            if isinstance(exc, Forbidden):
+                raise
+            form["errors"][exc.field if exc.field in ("name", "base") else "archive"] = exc.message
+        else:
+            messages.success(request, f"LoRA adapter {ad.name} (rank {ad.rank}) stored for {base.name}.")
+            return redirect("portal:repositories")
+    messages.error(request, "The adapter was not stored: " + "; ".join(form["errors"].values()))
+    return _repositories(request, adapter_form=form, status=400)
 
 
 @portal_view

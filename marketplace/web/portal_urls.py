@@ -16,6 +16,7 @@ urlpatterns = [
     path("models/new/", v.deployment_create, name="deployment_create"),
     path("models/repositories/", v.repositories, name="repositories"),
     path("models/repositories/upload/", v.repository_upload, name="repository_upload"),
+    path("models/adapters/upload/", v.adapter_upload, name="adapter_upload"),
     path("find-tier/", v.find_tier, name="find_tier"),
     path("models/<int:pk>/", v.deployment_detail, name="deployment"),
     path("models/<int:pk>/status/", v.deployment_status, name="deployment_status"),

@@ -135,6 +135,7 @@ CLASSIFICATION: dict[str, str] = {
     # creates for the caller's tenant (a payload naming tenant B must not land there)
     "api:usage-events": CREATE, "portal:order": CREATE, "portal:deployment_create": CREATE,
     "portal:key_create": CREATE, "portal:member_invite": CREATE, "portal:repository_upload": CREATE,
+    "portal:adapter_upload": CREATE,
     # one object (of tenant B in the matrix)
     "api:auditevent-detail": OBJECT,
     "api:tenant-detail": OBJECT, "api:tenant-activate": OBJECT, "api:tenant-suspend": OBJECT,

@@ -72,3 +72,29 @@ def test_order_from_find_a_tier_checks_the_fit(owner_client, h100_node, tiers, w
         "quantity": "1", "library_model": "llama-3.1-70b-instruct-fp8", "context": "8192", "concurrency": "1"})
     assert r.status_code == 400 and "does not fit" in r.content.decode()
     assert not Allocation.objects.exists()
+
+
+def test_upload_an_adapter_and_deploy_it_with_its_base(owner_client, h100_node, tiers, world):
+    import json
+
+    from marketplace.models import LoraAdapter
+
+    files = {"adapter_config.json": json.dumps({"r": 8}), "adapter_model.safetensors": b"\0" * 1000}
+    r = owner_client.post(reverse("portal:adapter_upload"), {
+        "name": "sql", "base": "llama-3.1-8b-instruct",
+        "archive": SimpleUploadedFile("a.zip", model_repo.archive_bytes(files, "zip"))})
+    assert r.status_code == 302
+    ad = LoraAdapter.objects.get(name="sql")
+    assert "sql" in owner_client.get(reverse("portal:repositories")).content.decode()
+    r = owner_client.post(reverse("portal:adapter_upload"), {
+        "name": "bad", "base": "llama-3.1-8b-instruct",
+        "archive": SimpleUploadedFile("a.zip", model_repo.archive_bytes({"x.txt": "x"}, "zip"))})
+    assert r.status_code == 400 and "adapter_config.json" in r.content.decode()
+    owner_client.post(reverse("portal:order", args=[tiers["7g"].pk]), {"quantity": "1"})
+    a = Allocation.objects.get(tenant=world["a"])
+    provisioning.provision(a.pk)
+    r = owner_client.post(reverse("portal:deployment_create"), {
+        "allocation": str(a.pk), "name": "tuned", "library_model": "llama-3.1-8b-instruct", "context": "4096",
+        "adapters": [str(ad.pk)]})
+    assert r.status_code == 302
+    assert list(ModelDeployment.objects.get(name="tuned").adapters.all()) == [ad]
