@@ -7,7 +7,7 @@ import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
 
 from marketplace.hardware import model_repo
-from marketplace.models import Allocation, ModelDeployment, ModelRepository
+from marketplace.models import Allocation, LibraryModel, LoraAdapter, ModelDeployment, ModelRepository
 from marketplace.services import orders, provisioning
 from tenants.roles import Role
 from tenants.scoping import principal_for_user
@@ -120,3 +120,30 @@ def test_an_order_for_a_library_model_is_refused_where_it_does_not_fit(as_key, k
     r = c.post("/api/v1/orders/", {"tier": "h100-7g", "library_model": "llama-3.1-70b-instruct-fp8",
                                    "context": 8192}, format="json")
     assert r.status_code == 201 and Order.objects.count() == 1
+
+
+def test_list_queries_do_not_grow_with_rows(as_key, key_a, world, h100_node, client, members_a):
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    c = as_key(key_a)
+
+    def counts():
+        with CaptureQueriesContext(connection) as api_q:
+            assert c.get("/api/v1/model-repositories/").status_code == 200
+        with CaptureQueriesContext(connection) as ad_q:
+            assert c.get("/api/v1/lora-adapters/").status_code == 200
+        return len(api_q), len(ad_q)
+
+    def add(i):
+        ModelRepository.objects.create(tenant=world["a"], name=f"r{i}", source="upload", size_bytes=1,
+                                       file_count=1, manifest=[], path=f"alpha/{i}")
+        LoraAdapter.objects.create(tenant=world["a"], name=f"l{i}", base=LibraryModel.objects.first(),
+                                   source="upload", rank=8, size_bytes=1, file_count=2, path=f"alpha/l{i}")
+
+    add(0)
+    counts()  # the first request of a key also records its last use
+    one = counts()
+    for i in range(1, 6):
+        add(i)
+    assert counts() == one
