@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 
 import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
@@ -147,14 +146,3 @@ def test_tensorrtllm_ensemble_layout_validates_with_triton_schema(owner, tiers):
     llm = parse_model_config(files["qwen-llm/config.pbtxt"])
     assert llm.backend == "tensorrtllm"
     assert llm.parameters["max_tokens_in_paged_kv_cache"].string_value == str(4096 * 4)
-
-
-def _gpu_present():
-    return shutil.which("nvidia-smi") is not None
-
-
-@pytest.mark.skipif(not _gpu_present(), reason="loading a vLLM / TensorRT-LLM repository needs a GPU "
-                                               "(and NVIDIA's Triton image with those backends)")
-def test_generated_vllm_repository_loads_on_a_gpu(tmp_path):
-    """Where a GPU is lent: the generated vLLM repository loads in NVIDIA's Triton (needs the weights)."""
-    pytest.skip("needs NVIDIA's tritonserver with the vllm backend and the weights in the model store")
