@@ -7,9 +7,12 @@ from .models import (
     Gpu,
     GpuInstance,
     GpuModel,
+    LibraryModel,
+    LoraAdapter,
     MigPlacement,
     MigProfile,
     ModelDeployment,
+    ModelRepository,
     Node,
     Order,
     PricePlan,
@@ -80,9 +83,37 @@ class PricePlanInline(admin.TabularInline):
 
 @admin.register(Tier)
 class TierAdmin(admin.ModelAdmin):
-    list_display = ["name", "key", "gpu_model", "profile", "dedicated", "active"]
+    list_display = ["name", "key", "gpu_model", "profile", "dedicated", "allowed_backends", "active"]
     list_filter = ["gpu_model", "active", "dedicated"]
     inlines = [PricePlanInline]
+
+
+@admin.register(LibraryModel)
+class LibraryModelAdmin(admin.ModelAdmin):
+    """The MSP's model library: architectures for the memory fit, weights in the model store."""
+
+    list_display = ["name", "key", "family", "params", "layers", "kv_heads", "head_dim", "weight_dtype", "kv_dtype",
+                    "max_context", "backend", "active"]
+    list_filter = ["family", "backend", "weight_dtype", "active"]
+    search_fields = ["key", "name", "family"]
+
+
+@admin.register(LoraAdapter)
+class LoraAdapterAdmin(admin.ModelAdmin):
+    list_display = ["name", "tenant", "base", "rank", "size_bytes", "created_at"]
+    list_filter = ["base"]
+    search_fields = ["name", "tenant__slug"]
+    readonly_fields = ["tenant", "base", "source", "store_path", "filename", "archive_sha256", "rank",
+                       "target_modules", "size_bytes", "file_count", "path", "created_by", "created_at"]
+
+
+@admin.register(ModelRepository)
+class ModelRepositoryAdmin(admin.ModelAdmin):
+    list_display = ["name", "tenant", "source", "file_count", "size_bytes", "created_at"]
+    list_filter = ["source"]
+    search_fields = ["name", "tenant__slug"]
+    readonly_fields = ["tenant", "source", "store_path", "filename", "archive_bytes", "archive_sha256", "size_bytes",
+                       "file_count", "manifest", "path", "created_by", "created_at"]
 
 
 class AllocationEventInline(admin.TabularInline):

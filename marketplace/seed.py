@@ -89,6 +89,9 @@ def seed_tiers() -> None:
 def seed_fleet() -> dict[str, int]:
     with transaction.atomic():
         sync_catalog()
+        from marketplace.services.models import sync_library  # noqa: PLC0415
+
+        sync_library()
         for hostname, platform_key in DEMO_NODES:
             platform = ServerPlatform.objects.select_related("gpu_model").get(key=platform_key)
             if not Node.objects.filter(hostname=hostname).exists():

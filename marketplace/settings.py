@@ -277,6 +277,9 @@ SPECTACULAR_SETTINGS = {
         "AllocationStateEnum": "marketplace.models.orders.Allocation.State",
         "DriftEventKindEnum": "marketplace.models.orders.DriftEvent.Kind",
         "ModelDeploymentStateEnum": "marketplace.models.deployments.ModelDeployment.State",
+        "SpecBackendEnum": "marketplace.hardware.triton.BACKENDS",
+        "RepositoryBackendEnum": "marketplace.hardware.model_repo.KNOWN_BACKENDS",
+        "LibraryBackendEnum": "marketplace.models.library.LIBRARY_BACKENDS",
     },
 }
 
@@ -389,3 +392,14 @@ LOGGING = {
         "django.server": {"level": "WARNING"},
     },
 }
+
+# --- Models: tenants' own Triton repositories and the MSP's model store (README: "Models on slices") ---
+# Where uploaded repositories are unpacked: the web app writes, node workers read (a shared filesystem in
+# production, e.g. NFS, mounted at the same path on web and nodes).
+TESSERA_UPLOAD_ROOT = Path(os.environ.get("TESSERA_UPLOAD_ROOT", VAR_DIR / "uploads"))
+# The MSP's model store: library weights and repositories tenants may import (read-only, same path everywhere).
+TESSERA_MODEL_STORE_ROOT = Path(os.environ.get("TESSERA_MODEL_STORE_ROOT", VAR_DIR / "model-store"))
+TESSERA_UPLOAD_MAX_BYTES = int(os.environ.get("TESSERA_UPLOAD_MAX_BYTES", str(2 * 1024**3)))  # archive size
+TESSERA_REPO_MAX_EXPANDED_BYTES = int(os.environ.get("TESSERA_REPO_MAX_EXPANDED_BYTES", str(8 * 1024**3)))
+TESSERA_REPO_MAX_FILES = int(os.environ.get("TESSERA_REPO_MAX_FILES", "2000"))
+DATA_UPLOAD_MAX_NUMBER_FILES = 1

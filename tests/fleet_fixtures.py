@@ -21,6 +21,8 @@ def sim_dir(settings, tmp_path):
 
     settings.TESSERA_SIM_DIR = tmp_path / "sim"
     settings.TESSERA_TRITON_REPO_ROOT = tmp_path / "triton"
+    settings.TESSERA_UPLOAD_ROOT = tmp_path / "uploads"
+    settings.TESSERA_MODEL_STORE_ROOT = tmp_path / "model-store"
     nodes._sims.clear()
     reset_sim_backends()
     serving.reset_runtimes()
@@ -32,7 +34,10 @@ def sim_dir(settings, tmp_path):
 
 @pytest.fixture
 def catalog(db):
+    from marketplace.services.models import sync_library
+
     sync_catalog()
+    sync_library()  # the migration seeds it too, but a transactional test's flush empties the table
 
 
 def make_node(hostname="node-a", platform_key="hgx-h100-8"):

@@ -35,6 +35,8 @@ class Worker:
         (``-c 1``), which the main process replaces if it dies (see pool_pids)."""
         env = {**os.environ, "DATABASE_URL": test_database_url(), "TESSERA_SIM_DIR": str(self.sim_dir),
                "TESSERA_TRITON_REPO_ROOT": str(self.sim_dir.parent / "triton"),
+               "TESSERA_UPLOAD_ROOT": str(self.sim_dir.parent / "uploads"),
+               "TESSERA_MODEL_STORE_ROOT": str(self.sim_dir.parent / "model-store"),
                "CELERY_VISIBILITY_TIMEOUT": "5", "TESSERA_PROVISION_STUCK_AFTER_S": "1",
                "LOG_FORMAT": "text", "LOG_LEVEL": "INFO", **self.env, **extra_env}
         log = open(self.log_path, "ab")  # noqa: SIM115 - the process owns it

@@ -16,6 +16,7 @@ from marketplace.models import (
     AllocationEvent,
     DriftEvent,
     GpuModel,
+    LibraryModel,
     MigProfile,
     Order,
     PricePlan,
@@ -23,6 +24,7 @@ from marketplace.models import (
     TritonServer,
 )
 from marketplace.selectors import orders as selectors
+from marketplace.services import models as model_svc
 from marketplace.services import offers, orders
 from tenants.api.serializers import ScopedTenantField
 from tenants.scoping import principal_for
@@ -190,10 +192,18 @@ class OrderSerializer(serializers.ModelSerializer):
     tier = serializers.SlugRelatedField(slug_field="key", queryset=Tier.objects.filter(active=True))
     quantity = serializers.IntegerField(min_value=1, max_value=64, default=1)
     allocations = AllocationSerializer(many=True, read_only=True)
+    library_model = serializers.SlugRelatedField(
+        slug_field="key", queryset=LibraryModel.objects.filter(active=True), required=False, write_only=True,
+        help_text="optional: the library model the slice is for; the order is refused if it does not fit the tier")
+    context = serializers.IntegerField(required=False, write_only=True, min_value=0, max_value=10**7, default=0,
+                                       help_text="with library_model: tokens per sequence (0: one token)")
+    concurrency = serializers.IntegerField(required=False, write_only=True, min_value=1, max_value=100_000,
+                                           default=1, help_text="with library_model: concurrent sequences")
 
     class Meta:
         model = Order
-        fields = ["id", "tenant", "tier", "plan_kind", "quantity", "idempotency_key", "created_at", "allocations"]
+        fields = ["id", "tenant", "tier", "plan_kind", "quantity", "idempotency_key", "created_at", "allocations",
+                  "library_model", "context", "concurrency"]
         read_only_fields = ["id", "created_at"]
         validators = []
 
@@ -203,6 +213,10 @@ class OrderSerializer(serializers.ModelSerializer):
             if principal.key_tenant_id is None:
                 raise serializers.ValidationError({"tenant": ["This field is required."]})
             attrs["tenant"] = principal.api_key.tenant
+        model = attrs.pop("library_model", None)
+        context, concurrency = attrs.pop("context", 0), attrs.pop("concurrency", 1)
+        if model is not None:
+            model_svc.check_tier_fits(attrs["tier"], model, context=context, concurrency=concurrency)
         return attrs
 
 

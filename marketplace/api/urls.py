@@ -1,7 +1,7 @@
 from django.urls import path
 from rest_framework.routers import SimpleRouter
 
-from . import billing, catalog, deployments, orders, planner
+from . import billing, catalog, deployments, models, orders, planner
 
 router = SimpleRouter()
 router.register("catalog/gpu-models", catalog.GpuModelViewSet, basename="gpumodel")
@@ -17,6 +17,9 @@ router.register("price-plans", orders.PricePlanViewSet, basename="priceplan")
 router.register("orders", orders.OrderViewSet, basename="order")
 router.register("allocations", orders.AllocationViewSet, basename="allocation")
 router.register("deployments", deployments.DeploymentViewSet, basename="deployment")
+router.register("model-repositories", models.ModelRepositoryViewSet, basename="modelrepository")
+router.register("library", models.LibraryModelViewSet, basename="librarymodel")
+router.register("lora-adapters", models.LoraAdapterViewSet, basename="loraadapter")
 
 router.register("invoices", billing.InvoiceViewSet, basename="invoice")
 router.register("webhooks", billing.WebhookEndpointViewSet, basename="webhook")
@@ -26,5 +29,6 @@ urlpatterns = [
     path("billing/usage/", billing.UsageSummaryView.as_view(), name="billing-usage"),
     path("planner/", planner.PlannerView.as_view(), name="planner"),
     path("planner/inputs/", planner.PlannerInputsView.as_view(), name="planner-inputs"),
+    path("find-tier/", models.FindTierView.as_view(), name="find-tier"),
     *router.urls,
 ]

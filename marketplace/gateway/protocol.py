@@ -65,6 +65,8 @@ class ModelIO:
     input_count: str | None = None
     output_count: str | None = None
     decoupled: bool = False
+    sampling: bool = False  # vLLM: max_tokens goes in the JSON string input sampling_parameters
+    stream_flag: bool = False  # vLLM: a BOOL input "stream" asks for one response per new piece of text
 
     @property
     def generative(self) -> bool:
@@ -79,7 +81,8 @@ class ModelIO:
                    max_tokens="max_tokens" if "max_tokens" in inputs else None,
                    input_count=next((n for n in INPUT_COUNTS if n in outputs), None),
                    output_count=next((n for n in OUTPUT_COUNTS if n in outputs), None),
-                   decoupled=bool(spec.get("decoupled")))
+                   decoupled=bool(spec.get("decoupled")), sampling="sampling_parameters" in inputs,
+                   stream_flag="stream" in inputs)
 
 
 @dataclass
@@ -210,10 +213,15 @@ def generate_body(io: ModelIO, req: TextRequest) -> dict[str, Any]:
                           f"text output); call it with /v2/models/{req.model}/infer.", param="model",
                           code="model_not_generative")
     body: dict[str, Any] = {io.prompt: req.prompt}
+    if io.stream_flag:
+        body["stream"] = req.stream
     if req.max_tokens is not None:
-        if io.max_tokens is None:
+        if io.sampling:
+            body["sampling_parameters"] = json.dumps({"max_tokens": req.max_tokens})
+        elif io.max_tokens is None:
             raise bad_request(f"The model '{req.model}' takes no max_tokens.", param="max_tokens")
-        body[io.max_tokens] = req.max_tokens
+        else:
+            body[io.max_tokens] = req.max_tokens
     return body
 
 

@@ -307,181 +307,31 @@ def render_config(spec: ModelSpec) -> str:
 
 
 class PbtxtError(ValueError):
-    """config.pbtxt is not valid protobuf text format."""
+    """config.pbtxt is not a valid Triton ModelConfig in protobuf text format."""
 
 
-_TOKEN_RE = re.compile(r"""
-    (?P<ws>[ \t\r\n]+|\#[^\n]*)
-  | (?P<str>"(?:[^"\\\n]|\\.)*"|'(?:[^'\\\n]|\\.)*')
-  | (?P<punct>[{}\[\]<>:,;])
-  | (?P<word>[A-Za-z0-9_.+-]+)
-""", re.VERBOSE)
-_ESCAPES = {"n": "\n", "r": "\r", "t": "\t", "\\": "\\", '"': '"', "'": "'", "a": "\a", "b": "\b", "f": "\f",
-            "v": "\v", "?": "?"}
+def _model_config_pb2():
+    from tritonclient.grpc import model_config_pb2  # noqa: PLC0415 - imports grpc; only where configs are parsed
+
+    return model_config_pb2
 
 
-def _unquote(token: str) -> str:
-    body, out, i = token[1:-1], [], 0
-    while i < len(body):
-        ch = body[i]
-        if ch != "\\":
-            out.append(ch)
-            i += 1
-            continue
-        nxt = body[i + 1]
-        if nxt in _ESCAPES:
-            out.append(_ESCAPES[nxt])
-            i += 2
-        elif nxt in "01234567":
-            m = re.match(r"[0-7]{1,3}", body[i + 1:])
-            out.append(chr(int(m.group(0), 8)))
-            i += 1 + len(m.group(0))
-        elif nxt in "xX":
-            m = re.match(r"[0-9a-fA-F]{1,2}", body[i + 2:])
-            if not m:
-                raise PbtxtError(f"bad escape in string {token}")
-            out.append(chr(int(m.group(0), 16)))
-            i += 2 + len(m.group(0))
-        else:
-            raise PbtxtError(f"bad escape \\{nxt} in string {token}")
-    return "".join(out)
+def parse_model_config(text: str):
+    """Parse a config.pbtxt with Triton's own schema (``tritonclient.grpc.model_config_pb2.ModelConfig``,
+    ``google.protobuf.text_format``): an unknown field, a wrong type or an unknown enum is a ``PbtxtError``
+    naming the line, as Triton itself refuses it."""
+    from google.protobuf import text_format  # noqa: PLC0415
 
-
-def _tokenize(text: str) -> list[tuple[str, str, int]]:
-    tokens, pos, line = [], 0, 1
-    while pos < len(text):
-        m = _TOKEN_RE.match(text, pos)
-        if not m:
-            raise PbtxtError(f"line {line}: unexpected character {text[pos]!r}")
-        kind = m.lastgroup
-        if kind != "ws":
-            tokens.append((kind, m.group(0), line))
-        line += m.group(0).count("\n")
-        pos = m.end()
-    return tokens
-
-
-def _scalar(kind: str, value: str, line: int) -> Any:
-    if kind == "str":
-        return _unquote(value)
-    if value in ("true", "True", "t"):
-        return True
-    if value in ("false", "False", "f"):
-        return False
-    if re.fullmatch(r"[+-]?\d+", value):
-        return int(value)
-    if re.fullmatch(r"[+-]?0[xX][0-9a-fA-F]+", value):
-        return int(value, 16)
-    if re.fullmatch(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?[fF]?", value):
-        return float(value.rstrip("fF"))
-    if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value):
-        return value  # enum identifier (TYPE_FP32, KIND_GPU, ...)
-    raise PbtxtError(f"line {line}: bad value {value!r}")
-
-
-class _Parser:
-    def __init__(self, text: str) -> None:
-        self.tokens = _tokenize(text)
-        self.i = 0
-
-    def peek(self) -> tuple[str, str, int] | None:
-        return self.tokens[self.i] if self.i < len(self.tokens) else None
-
-    def take(self, expect: str | None = None) -> tuple[str, str, int]:
-        tok = self.peek()
-        if tok is None:
-            raise PbtxtError(f"unexpected end of input{f' (expected {expect!r})' if expect else ''}")
-        if expect is not None and tok[1] != expect:
-            raise PbtxtError(f"line {tok[2]}: expected {expect!r}, got {tok[1]!r}")
-        self.i += 1
-        return tok
-
-    def message(self, close: str | None) -> dict[str, list[Any]]:
-        fields: dict[str, list[Any]] = {}
-        while True:
-            tok = self.peek()
-            if tok is None:
-                if close is not None:
-                    raise PbtxtError(f"unexpected end of input (missing {close!r})")
-                return fields
-            if close is not None and tok[1] == close:
-                self.i += 1
-                return fields
-            kind, name, line = self.take()
-            if kind != "word" or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
-                raise PbtxtError(f"line {line}: expected a field name, got {name!r}")
-            values = fields.setdefault(name, [])
-            nxt = self.peek()
-            colon = nxt is not None and nxt[1] == ":"
-            if colon:
-                self.i += 1
-                nxt = self.peek()
-            if nxt is None:
-                raise PbtxtError(f"line {line}: field {name!r} has no value")
-            if nxt[1] in ("{", "<"):
-                self.i += 1
-                values.append(self.message("}" if nxt[1] == "{" else ">"))
-            elif nxt[1] == "[":
-                self.i += 1
-                values.extend(self.list_values(name, colon))
-            elif colon:
-                values.append(self.scalar())
-            else:
-                raise PbtxtError(f"line {nxt[2]}: expected ':' after field {name!r}, got {nxt[1]!r}")
-            if self.peek() is not None and self.peek()[1] in (",", ";"):
-                self.i += 1
-
-    def scalar(self) -> Any:
-        kind, value, line = self.take()
-        if kind == "str":
-            parts = [_unquote(value)]
-            while self.peek() is not None and self.peek()[0] == "str":  # adjacent strings concatenate
-                parts.append(_unquote(self.take()[1]))
-            return "".join(parts)
-        if kind != "word":
-            raise PbtxtError(f"line {line}: expected a value, got {value!r}")
-        return _scalar(kind, value, line)
-
-    def list_values(self, name: str, colon: bool) -> list[Any]:
-        out: list[Any] = []
-        if self.peek() is not None and self.peek()[1] == "]":
-            self.i += 1
-            return out
-        while True:
-            tok = self.peek()
-            if tok is None:
-                raise PbtxtError(f"unexpected end of input in list {name!r}")
-            if tok[1] in ("{", "<"):
-                self.i += 1
-                out.append(self.message("}" if tok[1] == "{" else ">"))
-            elif colon:
-                out.append(self.scalar())
-            else:
-                raise PbtxtError(f"line {tok[2]}: list of scalars for {name!r} needs ':'")
-            kind, sep, line = self.take()
-            if sep == "]":
-                return out
-            if sep != ",":
-                raise PbtxtError(f"line {line}: expected ',' or ']' in list {name!r}, got {sep!r}")
-
-
-def parse_pbtxt(text: str) -> dict[str, list[Any]]:
-    """Parse protobuf text format into ``{field: [values]}`` (every field a list; messages are dicts).
-
-    Generic (no schema): enums stay strings, numbers become int/float. Raises ``PbtxtError``.
-    """
-    return _Parser(text).message(None)
-
-
-def first(msg: dict[str, list[Any]], name: str, default: Any = None) -> Any:
-    """The first value of a field in a parsed message, or ``default``."""
-    values = msg.get(name) or []
-    return values[0] if values else default
+    pb2 = _model_config_pb2()
+    try:
+        return text_format.Parse(text, pb2.ModelConfig())
+    except text_format.ParseError as exc:
+        raise PbtxtError(str(exc)) from None
 
 
 @dataclass(frozen=True)
 class ParsedConfig:
-    """The fields of a config.pbtxt that Tessera and the simulator use."""
+    """The fields of a config.pbtxt that Tessera and the simulator use (``message``: the whole ModelConfig)."""
 
     name: str | None
     backend: str | None
@@ -495,45 +345,34 @@ class ParsedConfig:
     memory_mb: int
     default_model_filename: str | None
     decoupled: bool = False
-    raw: dict[str, list[Any]] = field(repr=False, compare=False, default_factory=dict)
+    message: Any = field(repr=False, compare=False, default=None)
 
 
 def parse_config(text: str) -> ParsedConfig:
-    """Parse a config.pbtxt (``PbtxtError`` if it is not text format, ``ValueError`` on bad field types)."""
-    raw = parse_pbtxt(text)
+    """Parse a config.pbtxt with Triton's protobuf schema (``PbtxtError`` if Triton would refuse it)."""
+    msg = parse_model_config(text)
+    pb2 = _model_config_pb2()
+    dtype = pb2.DataType.Name
+    kind = pb2.ModelInstanceGroup.Kind.Name
 
-    def tensors(label: str) -> tuple[TensorSpec, ...]:
-        out = []
-        for t in raw.get(label, []):
-            if not isinstance(t, dict):
-                raise PbtxtError(f"{label} must be a message")
-            dims = t.get("dims", [])
-            out.append(TensorSpec(name=first(t, "name", ""), data_type=first(t, "data_type", "TYPE_INVALID"),
-                                  dims=list(dims), optional=bool(first(t, "optional", False))))
-        return tuple(out)
+    def tensors(items) -> tuple[TensorSpec, ...]:
+        return tuple(TensorSpec(name=t.name, data_type=dtype(t.data_type), dims=list(t.dims),
+                                optional=bool(getattr(t, "optional", False))) for t in items)
 
-    params: dict[str, str] = {}
-    for p in raw.get("parameters", []):
-        if not isinstance(p, dict):
-            raise PbtxtError("parameters must be a message")
-        value = first(p, "value", {})
-        params[str(first(p, "key", ""))] = str(first(value, "string_value", "") if isinstance(value, dict) else value)
-    groups = [g for g in raw.get("instance_group", []) if isinstance(g, dict)]
+    params = {k: v.string_value for k, v in msg.parameters.items()}
     mem = params.get(MEMORY_PARAMETER, "0")
     try:
         memory_mb = int(mem)
     except ValueError:
         raise PbtxtError(f"parameter {MEMORY_PARAMETER} must be an integer, got {mem!r}") from None
-    mbs = first(raw, "max_batch_size", 0)
-    if not _is_int(mbs):
-        raise PbtxtError(f"max_batch_size must be an integer, got {mbs!r}")
+    groups = list(msg.instance_group)
     return ParsedConfig(
-        name=first(raw, "name"), backend=first(raw, "backend"), platform=first(raw, "platform"),
-        max_batch_size=mbs, inputs=tensors("input"), outputs=tensors("output"),
-        instance_kind=first(groups[0], "kind", "KIND_AUTO") if groups else None,
-        instance_count=sum(int(first(g, "count", 1)) for g in groups) if groups else 0,
-        parameters=params, memory_mb=memory_mb, default_model_filename=first(raw, "default_model_filename"),
-        decoupled=bool(first(first(raw, "model_transaction_policy", {}) or {}, "decoupled", False)), raw=raw)
+        name=msg.name or None, backend=msg.backend or None, platform=msg.platform or None,
+        max_batch_size=msg.max_batch_size, inputs=tensors(msg.input), outputs=tensors(msg.output),
+        instance_kind=kind(groups[0].kind) if groups else None,
+        instance_count=sum(g.count or 1 for g in groups) if groups else 0,
+        parameters=params, memory_mb=memory_mb, default_model_filename=msg.default_model_filename or None,
+        decoupled=bool(msg.model_transaction_policy.decoupled), message=msg)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@ from .billing import Invoice, InvoiceLine, InvoiceSequence, SpendNotice, Webhook
 from .catalog import GpuModel, MigPlacement, MigProfile, ServerPlatform
 from .deployments import ModelDeployment
 from .fleet import Gpu, GpuInstance, GpuSlot, Node
+from .library import LibraryModel, LoraAdapter, ModelRepository
 from .offers import PricePlan, Tier
 from .orders import Allocation, AllocationEvent, DriftEvent, Order
 from .serving import TritonServer
@@ -9,4 +10,4 @@ from .serving import TritonServer
 __all__ = ["GpuModel", "MigProfile", "MigPlacement", "ServerPlatform", "Node", "Gpu", "GpuInstance", "GpuSlot",
            "Tier", "PricePlan", "Order", "Allocation", "AllocationEvent", "DriftEvent",
            "ModelDeployment", "Invoice", "InvoiceLine", "InvoiceSequence", "SpendNotice", "WebhookEndpoint",
-           "WebhookDelivery", "TritonServer"]
+           "WebhookDelivery", "TritonServer", "LibraryModel", "ModelRepository", "LoraAdapter"]

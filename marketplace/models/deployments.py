@@ -28,6 +28,14 @@ class ModelDeployment(models.Model):
     backend = models.CharField(max_length=32)
     spec = models.JSONField(help_text="the ModelSpec (config and files) Tessera writes to the repository")
     memory_mb = models.PositiveIntegerField(help_text="declared memory need on the slice")
+    repository = models.ForeignKey("marketplace.ModelRepository", null=True, blank=True, on_delete=models.PROTECT,
+                                   related_name="deployments", help_text="the tenant's own repository it came from")
+    library_model = models.ForeignKey("marketplace.LibraryModel", null=True, blank=True, on_delete=models.PROTECT,
+                                      related_name="deployments", help_text="the library model it serves")
+    adapters = models.ManyToManyField("marketplace.LoraAdapter", blank=True, related_name="deployments",
+                                      help_text="LoRA adapters served with a library model (vLLM multi-LoRA)")
+    context = models.PositiveIntegerField(default=0, help_text="max context (tokens) the fit reserved cache for")
+    concurrency = models.PositiveIntegerField(default=1, help_text="concurrent sequences the fit reserved cache for")
     state = models.CharField(max_length=16, choices=State.choices, default=State.PENDING)
     failure_reason = models.CharField(max_length=1000, blank=True)
     waiting_reason = models.CharField(max_length=300, blank=True,

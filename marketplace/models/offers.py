@@ -26,6 +26,9 @@ class Tier(models.Model):
                                 help_text="empty: the whole GPU (MIG off)")
     dedicated = models.BooleanField(default=False, help_text="slices of this tier never share a GPU with others")
     description = models.TextField(blank=True)
+    allowed_backends = models.CharField(
+        max_length=200, default="python,onnxruntime,vllm,tensorrtllm,ensemble",
+        help_text="Triton backends tenants may deploy on this tier (comma-separated; the MSP chooses)")
     active = models.BooleanField(default=True)
     created_at = models.DateTimeField(default=timezone.now)
 
@@ -38,6 +41,14 @@ class Tier(models.Model):
     @property
     def memory_gb(self) -> int:
         return self.profile.memory_gb if self.profile_id else self.gpu_model.memory_gb
+
+    @property
+    def backends(self) -> list[str]:
+        return [b.strip() for b in self.allowed_backends.split(",") if b.strip()]
+
+    @property
+    def memory_mib(self) -> int:
+        return self.profile.memory_mib if self.profile_id else self.gpu_model.memory_mib
 
     @property
     def is_whole_gpu(self) -> bool:

@@ -13,7 +13,8 @@ from django.db.models import Sum
 from django.utils import timezone
 from tritonclient.utils import InferenceServerException
 
-from marketplace.hardware import triton
+from marketplace import fit
+from marketplace.hardware import model_repo, triton
 from marketplace.models import Allocation, ModelDeployment, TritonServer
 from marketplace.models.deployments import LIVE_DEPLOYMENT_STATES
 from marketplace.services import serving
@@ -70,31 +71,117 @@ def spec_to_json(spec: triton.ModelSpec) -> dict:
     return data
 
 
+def _source(name: str, *, template, spec, repository, model, library_model, context, concurrency, memory_mb,
+            allocation: Allocation, adapters=()):
+    """What a deployment writes to the slice and how much memory it takes: (stored spec, backend, fit shape,
+    context, concurrency, name). Templates and full specs declare their memory (runtime included); an
+    uploaded repository takes its declared memory or its files' size plus its backend's overhead; a library
+    model its weights, KV cache for context x concurrency and its backend's overhead (marketplace.fit)."""
+    from marketplace.services import models as model_svc  # noqa: PLC0415
+
+    if repository is not None:
+        top, names = model_svc.pick_model(repository, model)
+        if name and name != top["name"]:
+            raise ServiceError(f"a model keeps its repository name: {top['name']}", field="name")
+        shape = model_svc.repository_shape(repository, names, memory_mb)
+        stored = {"kind": "upload", "repository": repository.pk, "path": repository.path, "models": names,
+                  "model": top["name"], "memory_mb": shape.fixed_mib + fit.overhead_mib(shape.backend),
+                  # what the gateway needs to serve it: its tensors and whether it streams
+                  "inputs": top.get("inputs", []), "outputs": top.get("outputs", []),
+                  "decoupled": bool(top.get("decoupled"))}
+        backends = {m["backend"] for m in repository.manifest if m["name"] in names}
+        return stored, top["backend"], backends, shape, 0, 1, top["name"]
+    if library_model is not None:
+        if not library_model.active:
+            raise ServiceError(f"{library_model.name} is no longer offered", field="library_model")
+        for a in adapters:
+            if a.tenant_id != allocation.tenant_id:
+                raise ServiceError("the adapter belongs to another tenant", field="adapters")
+            if a.base_id != library_model.pk:
+                raise ServiceError(f"adapter {a.name} was trained for another base model", field="adapters")
+        shape = model_svc.library_shape(library_model, tuple(model_svc.adapter_mib(a) for a in adapters))
+        if context and context > library_model.max_context:
+            raise ServiceError(f"context {context:,} exceeds {library_model.name}'s max context of "
+                               f"{library_model.max_context:,} tokens", field="context")
+        return ({"kind": "library", "library_model": library_model.key, **LIBRARY_IO.get(library_model.backend, {})},
+                library_model.backend,
+                {library_model.backend}, shape, context, concurrency, name)
+    model_spec = build_spec(name, template=template, spec=spec)
+    if model_spec.memory_mb <= 0:
+        raise ServiceError("declare the model's memory need (memory_mb > 0)", field="spec")
+    shape = fit.ModelShape(name=name, backend=model_spec.backend, fixed_mib=model_spec.memory_mb,
+                           overhead_included=True)
+    return spec_to_json(model_spec), model_spec.backend, {model_spec.backend}, shape, 0, 1, name
+
+
+# The tensors of the repositories Tessera writes for library models, as the gateway calls them: vLLM's backend
+# takes text_input, sampling_parameters (a JSON string) and stream, and answers text_output, decoupled.
+LIBRARY_IO = {
+    "vllm": {"inputs": [{"name": "text_input"}, {"name": "sampling_parameters"}, {"name": "stream"}],
+             "outputs": [{"name": "text_output"}], "decoupled": True},
+}
+
+
 def deploy(principal: Principal, allocation: Allocation, name: str, *, template: str | None = None,
-           spec: dict | None = None) -> ModelDeployment:
+           spec: dict | None = None, repository=None, model: str | None = None, library_model=None,
+           context: int = 0, concurrency: int = 1, memory_mb: int = 0, adapters=None) -> ModelDeployment:
+    """Deploy a template, a full spec, a model of the tenant's own repository or a library model to an active
+    slice. Refused (400, with the numbers) when it does not fit next to the models already there."""
     if not principal.can("deploy", allocation.tenant_id):
         raise Forbidden("Your role or API-key scopes do not allow deploying to this slice.")
-    model = build_spec(name, template=template, spec=spec)
+    if repository is not None and repository.tenant_id != allocation.tenant_id:
+        raise ServiceError("the repository belongs to another tenant", field="repository")
+    if concurrency < 1:
+        raise ServiceError("concurrency must be at least 1", field="concurrency")
+    adapters = list(adapters or ())
+    if adapters and library_model is None:
+        raise ServiceError("LoRA adapters are deployed with their library base model", field="adapters")
+    stored, backend, backends, shape, context, concurrency, name = _source(
+        name, template=template, spec=spec, repository=repository, model=model, library_model=library_model,
+        context=context, concurrency=concurrency, memory_mb=memory_mb, allocation=allocation, adapters=adapters)
     with transaction.atomic():
         allocation = Allocation.objects.select_for_update(of=("self",)).select_related(
             "tier__profile", "tier__gpu_model", "node").get(pk=allocation.pk)
         if allocation.state != Allocation.State.ACTIVE:
             raise Conflict(f"models are deployed to active slices; this one is {allocation.state}",
                            field="allocation")
+        tier = allocation.tier
+        refused = sorted(b for b in backends if b not in tier.backends)
+        if refused:
+            raise ServiceError(f"backend {', '.join(refused)} is not offered on {tier.name} (allowed: "
+                               f"{', '.join(tier.backends)})", field="spec" if repository is None else "repository")
         live = ModelDeployment.objects.filter(allocation=allocation, state__in=LIVE_DEPLOYMENT_STATES)
         if live.filter(name=name).exists():
             raise Conflict(f"a model named {name} is already deployed on this slice", field="name")
         used = live.exclude(state=D.FAILED).aggregate(m=Sum("memory_mb"))["m"] or 0
         capacity = slice_memory_mb(allocation)
-        if model.memory_mb <= 0:
-            raise ServiceError("declare the model's memory need (memory_mb > 0)", field="spec")
-        if used + model.memory_mb > capacity:
-            raise ServiceError(f"{model.memory_mb} MiB does not fit: {used} of {capacity} MiB on this "
-                               f"{allocation.tier.name} slice are taken", field="spec")
+        if library_model is not None and not context:  # the longest context that fits for this concurrency
+            probe = fit.fit(shape, capacity, context=1, concurrency=concurrency, other_mib=used)
+            context = probe.max_context if probe.max_context > 0 else library_model.max_context
+        result = fit.fit(shape, capacity, context=context, concurrency=concurrency, other_mib=used)
+        if not result.fits:
+            field = "context" if library_model is not None and result.max_cached_tokens else "spec"
+            raise ServiceError(f"{result.reason} ({used:,} of {capacity:,} MiB on this {tier.name} slice are "
+                               "taken by other models)", field=field, code="does_not_fit")
+        if stored.get("kind") == "library":
+            from marketplace.services import models as model_svc  # noqa: PLC0415
+
+            files = model_svc.library_files(name, library_model, result, concurrency=concurrency,
+                                            adapters=adapters)
+            stored.update(files=files, models=model_svc.model_names(files), model=name,
+                          memory_mb=result.needed_mib, fit=result.as_dict(),
+                          copy=model_svc.tensorrtllm_copies(name, library_model)
+                          if library_model.backend == "tensorrtllm" else {},
+                          adapters=[{"id": a.pk, "name": a.name, "rank": a.rank,
+                                     "memory_mb": model_svc.adapter_mib(a)} for a in adapters],
+                          adapter_dirs=model_svc.adapter_dirs(name, adapters))
         dep = ModelDeployment.objects.create(
-            allocation=allocation, tenant_id=allocation.tenant_id, name=name, backend=model.backend,
-            spec=spec_to_json(model), memory_mb=model.memory_mb, created_by=principal.user,
+            allocation=allocation, tenant_id=allocation.tenant_id, name=name, backend=backend,
+            spec=stored, memory_mb=result.needed_mib, created_by=principal.user, repository=repository,
+            library_model=library_model, context=context, concurrency=concurrency,
         )
+        if adapters:
+            dep.adapters.set(adapters)
         transaction.on_commit(lambda: _enqueue("deploy_model", dep, allocation))
     return dep
 
@@ -133,6 +220,28 @@ def spec_from_json(data: dict) -> triton.ModelSpec:
     return triton.ModelSpec(**data)
 
 
+def model_folders(dep: ModelDeployment) -> list[str]:
+    """The model folders a deployment owns in its slice's repository (an ensemble's steps included)."""
+    return list(dep.spec.get("models") or [dep.name]) if dep.spec.get("kind") else [dep.name]
+
+
+def write_model(dep: ModelDeployment, repo: Path) -> None:
+    """Write a deployment's model folder(s) into the slice's repository (node side)."""
+    kind = dep.spec.get("kind")
+    if kind == "upload":
+        from marketplace.services import models as model_svc  # noqa: PLC0415
+
+        model_repo.copy_models(model_svc.upload_root() / dep.spec["path"], repo, dep.spec["models"])
+    elif kind == "library":
+        from marketplace.services import models as model_svc  # noqa: PLC0415
+
+        model_repo.write_files(repo, dep.spec["files"], copies=dep.spec.get("copy") or {},
+                               copy_dirs={k: str(model_svc.upload_root() / v)
+                                          for k, v in (dep.spec.get("adapter_dirs") or {}).items()})
+    else:
+        triton.write_repository(repo, spec_from_json(dep.spec))
+
+
 # --- node side (Celery tasks on the node's queue) ----------------------------------------------
 
 def _server_up(allocation: Allocation) -> bool:
@@ -156,8 +265,11 @@ def load(deployment_id: int) -> str:
     allocation = dep.allocation
     if allocation.state != Allocation.State.ACTIVE or not _server_up(allocation):
         return _wait_for_server(dep, allocation)
-    spec = spec_from_json(dep.spec)
-    triton.write_repository(repo_dir(allocation), spec)  # idempotent: same spec, same bytes
+    try:
+        write_model(dep, repo_dir(allocation))  # idempotent: same spec, same bytes
+    except (OSError, ValueError) as exc:
+        _set(dep, D.FAILED, f"the model's files could not be written: {exc}")
+        return "failed"
     serving.own_repository(allocation)
     _set(dep, D.LOADING)
     try:
@@ -219,10 +331,12 @@ def unload(deployment_id: int) -> str:
         _final_scrape(dep)
         try:
             with backend_for(allocation) as server:
-                server.unload_model(dep.name)  # unloading an unloaded model is a no-op
+                for folder in model_folders(dep):  # an ensemble's steps too
+                    server.unload_model(folder)  # unloading an unloaded model is a no-op
         except InferenceServerException as exc:
             log.warning("unload failed; removing the files anyway", extra={"deployment": dep.pk, "err": str(exc)})
-    triton.remove_model(repo_dir(allocation), dep.name)
+    for folder in model_folders(dep):
+        triton.remove_model(repo_dir(allocation), folder)
     _set(dep, D.REMOVED)
     return "removed"
 

@@ -11,7 +11,8 @@ CONSOLE = [
 ]
 PORTAL = [
     ("portal:home", "Overview"), ("portal:catalog", "Catalog"), ("portal:slices", "Slices"),
-    ("portal:deployments", "Models"), ("portal:usage", "Usage"), ("portal:invoices", "Invoices"),
+    ("portal:deployments", "Models"), ("portal:find_tier", "Find a tier"), ("portal:usage", "Usage"),
+    ("portal:invoices", "Invoices"),
     ("portal:keys", "API keys"), ("portal:members", "Members"),
 ]
 

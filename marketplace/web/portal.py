@@ -25,8 +25,10 @@ from marketplace import placement as engine
 from marketplace.api.billing import invoice_csv
 from marketplace.models import Allocation, Gpu, Node
 from marketplace.selectors import billing as billing_sel
+from marketplace.selectors import models as model_sel
 from marketplace.selectors import orders as order_sel
 from marketplace.services import billing, deployments, inference, orders
+from marketplace.services import models as model_svc
 from marketplace.services.fleet import _gpu_states
 from marketplace.web.tables import Column, table
 from telemetry import charts
@@ -208,6 +210,11 @@ def order(request, tier_id):
     except ValueError:
         quantity = 0
     try:
+        lib_key = request.POST.get("library_model", "")
+        if lib_key:  # ordered from "find a tier": the model must fit the tier
+            lib = get_object_or_404(model_sel.library(), key=lib_key)
+            model_svc.check_tier_fits(tier, lib, context=_int(request.POST.get("context")),
+                                      concurrency=max(1, _int(request.POST.get("concurrency"), 1)))
         o = orders.create_order(request.principal, tenant=t, tier=tier, quantity=quantity)
     except ServiceError as exc:
         if isinstance(exc, Forbidden):
@@ -219,6 +226,13 @@ def order(request, tier_id):
     if len(allocs) == 1:
         return redirect("portal:slice", pk=allocs[0].pk)
     return redirect("portal:slices")
+
+
+def _int(value, default: int = 0) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return default
 
 
 # --- slices -------------------------------------------------------------------------------------
@@ -295,7 +309,10 @@ def _deployment_list(request, form=None, status=200):
     active = order_sel.allocations(p).filter(tenant=t, state="active").order_by("pk")
     return render(request, "portal/deployments.html", ctx(
         request, table=tbl, active_slices=list(active), templates=list(deployments.TEMPLATES),
-        form=form or {"name": "", "allocation": request.GET.get("slice", ""), "template": "tiny-gen"}),
+        repositories=list(model_sel.repositories(p).filter(tenant=t).order_by("name")),
+        library=list(model_sel.library()), adapters=list(model_sel.adapters(p).filter(tenant=t).order_by("name")),
+        form=form or {"name": "", "allocation": request.GET.get("slice", ""), "template": "tiny-gen",
+                      "library_model": request.GET.get("library_model", ""), "context": "", "concurrency": "1"}),
         status=status)
 
 
@@ -304,21 +321,44 @@ def _deployment_list(request, form=None, status=200):
 def deployment_create(request):
     p, t = request.principal, request.tenant
     require(request, "deploy")
-    form = {k: request.POST.get(k, "").strip() for k in ("name", "allocation", "template")}
+    form = {k: request.POST.get(k, "").strip() for k in ("name", "allocation", "template", "repository",
+                                                          "library_model", "context", "concurrency")}
     form["errors"] = {}
     alloc = order_sel.allocations(p).filter(tenant=t, pk=form["allocation"]).first() \
         if form["allocation"].isdigit() else None
     if alloc is None:
         form["errors"]["allocation"] = "choose one of your active slices"
-    if not form["name"]:
+    repo = model_sel.repositories(p).filter(tenant=t, pk=form["repository"]).first() \
+        if form["repository"].isdigit() else None
+    lib = model_sel.library().filter(key=form["library_model"]).first() if form["library_model"] else None
+    if form["repository"] and repo is None:
+        form["errors"]["repository"] = "choose one of your repositories"
+    if form["library_model"] and lib is None:
+        form["errors"]["library_model"] = "choose a model of the library"
+    if not form["name"] and repo is None:
         form["errors"]["name"] = "give the model a name"
+    numbers = {}
+    for k, default in (("context", 0), ("concurrency", 1)):
+        try:
+            numbers[k] = int(form[k]) if form[k] else default
+        except ValueError:
+            form["errors"][k] = "a whole number"
     if not form["errors"]:
         try:
-            dep = deployments.deploy(p, alloc, form["name"], template=form["template"] or "tiny-gen")
+            if repo is not None:
+                dep = deployments.deploy(p, alloc, form["name"], repository=repo)
+            elif lib is not None:
+                chosen = list(model_sel.adapters(p).filter(tenant=t, pk__in=[
+                    x for x in request.POST.getlist("adapters") if x.isdigit()]))
+                dep = deployments.deploy(p, alloc, form["name"], library_model=lib, adapters=chosen, **numbers)
+            else:
+                dep = deployments.deploy(p, alloc, form["name"], template=form["template"] or "tiny-gen")
         except ServiceError as exc:
             if isinstance(exc, Forbidden):
                 raise
-            form["errors"][exc.field if exc.field in ("name", "allocation", "template") else "spec"] = exc.message
+            known = ("name", "allocation", "template", "repository", "library_model", "context", "concurrency",
+                     "adapters")
+            form["errors"][exc.field if exc.field in known else "spec"] = exc.message
         else:
             messages.success(request, f"Deploying {dep.name} on slice #{alloc.pk}.")
             return redirect("portal:deployment", pk=dep.pk)
@@ -571,3 +611,107 @@ def invitation_revoke(request, pk):
         f"Invitation for {inv.email} revoked.")
     return redirect(reverse("portal:members"))
 
+
+
+# --- a tenant's own model repositories, and "find a tier" ------------------------------------------
+
+def _repositories(request, form=None, status=200, adapter_form=None):
+    repos = model_sel.repositories(request.principal).filter(tenant=request.tenant).order_by("-created_at")
+    adapters = model_sel.adapters(request.principal).filter(tenant=request.tenant).order_by("-created_at")
+    return render(request, "portal/repositories.html", ctx(
+        request, repositories=list(repos), form=form or {"name": "", "store_path": ""},
+        adapter_form=adapter_form or {"name": "", "base": ""}, adapters=list(adapters),
+        bases=list(model_sel.library().filter(backend="vllm")),
+        max_mb=settings.TESSERA_UPLOAD_MAX_BYTES // (1024 * 1024)), status=status)
+
+
+@portal_view
+def repositories(request):
+    return _repositories(request)
+
+
+@require_POST
+@portal_view
+def repository_upload(request):
+    p, t = request.principal, request.tenant
+    require(request, "deploy")
+    form = {"name": request.POST.get("name", "").strip(), "store_path": request.POST.get("store_path", "").strip(),
+            "errors": {}}
+    upload = request.FILES.get("archive")
+    if bool(upload) == bool(form["store_path"]):
+        form["errors"]["archive"] = "choose an archive (.tar.gz or .zip) or give a model-store path"
+    else:
+        try:
+            if upload:
+                repo = model_svc.upload_repository(p, t, form["name"], upload)
+            else:
+                repo = model_svc.import_from_store(p, t, form["name"], form["store_path"])
+        except ServiceError as exc:
+            if isinstance(exc, Forbidden):
+                raise
+            form["errors"][exc.field if exc.field in ("name", "store_path") else "archive"] = exc.message
+        else:
+            names = ", ".join(f"{m['name']} ({m['backend']})" for m in repo.manifest)
+            messages.success(request, f"Repository {repo.name} stored: {names}.")
+            return redirect("portal:repositories")
+    messages.error(request, "The repository was not stored: " + "; ".join(form["errors"].values()))
+    return _repositories(request, form=form, status=400)
+
+
+@require_POST
+@portal_view
+def adapter_upload(request):
+    p, t = request.principal, request.tenant
+    require(request, "deploy")
+    form = {"name": request.POST.get("name", "").strip(), "base": request.POST.get("base", ""), "errors": {}}
+    base = model_sel.library().filter(key=form["base"]).first()
+    upload = request.FILES.get("archive")
+    if base is None:
+        form["errors"]["base"] = "choose the library model it was trained on"
+    if not upload:
+        form["errors"]["archive"] = "choose the adapter's archive (.tar.gz or .zip)"
+    if not form["errors"]:
+        try:
+            ad = model_svc.upload_adapter(p, t, form["name"], base, upload)
+        except ServiceError as exc:
+            if isinstance(exc, Forbidden):
+                raise
+            form["errors"][exc.field if exc.field in ("name", "base") else "archive"] = exc.message
+        else:
+            messages.success(request, f"LoRA adapter {ad.name} (rank {ad.rank}) stored for {base.name}.")
+            return redirect("portal:repositories")
+    messages.error(request, "The adapter was not stored: " + "; ".join(form["errors"].values()))
+    return _repositories(request, adapter_form=form, status=400)
+
+
+@portal_view
+def find_tier(request):
+    """Given a library model (or one of the tenant's repositories, or a size), a context and a concurrency: every
+    tier it fits, with price per hour, expected tokens/s and cost per 1M tokens; order from here."""
+    from marketplace.api.models import FindTierSerializer, find  # noqa: PLC0415
+
+    p, t = request.principal, request.tenant
+    q = request.GET
+    form = {k: q.get(k, "") for k in ("library_model", "repository", "memory_mib", "backend", "context",
+                                      "concurrency")}
+    data = {k: v for k, v in form.items() if v}
+    options, errors, shown = None, {}, None
+    if data.get("library_model") or data.get("repository") or data.get("memory_mib"):
+        s = FindTierSerializer(data={**data, "currency": t.currency,
+                                     "all": q.get("all") == "1"})
+        if s.is_valid():
+            try:
+                options = find(p, s.validated_data)
+                shown = s.validated_data.get("library_model")
+            except ServiceError as exc:
+                errors[exc.field or "library_model"] = exc.message
+        else:
+            errors = {k: "; ".join(str(m) for m in v) for k, v in s.errors.items()}
+    tiers_by_key = {x.key: x for x in order_sel.tiers().filter(active=True)}
+    if options:
+        for o in options:
+            o["tier_id"] = tiers_by_key[o["tier"]].pk
+    return render(request, "portal/find_tier.html", ctx(
+        request, form=form, options=options, errors=errors, shown=shown, library=list(model_sel.library()),
+        repositories=list(model_sel.repositories(p).filter(tenant=t).order_by("name")),
+        backends=list(model_svc.model_repo.KNOWN_BACKENDS)), status=400 if errors else 200)

@@ -34,8 +34,11 @@ from marketplace.models import (
     GpuModel,
     Invoice,
     InvoiceLine,
+    LibraryModel,
+    LoraAdapter,
     MigProfile,
     ModelDeployment,
+    ModelRepository,
     Order,
     PricePlan,
     ServerPlatform,
@@ -117,6 +120,7 @@ CLASSIFICATION: dict[str, str] = {
     "api:migprofile-detail": CATALOG, "api:platform-list": CATALOG, "api:platform-detail": CATALOG,
     "api:tier-list": CATALOG, "api:tier-detail": CATALOG, "api:priceplan-list": CATALOG,
     "api:priceplan-detail": CATALOG, "portal:catalog": CATALOG,
+    "api:librarymodel-list": CATALOG, "api:librarymodel-detail": CATALOG, "api:librarymodel-fit": CATALOG,
     # lists of the caller's tenants' objects
     "api:tenant-list": LIST, "api:auditevent-list": LIST,
     "api:membership-list": LIST, "api:invitation-list": LIST, "api:apikey-list": LIST,
@@ -124,11 +128,14 @@ CLASSIFICATION: dict[str, str] = {
     "api:deployment-list": LIST, "api:invoice-list": LIST, "api:webhook-list": LIST,
     "api:usagehourly-list": LIST, "api:billing-spend": LIST, "api:billing-usage": LIST,
     "api:usage-metered-vs-served": LIST, "chart-api": LIST, "chart-page": LIST,
+    "api:modelrepository-list": LIST, "api:find-tier": LIST, "api:loraadapter-list": LIST,
     "portal:home": LIST, "portal:slices": LIST, "portal:deployments": LIST, "portal:usage": LIST,
-    "portal:invoices": LIST, "portal:keys": LIST, "portal:members": LIST,
+    "portal:invoices": LIST, "portal:keys": LIST, "portal:members": LIST, "portal:repositories": LIST,
+    "portal:find_tier": LIST,
     # creates for the caller's tenant (a payload naming tenant B must not land there)
     "api:usage-events": CREATE, "portal:order": CREATE, "portal:deployment_create": CREATE,
-    "portal:key_create": CREATE, "portal:member_invite": CREATE,
+    "portal:key_create": CREATE, "portal:member_invite": CREATE, "portal:repository_upload": CREATE,
+    "portal:adapter_upload": CREATE,
     # one object (of tenant B in the matrix)
     "api:auditevent-detail": OBJECT,
     "api:tenant-detail": OBJECT, "api:tenant-activate": OBJECT, "api:tenant-suspend": OBJECT,
@@ -136,7 +143,8 @@ CLASSIFICATION: dict[str, str] = {
     "api:apikey-revoke": OBJECT, "api:gpuinstance-detail": OBJECT, "api:order-detail": OBJECT,
     "api:allocation-detail": OBJECT, "api:allocation-release": OBJECT, "api:allocation-retry": OBJECT,
     "api:deployment-detail": OBJECT, "api:deployment-retry": OBJECT, "api:invoice-detail": OBJECT,
-    "api:invoice-export": OBJECT,
+    "api:invoice-export": OBJECT, "api:modelrepository-detail": OBJECT,
+    "api:loraadapter-detail": OBJECT,
     "api:invoice-finalize": OBJECT, "api:invoice-refresh": OBJECT, "api:webhook-detail": OBJECT,
     "api:webhook-deliveries": OBJECT, "api:usagehourly-detail": OBJECT,
     "portal:slice": OBJECT, "portal:slice_status": OBJECT, "portal:slice_release": OBJECT,
@@ -201,6 +209,10 @@ def b_world(world, h100_node, tiers, operator):
                                description="bravo slice hours", quantity=Decimal("10"), unit="hour",
                                unit_price=Decimal("1.0000"), amount=Decimal("987.65"),
                                usage_from=datetime(2026, 10, 1, tzinfo=UTC), usage_to=datetime(2026, 11, 1, tzinfo=UTC))
+    repo = ModelRepository.objects.create(tenant=b, name=SECRET_MODEL + "-repo", source="upload", size_bytes=1,
+                                          file_count=1, manifest=[], path="bravo/x")
+    lora = LoraAdapter.objects.create(tenant=b, name=SECRET_MODEL + "-lora", base=LibraryModel.objects.first(),
+                                      source="upload", rank=8, size_bytes=1, file_count=2, path="bravo/l")
     hook = WebhookEndpoint.objects.create(tenant=b, url=HOOK_URL, secret="s3cret-bravo", events=["invoice.finalized"])
     hour = timezone.now().replace(minute=0, second=0, microsecond=0) - timedelta(hours=1)
     uh = UsageHourly.objects.create(tenant=b, deployment=dep, hour=hour, input_tokens=111, output_tokens=222,
@@ -210,7 +222,8 @@ def b_world(world, h100_node, tiers, operator):
                                        target="Bravo") if audit_model else None
     secret_a = world["secret_a"]
     return {
-        "world": world, "a": a, "b": b, "order": order, "alloc": alloc, "dep": dep, "invoice": inv, "hook": hook,
+        "world": world, "a": a, "b": b, "order": order, "repository": repo, "lora": lora, "alloc": alloc, "dep": dep,
+        "invoice": inv, "hook": hook,
         "usage": uh, "instance": alloc.instance, "membership": Membership.objects.get(tenant=b),
         "invitation": world["inv_b"], "key": world["key_b"], "tier": tiers["1g"], "plan": plan,
         "audit": audit, "node": h100_node, "gpu": h100_node.gpus.first(), "secret_a": secret_a, "operator": operator,
@@ -221,6 +234,7 @@ def bind(ep: Endpoint, bw) -> dict:
     """Path kwargs for `ep`, naming tenant B's objects."""
     n = ep.name
     by_suffix = [  # (name fragment, object)
+        ("modelrepository", bw["repository"]), ("loraadapter", bw["lora"]),
         ("auditevent", bw["audit"]), ("tenant", bw["b"]), ("membership", bw["membership"]),
         ("member_", bw["membership"]), ("invitation", bw["invitation"]),
         ("apikey", bw["key"]), ("key_", bw["key"]), ("gpuinstance", bw["instance"]), ("order", bw["order"]),
@@ -251,6 +265,9 @@ def bind(ep: Endpoint, bw) -> dict:
             if "migprofile" in n:
                 out[kw] = MigProfile.objects.first().pk
                 continue
+            if "librarymodel" in n:
+                out[kw] = LibraryModel.objects.first().pk
+                continue
             for frag, obj in by_suffix:
                 if frag in n.split(":")[-1] + "-":
                     out[kw] = obj.pk
@@ -278,8 +295,8 @@ def b_markers(bw, with_slug=True) -> list[str]:
 
 
 SNAPSHOT_MODELS = [Tenant, Membership, Invitation, ApiKey, Order, Allocation, AllocationEvent, GpuInstance,
-                   ModelDeployment, Invoice, InvoiceLine, WebhookEndpoint, WebhookDelivery, UsageEvent, UsageHourly,
-                   SpendNotice]
+                   ModelDeployment, ModelRepository, LoraAdapter, Invoice, InvoiceLine, WebhookEndpoint,
+                   WebhookDelivery, UsageEvent, UsageHourly, SpendNotice]
 
 
 def snapshot(b) -> dict:

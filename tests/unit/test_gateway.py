@@ -326,3 +326,15 @@ def test_the_hot_path_makes_no_database_query(fleet, gateway_factory, monkeypatc
     assert ran == []
     gw.refresh()  # the spy sees queries where there are some: the snapshot's four
     assert len(ran) >= 4
+
+
+def test_a_vllm_library_model_is_called_with_vllms_tensors():
+    from marketplace.services.deployments import LIBRARY_IO
+
+    io = p.ModelIO.from_spec(LIBRARY_IO["vllm"])
+    body = p.generate_body(io, p.TextRequest(model="llama", prompt="hi", max_tokens=5, stream=True))
+    assert io.decoupled and io.text == "text_output"
+    assert body == {"text_input": "hi", "stream": True, "sampling_parameters": '{"max_tokens": 5}'}
+    served = p.Served()
+    served.add(io, {"text_output": "hello there"})
+    assert served.usage("hi") == (1, 2)  # vLLM reports no counts: the words rule

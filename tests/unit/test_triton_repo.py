@@ -22,7 +22,6 @@ from marketplace.hardware.triton import (
     demo_text_model,
     get_triton_backend,
     parse_config,
-    parse_pbtxt,
     remove_model,
     render_config,
     write_repository,
@@ -128,10 +127,10 @@ class TestRenderConfig:
         assert cfg.instance_kind == "KIND_GPU" and cfg.instance_count == 2
         assert cfg.parameters == {"note": 'say "hi"\n', "tessera_memory_mb": "2048"}
         assert cfg.memory_mb == 2048
-        raw = cfg.raw
-        assert t.first(raw["instance_group"][0], "gpus") == 0
-        db = t.first(raw, "dynamic_batching")
-        assert db["preferred_batch_size"] == [4, 8] and t.first(db, "max_queue_delay_microseconds") == 100
+        msg = cfg.message
+        assert list(msg.instance_group[0].gpus) == [0]
+        db = msg.dynamic_batching
+        assert list(db.preferred_batch_size) == [4, 8] and db.max_queue_delay_microseconds == 100
 
     def test_demo_config_text(self):
         text = render_config(demo_text_model())
@@ -171,23 +170,27 @@ class TestRenderConfig:
 
 
 class TestPbtxtParser:
+    """config.pbtxt is parsed with Triton's own schema (tritonclient.grpc.model_config_pb2)."""
+
     def test_general_syntax(self):
-        raw = parse_pbtxt("""
+        cfg = parse_config("""
             # comment
             name: 'a' "b"   # adjacent strings concatenate
             max_batch_size: 0x10
-            input { name: "x" dims: [1, -1] }, input < name: "y" dims: 3 >
-            f: 1.5e3 flag: true kind: KIND_CPU
-            esc: "tab\\there\\101"
+            backend: "python"
+            input { name: "x" data_type: TYPE_FP32 dims: [1, -1] }, input < name: "y" data_type: TYPE_INT32 dims: 3 >
+            instance_group [ { kind: KIND_CPU count: 2 } ]
+            parameters { key: "esc" value { string_value: "tab\\there\\101" } }
         """)
-        assert raw["name"] == ["ab"] and raw["max_batch_size"] == [16]
-        assert [i["name"] for i in raw["input"]] == [["x"], ["y"]]
-        assert raw["input"][0]["dims"] == [1, -1] and raw["input"][1]["dims"] == [3]
-        assert raw["f"] == [1500.0] and raw["flag"] == [True] and raw["kind"] == ["KIND_CPU"]
-        assert raw["esc"] == ["tab\thereA"]
+        assert cfg.name == "ab" and cfg.max_batch_size == 16 and cfg.backend == "python"
+        assert [(i.name, i.data_type, i.dims) for i in cfg.inputs] == [("x", "TYPE_FP32", [1, -1]),
+                                                                        ("y", "TYPE_INT32", [3])]
+        assert cfg.instance_kind == "KIND_CPU" and cfg.instance_count == 2
+        assert cfg.parameters == {"esc": "tab\thereA"}
 
     @pytest.mark.parametrize("text", ['name: "x', "input {", "name: {", "dims: [1 2]", "x y", "name:", "a: @",
-                                      "max_batch_size: [1", "}"])
+                                      "max_batch_size: [1", "}", "no_such_field: 1", "max_batch_size: \"8\"",
+                                      "instance_group [ { kind: KIND_TPU } ]", "input { data_type: TYPE_FP99 }"])
     def test_errors(self, text):
         with pytest.raises(PbtxtError):
             parse_config(text)

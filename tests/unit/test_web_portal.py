@@ -21,7 +21,8 @@ from tests.factories import MembershipFactory, UserFactory, make_key
 
 pytestmark = pytest.mark.django_db
 
-PAGES = ["home", "catalog", "slices", "deployments", "usage", "invoices", "keys", "members"]
+PAGES = ["home", "catalog", "slices", "deployments", "usage", "invoices", "keys", "members", "repositories",
+         "find_tier"]
 
 
 def make_alloc(tenant, tier, state="active", **kw):
