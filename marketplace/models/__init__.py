@@ -1,4 +1,12 @@
-from .billing import Invoice, InvoiceLine, InvoiceSequence, SpendNotice, WebhookDelivery, WebhookEndpoint
+from .billing import (
+    BillingAlert,
+    Invoice,
+    InvoiceLine,
+    InvoiceSequence,
+    SpendNotice,
+    WebhookDelivery,
+    WebhookEndpoint,
+)
 from .catalog import GpuModel, MigPlacement, MigProfile, ServerPlatform
 from .deployments import ModelDeployment
 from .fleet import Gpu, GpuInstance, GpuSlot, Node
@@ -9,4 +17,4 @@ from .serving import TritonServer
 __all__ = ["GpuModel", "MigProfile", "MigPlacement", "ServerPlatform", "Node", "Gpu", "GpuInstance", "GpuSlot",
            "Tier", "PricePlan", "Order", "Allocation", "AllocationEvent", "DriftEvent",
            "ModelDeployment", "Invoice", "InvoiceLine", "InvoiceSequence", "SpendNotice", "WebhookEndpoint",
-           "WebhookDelivery", "TritonServer"]
+           "WebhookDelivery", "TritonServer", "BillingAlert"]

@@ -166,3 +166,33 @@ class WebhookDelivery(models.Model):
 
     def __str__(self) -> str:
         return f"{self.event} -> {self.endpoint_id} ({self.status})"
+
+
+class BillingAlert(models.Model):
+    """Something billing could not do and an operator must see: usage with no price in the invoice's
+    currency (blocks finalization), a tenant whose rating or finalization failed in the beat. Open
+    while `resolved_at` is empty; the next successful rating or finalization resolves it."""
+
+    class Kind(models.TextChoices):
+        UNPRICED = "unpriced", "Usage with no price in the invoice's currency"
+        RATING_FAILED = "rating_failed", "Rating failed"
+        FINALIZE_FAILED = "finalize_failed", "Finalization failed"
+
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="billing_alerts")
+    period_start = models.DateField(null=True, blank=True)
+    kind = models.CharField(max_length=24, choices=Kind.choices)
+    message = models.CharField(max_length=1000)
+    at = models.DateTimeField(default=timezone.now)
+    resolved_at = models.DateTimeField(null=True, blank=True)
+
+    objects = TenantScopedQuerySet.as_manager()
+    tenant_path = "tenant_id"
+
+    class Meta:
+        ordering = ["-at"]
+        constraints = [models.UniqueConstraint(fields=["tenant", "period_start", "kind"],
+                                               condition=models.Q(resolved_at__isnull=True),
+                                               name="one_open_billing_alert")]
+
+    def __str__(self) -> str:
+        return f"{self.tenant_id} {self.kind}: {self.message[:60]}"

@@ -30,6 +30,15 @@ replaces every line, so a draft never holds two top-ups for one plan. The top-up
 settled when its invoice is finalized and never revisited: late usage of that month is charged in
 full on a later invoice as adjustment lines, counts toward no later month's commitment, and
 re-bills no commitment (there are no credit notes).
+
+Currency: an invoice is rated in its own `currency`, fixed when the invoice is created (the tenant's
+billing currency then); an operator's change of the tenant's currency applies from the next period.
+Usage or held capacity with no plan in the invoice's currency is never a silent 0: it is listed in
+`Rated.unpriced`, raises a BillingAlert and blocks finalization until a plan covers it.
+
+Reads never write: `spend_status` rates in memory; drafts are stored by the beat
+(`rate_all`) and by an explicit refresh. Every tenant with usage or held capacity in a month gets that
+month's invoice (`ensure_invoices`, run by the beat before month-end finalization).
 """
 
 from __future__ import annotations
@@ -42,9 +51,20 @@ from decimal import ROUND_HALF_UP, Decimal
 
 from django.db import transaction
 from django.db.models import F, Q
+from django.db.models.functions import TruncMonth
 from django.utils import timezone
 
-from marketplace.models import Allocation, Invoice, InvoiceLine, InvoiceSequence, PricePlan, SpendNotice, Tier
+from marketplace.models import (
+    Allocation,
+    BillingAlert,
+    Invoice,
+    InvoiceLine,
+    InvoiceSequence,
+    PricePlan,
+    SpendNotice,
+    Tier,
+)
+from marketplace.services.dbretry import retry_on_conflict
 from telemetry.models import UsageHourly
 from tenants import audit
 from tenants.errors import Conflict, ServiceError
@@ -169,16 +189,27 @@ class Draft:
 class Rated:
     drafts: list[Draft]
     usage_rows: list[int]  # UsageHourly rows charged (this month's and late ones)
+    currency: str = "USD"
+    unpriced: list[str] = field(default_factory=list)  # usage or capacity with no plan in `currency`
 
     @property
     def total(self) -> Decimal:
         return sum((d.amount for d in self.drafts), Decimal(0))
 
 
-def rate(tenant: Tenant, period_start: date, now: datetime | None = None) -> Rated:
+def period_currency(tenant: Tenant, period_start: date) -> str:
+    """The currency a period is billed in: its invoice's, else (no invoice yet) the tenant's."""
+    found = Invoice.objects.filter(tenant=tenant, period_start=period_start).values_list("currency", flat=True).first()
+    return found or tenant.currency
+
+
+def rate(tenant: Tenant, period_start: date, now: datetime | None = None, currency: str | None = None) -> Rated:
+    """Price a tenant's month (pure: reads only). currency: the invoice's (default: the period's)."""
     now = now or timezone.now()
     start, end = bounds(period_start)
-    book = PlanBook(tenant.currency)
+    currency = currency or period_currency(tenant, period_start)
+    book = PlanBook(currency)
+    unpriced: dict[str, None] = {}
     drafts: dict[tuple, Draft] = {}
     held: dict[int, list[tuple[datetime, datetime]]] = defaultdict(list)  # reserved capacity held, per tier
 
@@ -191,7 +222,10 @@ def rate(tenant: Tenant, period_start: date, now: datetime | None = None) -> Rat
         a_from, a_to = max(a.activated_at, start), min(stopped or now, end, now)
         if a.order.plan_kind == PricePlan.Kind.RESERVED and a_from < a_to:
             held[a.tier_id].append((a_from, a_to))
-        for plan, lo, hi in book.spans(a.tier_id, a.order.plan_kind, a_from, a_to):
+        spans = book.spans(a.tier_id, a.order.plan_kind, a_from, a_to)
+        if a_from < a_to and sum((hi - lo for _, lo, hi in spans), timedelta(0)) < a_to - a_from:
+            unpriced[f"{a.tier.name}: {a.order.plan_kind} slice-hours with no {currency} price in force"] = None
+        for plan, lo, hi in spans:
             key = (L.SLICE_HOURS, a.tier_id, plan.pk)
             d = drafts.get(key) or drafts.setdefault(key, Draft(
                 L.SLICE_HOURS, a.tier, plan, f"{a.tier.name}: slice-hours at {plan.price_per_slice_hour}/h "
@@ -215,6 +249,7 @@ def rate(tenant: Tenant, period_start: date, now: datetime | None = None) -> Rat
         plan = book.at(alloc.tier_id, alloc.order.plan_kind, r.hour)
         if plan is None:
             log.warning("usage without a price in force", extra={"row": r.pk, "tier": alloc.tier_id})
+            unpriced[f"{alloc.tier.name}: {alloc.order.plan_kind} tokens with no {currency} price in force"] = None
             continue
         is_late = r.hour < start
         ins = r.input_tokens - r.billed_input_tokens if is_late else r.input_tokens
@@ -232,7 +267,7 @@ def rate(tenant: Tenant, period_start: date, now: datetime | None = None) -> Rat
             d.add(Decimal(tokens) / MILLION, r.hour, r.hour + timedelta(hours=1))
         charged.append(r.pk)
     out = list(drafts.values())
-    return Rated(out + commitment_topups(book, held, out, start, end), charged)
+    return Rated(out + commitment_topups(book, held, out, start, end), charged, currency, list(unpriced))
 
 
 def merge(spans: list[tuple[datetime, datetime]]) -> list[tuple[datetime, datetime]]:
@@ -292,24 +327,52 @@ def draft_for(tenant: Tenant, period_start: date) -> Invoice:
     return invoice
 
 
+def alert(tenant: Tenant, period_start: date | None, kind: str, message: str) -> BillingAlert:
+    """Record (or refresh) an open billing alert for operators, and log it as an error."""
+    log.error("billing alert", extra={"tenant": tenant.slug, "kind": kind, "period": str(period_start),
+                                      "alert": message})
+    a, _ = BillingAlert.objects.update_or_create(
+        tenant=tenant, period_start=period_start, kind=kind, resolved_at=None,
+        defaults={"message": message[:1000], "at": timezone.now()})
+    return a
+
+
+def resolve_alerts(tenant: Tenant, period_start: date | None, kind: str) -> None:
+    BillingAlert.objects.filter(tenant=tenant, period_start=period_start, kind=kind,
+                                resolved_at__isnull=True).update(resolved_at=timezone.now())
+
+
+def _note_unpriced(invoice: Invoice, rated: Rated) -> None:
+    if rated.unpriced:
+        alert(invoice.tenant, invoice.period_start, BillingAlert.Kind.UNPRICED,
+              f"{invoice.period_start:%Y-%m} ({invoice.currency}): " + "; ".join(rated.unpriced))
+    else:
+        resolve_alerts(invoice.tenant, invoice.period_start, BillingAlert.Kind.UNPRICED)
+
+
+@retry_on_conflict
 @transaction.atomic
 def refresh(invoice: Invoice, now: datetime | None = None) -> Invoice:
-    """Re-rate a draft from the current usage. A finalized invoice is never touched."""
+    """Re-rate a draft from the current usage, in the invoice's own currency. A finalized invoice
+    is never touched."""
     invoice = Invoice.objects.select_for_update().select_related("tenant").get(pk=invoice.pk)
     if invoice.status != Invoice.Status.DRAFT:
         raise Conflict(f"invoice {invoice.number} is finalized and cannot change")
-    rated = rate(invoice.tenant, invoice.period_start, now)
+    rated = rate(invoice.tenant, invoice.period_start, now, invoice.currency)
     invoice.lines.all().delete()
     lines = InvoiceLine.objects.bulk_create([d.line(invoice) for d in rated.drafts])
     invoice.total = sum((line.amount for line in lines), Decimal(0))
     invoice.rated_at = timezone.now()
     invoice.save(update_fields=["total", "rated_at"])
+    _note_unpriced(invoice, rated)
     return invoice
 
 
 def current_invoice(tenant: Tenant, now: datetime | None = None) -> Invoice:
+    """The current month's invoice, re-rated if it is a draft (a write: beat, explicit refresh, demo)."""
     now = now or timezone.now()
-    return refresh(draft_for(tenant, month_of(now)), now)
+    invoice = draft_for(tenant, month_of(now))
+    return refresh(invoice, now) if invoice.status == Invoice.Status.DRAFT else invoice
 
 
 def _next_number(year: int) -> str:
@@ -319,9 +382,17 @@ def _next_number(year: int) -> str:
     return f"TSR-{year}-{seq.last:06d}"
 
 
+class FinalizeBlocked(Conflict):
+    code = "unpriced_usage"
+
+
+@retry_on_conflict
 def finalize(invoice: Invoice, *, now: datetime | None = None, force: bool = False, principal=None) -> Invoice:
     """Rate one last time, number and freeze the invoice, mark the usage it charged as billed.
-    principal: who finalizes (audited); None for the monthly beat."""
+    principal: who finalizes (audited); None for the monthly beat.
+
+    Lock order (everywhere): the invoice row, then the tenant's rollup rows in (deployment, hour)
+    order, the order in which ingest upserts them; then the year's invoice sequence."""
     now = now or timezone.now()
     with transaction.atomic():
         invoice = Invoice.objects.select_for_update().select_related("tenant").get(pk=invoice.pk)
@@ -336,8 +407,13 @@ def finalize(invoice: Invoice, *, now: datetime | None = None, force: bool = Fal
         if earlier:
             raise Conflict("finalize the tenant's earlier invoices first")
         # Lock the rollup rows this invoice may charge so concurrent ingest waits for us.
-        list(UsageHourly.objects.select_for_update().filter(tenant=invoice.tenant, hour__lt=end).values_list("pk"))
-        rated = rate(invoice.tenant, invoice.period_start, min(now, end))
+        list(UsageHourly.objects.select_for_update().filter(tenant=invoice.tenant, hour__lt=end)
+             .order_by("deployment_id", "hour").values_list("pk"))
+        rated = rate(invoice.tenant, invoice.period_start, min(now, end), invoice.currency)
+        if rated.unpriced:
+            raise FinalizeBlocked(f"invoice for {invoice.period_start:%Y-%m} cannot be finalized: usage with no "
+                                  f"price in {invoice.currency} ({'; '.join(rated.unpriced)}); add a plan in "
+                                  f"{invoice.currency} from before that usage, then finalize")
         invoice.lines.all().delete()
         lines = InvoiceLine.objects.bulk_create([d.line(invoice) for d in rated.drafts])
         UsageHourly.objects.filter(pk__in=rated.usage_rows).update(
@@ -349,6 +425,7 @@ def finalize(invoice: Invoice, *, now: datetime | None = None, force: bool = Fal
         invoice.finalized_at = now
         invoice.rated_at = now
         invoice.save()
+        resolve_alerts(invoice.tenant, invoice.period_start, BillingAlert.Kind.UNPRICED)
         audit.record(principal if principal is not None else "system:beat", "invoice.finalize",
                      f"invoice:{invoice.number}", invoice.tenant, total=invoice.total, currency=invoice.currency,
                      forced=force)
@@ -359,14 +436,109 @@ def finalize(invoice: Invoice, *, now: datetime | None = None, force: bool = Fal
     return invoice
 
 
-def finalize_due(now: datetime | None = None) -> list[str]:
-    """Beat: finalize every draft whose month has ended, oldest first."""
+def _months(a: datetime, b: datetime) -> list[date]:
+    """The calendar months [a, b) touches."""
+    out, m = [], month_of(a)
+    while True:
+        lo, _ = bounds(m)
+        if lo >= b:
+            return out
+        out.append(m)
+        m = next_month(m)
+
+
+def periods_used(now: datetime | None = None) -> dict[int, set[date]]:
+    """Per tenant id: the months up to now with usage (hourly rollups) or held capacity (an
+    allocation while active), and, where usage of a finalized month is still unbilled, the current
+    month (whose draft will carry it as adjustments)."""
     now = now or timezone.now()
-    done = []
-    for inv in Invoice.objects.filter(status=Invoice.Status.DRAFT, period_end__lte=now.date()).order_by(
-            "period_start"):
-        done.append(finalize(inv, now=now).number)
+    out: dict[int, set[date]] = defaultdict(set)
+    for tenant_id, m in (UsageHourly.objects.filter(hour__lt=now).annotate(m=TruncMonth("hour", tzinfo=UTC))
+                         .values_list("tenant_id", "m").distinct()):
+        out[tenant_id].add(month_of(m))
+    for tenant_id, activated, released, state, updated in Allocation.objects.filter(
+            activated_at__isnull=False, activated_at__lt=now).values_list(
+            "tenant_id", "activated_at", "released_at", "state", "updated_at"):
+        stopped = released or (updated if state == Allocation.State.FAILED else None)
+        out[tenant_id].update(_months(activated, min(stopped or now, now)))
+    pending_late = (UsageHourly.objects.filter(Q(input_tokens__gt=F("billed_input_tokens"))
+                                               | Q(output_tokens__gt=F("billed_output_tokens")))
+                    .annotate(m=TruncMonth("hour", tzinfo=UTC)).values_list("tenant_id", "m").distinct())
+    finalized = set(Invoice.objects.filter(status=Invoice.Status.FINALIZED).values_list("tenant_id", "period_start"))
+    for tenant_id, m in pending_late:
+        if (tenant_id, month_of(m)) in finalized:
+            out[tenant_id].add(month_of(now))
+    return out
+
+
+def ensure_invoices(now: datetime | None = None, tenant: Tenant | None = None) -> list[Invoice]:
+    """Create the missing invoice (a draft, in the tenant's currency) of every period in which a
+    tenant used something or held capacity. Returns the invoices created."""
+    now = now or timezone.now()
+    used = periods_used(now)
+    if tenant is not None:
+        used = {tenant.pk: used.get(tenant.pk, set())}
+    have = set(Invoice.objects.filter(tenant_id__in=list(used)).values_list("tenant_id", "period_start"))
+    tenants = {t.pk: t for t in Tenant.objects.filter(pk__in=list(used))}
+    created = []
+    for tenant_id, months in sorted(used.items()):
+        for m in sorted(months):
+            if (tenant_id, m) not in have:
+                inv, made = Invoice.objects.get_or_create(
+                    tenant_id=tenant_id, period_start=m,
+                    defaults={"period_end": next_month(m), "currency": tenants[tenant_id].currency})
+                if made:
+                    log.info("invoice opened", extra={"tenant": tenant_id, "period": str(m)})
+                    created.append(inv)
+    return created
+
+
+def finalize_due(now: datetime | None = None) -> list[str]:
+    """Beat, month end: open the missing invoices, then finalize every draft whose month has ended,
+    oldest first. Each invoice in its own transaction: one that fails (no price in its currency, a
+    conflict) is alerted and holds back only that tenant's later invoices."""
+    now = now or timezone.now()
+    ensure_invoices(now)
+    done, held_back = [], set()
+    for inv in Invoice.objects.filter(status=Invoice.Status.DRAFT, period_end__lte=now.date()).select_related(
+            "tenant").order_by("period_start", "tenant_id"):
+        if inv.tenant_id in held_back:
+            continue
+        try:
+            done.append(finalize(inv, now=now).number)
+        except Exception as exc:  # noqa: BLE001 - recorded and alerted; the other tenants go on
+            held_back.add(inv.tenant_id)
+            alert(inv.tenant, inv.period_start, BillingAlert.Kind.FINALIZE_FAILED,
+                  f"finalizing {inv.period_start:%Y-%m} failed: {exc}")
     return done
+
+
+def rate_all(now: datetime | None = None) -> dict:
+    """Beat: re-rate each tenant's current draft and check its spend, each tenant in its own
+    transaction; a tenant that fails is recorded (BillingAlert) and the others go on. Then the
+    month-end finalization."""
+    now = now or timezone.now()
+    ensure_invoices(now)
+    notices, failed = {}, []
+    period = month_of(now)
+    drafts = {i.tenant_id: i for i in Invoice.objects.filter(period_start=period)}
+    for t in Tenant.objects.order_by("pk"):
+        inv = drafts.get(t.pk)
+        if inv is None:
+            continue  # nothing used this month (ensure_invoices opened a draft for every tenant that did)
+        try:
+            with transaction.atomic():
+                if inv is not None and inv.status == Invoice.Status.DRAFT:
+                    inv = refresh(inv, now)
+                fired = evaluate_spend(t, now)
+            resolve_alerts(t, period, BillingAlert.Kind.RATING_FAILED)
+            if fired:
+                notices[t.slug] = fired
+        except Exception as exc:  # noqa: BLE001 - recorded and alerted; the other tenants go on
+            log.exception("rating failed", extra={"tenant": t.slug})
+            alert(t, period, BillingAlert.Kind.RATING_FAILED, f"rating {period:%Y-%m} failed: {exc}")
+            failed.append(t.slug)
+    return {"finalized": finalize_due(now), "notices": notices, "failed": failed}
 
 
 def invoice_payload(invoice: Invoice) -> dict:
@@ -385,14 +557,23 @@ def invoice_payload(invoice: Invoice) -> dict:
 # --- spend limits -------------------------------------------------------------------------------
 
 def spend_status(tenant: Tenant, now: datetime | None = None) -> dict:
-    invoice = current_invoice(tenant, now)
+    """Month-to-date spend against the limit. A read: the month is rated in memory (the invoice's
+    currency), nothing is written. A month finalized early counts its final total."""
+    now = now or timezone.now()
+    period = month_of(now)
+    invoice = Invoice.objects.filter(tenant=tenant, period_start=period).first()
+    if invoice is not None and invoice.status == Invoice.Status.FINALIZED:
+        spend, currency = invoice.total, invoice.currency
+    else:
+        currency = invoice.currency if invoice is not None else tenant.currency
+        spend = rate(tenant, period, now, currency).total
     limit = tenant.monthly_spend_limit
-    ratio = (invoice.total / limit) if limit else None
+    ratio = (spend / limit) if limit else None
     return {
-        "spend": invoice.total, "limit": limit, "currency": tenant.currency, "ratio": ratio,
+        "spend": spend, "limit": limit, "currency": currency, "ratio": ratio,
         "warn": bool(limit and ratio >= tenant.spend_warn_ratio),
         "blocked": bool(limit and ratio >= tenant.spend_block_ratio),
-        "period_start": invoice.period_start,
+        "period_start": period,
     }
 
 
@@ -421,6 +602,6 @@ def evaluate_spend(tenant: Tenant, now: datetime | None = None) -> list[str]:
             if created:
                 webhooks.emit(tenant, event, f"spend:{tenant.pk}:{s['period_start']}:{level}", {
                     "tenant": tenant.slug, "level": level, "spend": str(s["spend"]), "limit": str(s["limit"]),
-                    "currency": tenant.currency, "period_start": s["period_start"].isoformat()})
+                    "currency": s["currency"], "period_start": s["period_start"].isoformat()})
                 fired.append(level)
     return fired
