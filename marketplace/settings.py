@@ -304,6 +304,9 @@ TESSERA_PLANNER_GPU_HOUR_COST = {
     k.strip(): v.strip() for k, _, v in (item.partition("=") for item in
                                          os.environ.get("TESSERA_PLANNER_GPU_HOUR_COST", "").split(",")) if v.strip()}
 
+# Webhook targets in these networks (CIDRs) are allowed although internal (loopback, private, ...).
+TESSERA_WEBHOOK_ALLOW_NETWORKS = env_list("TESSERA_WEBHOOK_ALLOW_NETWORKS", "")
+
 # --- Security --------------------------------------------------------------------------------
 # API throttling (DRF, counters in the Django cache: Redis in production). Per API key (prefix),
 # else per signed-in user, else per client IP. "<n>/<sec|min|hour|day>"; empty disables.

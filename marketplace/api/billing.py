@@ -14,6 +14,7 @@ from rest_framework.decorators import action
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from marketplace.api.disclosure import reader_is_operator
 from marketplace.models import Invoice, InvoiceLine, WebhookDelivery, WebhookEndpoint
 from marketplace.selectors import billing as selectors
 from marketplace.services import billing, webhooks
@@ -202,10 +203,26 @@ class WebhookCreatedSerializer(WebhookEndpointSerializer):
 
 
 class WebhookDeliverySerializer(serializers.ModelSerializer):
+    """Operators read the detail (status code, connection error); tenants the status class ("2xx",
+    "3xx", "4xx", "5xx", null: no answer) and a generic reason, so the log is no port scanner."""
+
+    last_status_class = serializers.SerializerMethodField()
+    last_status_code = serializers.SerializerMethodField(help_text="operators only (null for tenants)")
+    last_error = serializers.SerializerMethodField(help_text="operators: the detail; tenants: a generic reason")
+
     class Meta:
         model = WebhookDelivery
-        fields = ["id", "endpoint", "event", "event_key", "status", "attempts", "last_status_code", "last_error",
-                  "created_at", "delivered_at", "payload"]
+        fields = ["id", "endpoint", "event", "event_key", "status", "attempts", "last_status_class",
+                  "last_status_code", "last_error", "created_at", "delivered_at", "payload"]
+
+    def get_last_status_class(self, obj) -> str | None:
+        return f"{obj.last_status_code // 100}xx" if obj.last_status_code else None
+
+    def get_last_status_code(self, obj) -> int | None:
+        return obj.last_status_code if reader_is_operator(self.context) else None
+
+    def get_last_error(self, obj) -> str:
+        return obj.last_error if reader_is_operator(self.context) else obj.last_reason
 
 
 class WebhookEndpointViewSet(ScopedViewSetMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin,
@@ -231,4 +248,5 @@ class WebhookEndpointViewSet(ScopedViewSetMixin, mixins.ListModelMixin, mixins.R
     def deliveries(self, request, pk=None):
         ep = self.get_object()
         page = self.paginate_queryset(ep.deliveries.order_by("-created_at"))
-        return self.get_paginated_response(WebhookDeliverySerializer(page, many=True).data)
+        return self.get_paginated_response(WebhookDeliverySerializer(page, many=True,
+                                                                     context=self.get_serializer_context()).data)

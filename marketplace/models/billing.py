@@ -152,7 +152,8 @@ class WebhookDelivery(models.Model):
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.PENDING)
     attempts = models.PositiveSmallIntegerField(default=0)
     last_status_code = models.PositiveSmallIntegerField(null=True, blank=True)
-    last_error = models.CharField(max_length=500, blank=True)
+    last_error = models.CharField(max_length=500, blank=True, help_text="the detail, for operators")
+    last_reason = models.CharField(max_length=200, blank=True, help_text="a generic reason, for tenants")
     created_at = models.DateTimeField(default=timezone.now)
     delivered_at = models.DateTimeField(null=True, blank=True)
 
