@@ -16,14 +16,15 @@ class Role(models.TextChoices):
 # Capabilities: read (see the tenant's objects), manage_tenant (edit the tenant profile),
 # manage_members (invite, change roles, remove), manage_keys (create/revoke API keys),
 # billing (invoices, usage, spend), deploy (order slices, deploy models), usage (report usage events),
-# audit (read the tenant's audit log).
+# audit (read the tenant's audit log), refresh_billing (re-rate a draft invoice now: a write, so no
+# API-key scope grants it; billing:read keys only read).
 CAPABILITIES: dict[str, frozenset[str]] = {
     Role.OWNER: frozenset({"read", "manage_tenant", "manage_members", "manage_keys", "billing", "deploy", "usage",
-                           "audit"}),
+                           "audit", "refresh_billing"}),
     Role.ADMIN: frozenset({"read", "manage_tenant", "manage_members", "manage_keys", "billing", "deploy", "usage",
-                           "audit"}),
+                           "audit", "refresh_billing"}),
     Role.MEMBER: frozenset({"read", "deploy", "usage"}),
-    Role.BILLING: frozenset({"read", "billing"}),
+    Role.BILLING: frozenset({"read", "billing", "refresh_billing"}),
     Role.VIEWER: frozenset({"read"}),
 }
 

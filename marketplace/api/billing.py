@@ -96,7 +96,7 @@ class InvoiceViewSet(ScopedViewSetMixin, viewsets.ReadOnlyModelViewSet):
     filterset_class = InvoiceFilter
     ordering_fields = ["period_start", "total", "number"]
     ordering = ["-period_start", "tenant__slug"]
-    capabilities = {"list": "billing", "retrieve": "billing", "export": "billing", "refresh": "billing",
+    capabilities = {"list": "billing", "retrieve": "billing", "export": "billing", "refresh": "refresh_billing",
                     "finalize": "operate"}
 
     def get_serializer_class(self):
