@@ -250,10 +250,7 @@ SPECTACULAR_SETTINGS = {
     "VERSION": "1",
     "SERVE_INCLUDE_SCHEMA": False,
     "COMPONENT_SPLIT_REQUEST": True,
-    "APPEND_COMPONENTS": {
-        "securitySchemes": {"ApiKey": {"type": "http", "scheme": "bearer", "description": "tsk_… API key"}}
-    },
-    "SECURITY": [{"ApiKey": []}],
+    # The ApiKey scheme comes from its authentication extension (tenants/schema.py), once per operation.
     # Swagger UI from the drf-spectacular-sidecar wheel's static files: no CDN.
     "SWAGGER_UI_DIST": "SIDECAR",
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",

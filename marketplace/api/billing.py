@@ -8,7 +8,8 @@ import io
 from datetime import timedelta
 
 import django_filters
-from drf_spectacular.utils import OpenApiParameter, extend_schema
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
 from rest_framework import mixins, renderers, serializers, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.response import Response
@@ -48,6 +49,74 @@ class InvoiceSerializer(serializers.ModelSerializer):
 class InvoiceListSerializer(InvoiceSerializer):
     class Meta(InvoiceSerializer.Meta):
         fields = [f for f in InvoiceSerializer.Meta.fields if f != "lines"]
+
+
+class ExportLineSerializer(serializers.Serializer):
+    kind = serializers.ChoiceField(choices=InvoiceLine.Kind.choices)
+    tier = serializers.CharField()
+    deployment = serializers.IntegerField(allow_null=True)
+    description = serializers.CharField()
+    quantity = serializers.DecimalField(max_digits=24, decimal_places=6)
+    unit = serializers.CharField()
+    unit_price = serializers.DecimalField(max_digits=12, decimal_places=4)
+    amount = serializers.DecimalField(max_digits=14, decimal_places=2)
+    usage_from = serializers.DateTimeField()
+    usage_to = serializers.DateTimeField()
+
+
+class InvoiceExportSerializer(serializers.Serializer):
+    """The JSON export (the same body the invoice.finalized webhook carries)."""
+
+    number = serializers.CharField(allow_null=True)
+    tenant = serializers.CharField()
+    status = serializers.ChoiceField(choices=Invoice.Status.choices)
+    period_start = serializers.DateField()
+    period_end = serializers.DateField()
+    currency = serializers.CharField()
+    total = serializers.DecimalField(max_digits=14, decimal_places=2)
+    lines = ExportLineSerializer(many=True)
+
+
+class SpendRowSerializer(serializers.Serializer):
+    tenant = serializers.CharField()
+    spend = serializers.DecimalField(max_digits=14, decimal_places=2)
+    currency = serializers.CharField()
+    limit = serializers.DecimalField(max_digits=14, decimal_places=2, allow_null=True)
+    ratio = serializers.FloatField(allow_null=True, help_text="spend / limit; null without a limit")
+    warn = serializers.BooleanField()
+    blocked = serializers.BooleanField()
+    period_start = serializers.DateField()
+
+
+class SpendSerializer(serializers.Serializer):
+    results = SpendRowSerializer(many=True)
+
+
+class UsageRowSerializer(serializers.Serializer):
+    tenant = serializers.CharField()
+    deployment = serializers.IntegerField(required=False, help_text="group_by=deployment")
+    model = serializers.CharField(required=False, allow_null=True, help_text="group_by=deployment")
+    allocation = serializers.IntegerField(required=False, allow_null=True, help_text="group_by=deployment")
+    tier = serializers.CharField(required=False, allow_null=True, help_text="group_by=deployment or tier")
+    hour = serializers.DateTimeField(required=False, help_text="group_by=hour")
+    day = serializers.DateTimeField(required=False, help_text="group_by=day")
+    input_tokens = serializers.IntegerField()
+    output_tokens = serializers.IntegerField()
+    requests = serializers.IntegerField()
+    events = serializers.IntegerField()
+    billed_input_tokens = serializers.IntegerField()
+    billed_output_tokens = serializers.IntegerField()
+    billed_requests = serializers.IntegerField()
+    unbilled_input_tokens = serializers.IntegerField()
+    unbilled_output_tokens = serializers.IntegerField()
+    unbilled_requests = serializers.IntegerField()
+
+
+class UsageSummarySerializer(serializers.Serializer):
+    start = serializers.DateTimeField()
+    end = serializers.DateTimeField()
+    group_by = serializers.CharField()
+    results = UsageRowSerializer(many=True)
 
 
 class InvoiceFilter(django_filters.FilterSet):
@@ -102,7 +171,19 @@ class InvoiceViewSet(ScopedViewSetMixin, viewsets.ReadOnlyModelViewSet):
     def get_serializer_class(self):
         return InvoiceListSerializer if self.action == "list" else InvoiceSerializer
 
-    @extend_schema(parameters=[OpenApiParameter("format", str, enum=["csv", "json"])], responses={200: None})
+    def finalize_response(self, request, response, *args, **kwargs):
+        # Errors are JSON whatever format was asked (an integrator's client parses them as JSON).
+        if response.status_code >= 400 and getattr(getattr(request, "accepted_renderer", None), "format", "") == "csv":
+            request.accepted_renderer = renderers.JSONRenderer()
+            request.accepted_media_type = "application/json"
+        return super().finalize_response(request, response, *args, **kwargs)
+
+    @extend_schema(parameters=[OpenApiParameter("format", str, enum=["csv", "json"])],
+                   responses={(200, "application/json"): InvoiceExportSerializer,
+                              (200, "text/csv"): OpenApiResponse(
+                                  response=OpenApiTypes.STR,
+                                  description="the invoice as CSV: a header row, the lines (usage first, then "
+                                              "commitment top-ups), a total row")})
     @action(detail=True, methods=["get"], renderer_classes=[renderers.JSONRenderer, CsvRenderer])
     def export(self, request, pk=None):
         invoice = self.get_object()
@@ -127,11 +208,12 @@ class InvoiceViewSet(ScopedViewSetMixin, viewsets.ReadOnlyModelViewSet):
 
 
 class SpendView(APIView):
-    """Month-to-date spend against each visible tenant's limit (re-rated now)."""
+    """Month-to-date spend against each visible tenant's limit: the month rated now, in memory (a read:
+    nothing is written; a month finalized early counts its final total)."""
 
     capabilities = {"get": "billing"}
 
-    @extend_schema(parameters=[OpenApiParameter("tenant", str)], responses={200: None})
+    @extend_schema(parameters=[OpenApiParameter("tenant", str)], responses={200: SpendSerializer})
     def get(self, request):
         principal = principal_for(request)
         tenants = Tenant.objects.visible_to(principal, "billing")
@@ -175,7 +257,7 @@ class UsageSummaryView(APIView):
 
     capabilities = {"get": "billing"}
 
-    @extend_schema(parameters=[UsageSummaryQuery], responses={200: None})
+    @extend_schema(parameters=[UsageSummaryQuery], responses={200: UsageSummarySerializer})
     def get(self, request):
         q = UsageSummaryQuery(data=request.query_params)
         q.is_valid(raise_exception=True)
