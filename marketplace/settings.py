@@ -301,6 +301,11 @@ TESSERA_PLANNER_GPU_HOUR_COST = {
     k.strip(): v.strip() for k, _, v in (item.partition("=") for item in
                                          os.environ.get("TESSERA_PLANNER_GPU_HOUR_COST", "").split(",")) if v.strip()}
 
+# Energy price per kWh (the plans' currency): power cost per 1K tokens, the planner's power cost.
+TESSERA_ENERGY_PRICE_PER_KWH = os.environ.get("TESSERA_ENERGY_PRICE_PER_KWH", "0.12")
+# Modelled throughput of a whole GPU per TB/s of memory bandwidth (tokens/s); a slice gets its compute share.
+TESSERA_TOKENS_PER_S_PER_TBPS = float(os.environ.get("TESSERA_TOKENS_PER_S_PER_TBPS", "3000"))
+
 # Webhook targets in these networks (CIDRs) are allowed although internal (loopback, private, ...).
 TESSERA_WEBHOOK_ALLOW_NETWORKS = env_list("TESSERA_WEBHOOK_ALLOW_NETWORKS", "")
 
