@@ -152,8 +152,10 @@ class Draft:
     deployment_id: int | None = None
     price: Decimal | None = None  # a fixed unit price (commitment top-up); else the plan's price for the kind
     rows: list[int] = field(default_factory=list)
+    pieces: list[tuple[datetime, datetime, Decimal]] = field(default_factory=list)  # (from, to, quantity)
 
     def add(self, q: Decimal, a: datetime, b: datetime) -> None:
+        self.pieces.append((a, b, q))
         self.quantity += q
         self.usage_from = a if self.usage_from is None else min(self.usage_from, a)
         self.usage_to = b if self.usage_to is None else max(self.usage_to, b)
@@ -268,6 +270,45 @@ def rate(tenant: Tenant, period_start: date, now: datetime | None = None, curren
         charged.append(r.pk)
     out = list(drafts.values())
     return Rated(out + commitment_topups(book, held, out, start, end), charged, currency, list(unpriced))
+
+
+ADJUSTMENT_KINDS = (L.ADJUSTMENT_INPUT, L.ADJUSTMENT_OUTPUT)
+
+
+def rated_lines(tenant: Tenant, start: datetime, end: datetime, now: datetime | None = None) -> list[tuple[Draft, str]]:
+    """The one rating, for anything that prices a tenant's use over [start, end) (the charts): each
+    month it touches rated exactly as its invoice is (the invoice's currency, reserved commitments
+    included), as (line, currency). Adjustment lines are left out: late usage is counted in the month it
+    happened (that month's own rating includes it). Spread a line over time with `amount_between`."""
+    now = now or timezone.now()
+    out = []
+    for m in _months(start, min(end, now)):
+        _, m_end = bounds(m)
+        rated = rate(tenant, m, min(now, m_end))
+        out.extend((d, rated.currency) for d in rated.drafts if d.kind not in ADJUSTMENT_KINDS)
+    return out
+
+
+def amount_between(d: Draft, lo: datetime, hi: datetime) -> Decimal:
+    """The part of a line's amount (unrounded) that falls in [lo, hi): each piece's quantity in
+    proportion to its time inside (a commitment top-up accrues over the time it covers)."""
+    price, q = d.unit_price, Decimal(0)
+    for a, b, qty in d.pieces:
+        if b <= a:
+            q += qty if lo <= a < hi else 0
+            continue
+        ov = min(b, hi) - max(a, lo)
+        if ov > timedelta(0):
+            q += qty * seconds(ov) / seconds(b - a)
+    return q * price
+
+
+def list_price_per_hour(plan: PricePlan, slices: float, tokens_per_hour: float, input_share: float) -> float:
+    """What `slices` slices serving `tokens_per_hour` cost a tenant per hour at `plan` (the planner's list
+    price): the same per-unit prices the rating charges, slice-hours plus input and output tokens."""
+    per_token = (Decimal(str(input_share)) * plan.price_per_1m_input_tokens
+                 + (1 - Decimal(str(input_share))) * plan.price_per_1m_output_tokens) / MILLION
+    return float(Decimal(str(slices)) * plan.price_per_slice_hour + Decimal(str(tokens_per_hour)) * per_token)
 
 
 def merge(spans: list[tuple[datetime, datetime]]) -> list[tuple[datetime, datetime]]:
