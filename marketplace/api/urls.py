@@ -20,6 +20,7 @@ router.register("deployments", deployments.DeploymentViewSet, basename="deployme
 
 router.register("invoices", billing.InvoiceViewSet, basename="invoice")
 router.register("webhooks", billing.WebhookEndpointViewSet, basename="webhook")
+router.register("credit-notes", billing.CreditNoteViewSet, basename="creditnote")
 
 urlpatterns = [
     path("billing/spend/", billing.SpendView.as_view(), name="billing-spend"),

@@ -1,5 +1,8 @@
 from .billing import (
     BillingAlert,
+    CreditNote,
+    CreditNoteLine,
+    CreditNoteSequence,
     Invoice,
     InvoiceLine,
     InvoiceSequence,
@@ -17,4 +20,5 @@ from .serving import TritonServer
 __all__ = ["GpuModel", "MigProfile", "MigPlacement", "ServerPlatform", "Node", "Gpu", "GpuInstance", "GpuSlot",
            "Tier", "PricePlan", "Order", "Allocation", "AllocationEvent", "DriftEvent",
            "ModelDeployment", "Invoice", "InvoiceLine", "InvoiceSequence", "SpendNotice", "WebhookEndpoint",
-           "WebhookDelivery", "TritonServer", "BillingAlert"]
+           "WebhookDelivery", "TritonServer", "BillingAlert",
+           "CreditNote", "CreditNoteLine", "CreditNoteSequence"]

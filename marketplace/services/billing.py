@@ -29,7 +29,11 @@ A draft accrues the commitment up to `now` (month to date), so spend limits see 
 replaces every line, so a draft never holds two top-ups for one plan. The top-up of a month is
 settled when its invoice is finalized and never revisited: late usage of that month is charged in
 full on a later invoice as adjustment lines, counts toward no later month's commitment, and
-re-bills no commitment (there are no credit notes).
+re-bills no commitment. Late usage at a reserved plan that would have lowered the settled top-up is
+credited instead (`commitment_credits`: a negative line, never more than the top-up less earlier credits).
+
+Credit notes (`issue_credit_note`): an operator corrects a finalized invoice (which never changes) with a
+numbered, immutable credit note; its corrected charges ride on the next invoice as `correction` lines.
 
 Currency: an invoice is rated in its own `currency`, fixed when the invoice is created (the tenant's
 billing currency then); an operator's change of the tenant's currency applies from the next period.
@@ -67,7 +71,7 @@ from marketplace.models import (
 from marketplace.services.dbretry import retry_on_conflict
 from telemetry.models import UsageHourly
 from tenants import audit
-from tenants.errors import Conflict, ServiceError
+from tenants.errors import Conflict, Forbidden, ServiceError
 from tenants.models import Tenant
 
 log = logging.getLogger("tessera.billing")
@@ -205,8 +209,10 @@ def period_currency(tenant: Tenant, period_start: date) -> str:
     return found or tenant.currency
 
 
-def rate(tenant: Tenant, period_start: date, now: datetime | None = None, currency: str | None = None) -> Rated:
-    """Price a tenant's month (pure: reads only). currency: the invoice's (default: the period's)."""
+def rate(tenant: Tenant, period_start: date, now: datetime | None = None, currency: str | None = None,
+         invoice_id: int | None = None) -> Rated:
+    """Price a tenant's month (pure: reads only). currency: the invoice's (default: the period's);
+    invoice_id: the invoice being rated (its own credits and corrections are not counted as given)."""
     now = now or timezone.now()
     start, end = bounds(period_start)
     currency = currency or period_currency(tenant, period_start)
@@ -246,6 +252,7 @@ def rate(tenant: Tenant, period_start: date, now: datetime | None = None, curren
     rows = UsageHourly.objects.filter(tenant=tenant).filter(this_month | (late & pending_late) if finalized
                                                              else this_month)
     charged = []
+    late_reserved: dict[tuple[date, int], Decimal] = defaultdict(Decimal)
     for r in rows.select_related("deployment__allocation__tier", "deployment__allocation__order"):
         alloc = r.deployment.allocation
         plan = book.at(alloc.tier_id, alloc.order.plan_kind, r.hour)
@@ -256,6 +263,10 @@ def rate(tenant: Tenant, period_start: date, now: datetime | None = None, curren
         is_late = r.hour < start
         ins = r.input_tokens - r.billed_input_tokens if is_late else r.input_tokens
         outs = r.output_tokens - r.billed_output_tokens if is_late else r.output_tokens
+        if is_late and plan.kind == PricePlan.Kind.RESERVED:
+            late_reserved[(month_of(r.hour), plan.pk)] += (
+                Decimal(max(ins, 0)) * plan.price_per_1m_input_tokens
+                + Decimal(max(outs, 0)) * plan.price_per_1m_output_tokens) / MILLION
         for kind, tokens in (((L.ADJUSTMENT_INPUT, ins), (L.ADJUSTMENT_OUTPUT, outs)) if is_late
                              else ((L.INPUT_TOKENS, ins), (L.OUTPUT_TOKENS, outs))):
             if tokens <= 0:
@@ -269,10 +280,68 @@ def rate(tenant: Tenant, period_start: date, now: datetime | None = None, curren
             d.add(Decimal(tokens) / MILLION, r.hour, r.hour + timedelta(hours=1))
         charged.append(r.pk)
     out = list(drafts.values())
-    return Rated(out + commitment_topups(book, held, out, start, end), charged, currency, list(unpriced))
+    out += commitment_topups(book, held, out, start, end)
+    out += commitment_credits(tenant, late_reserved, invoice_id)
+    out += corrections(tenant, period_start, invoice_id)
+    return Rated(out, charged, currency, list(unpriced))
+
+
+def commitment_credits(tenant: Tenant, late_reserved: dict[tuple[date, int], Decimal],
+                       invoice_id: int | None) -> list[Draft]:
+    """Late usage of a finalized month at a reserved plan would have counted toward that month's
+    commitment: it is charged in full (adjustment lines) and the settled top-up is credited by as much,
+    never more than the top-up less the credits already given on other invoices (one negative line per
+    month and plan, kind commitment_credit)."""
+    out = []
+    for (month, plan_pk), late_amount in sorted(late_reserved.items()):
+        m_start, m_end = bounds(month)
+        topup = (InvoiceLine.objects.filter(invoice__tenant=tenant, invoice__period_start=month,
+                                            invoice__status=Invoice.Status.FINALIZED, kind=L.COMMITMENT_TOPUP,
+                                            plan_id=plan_pk).select_related("plan", "tier").first())
+        if topup is None:
+            continue
+        given = -sum((li.amount for li in InvoiceLine.objects.filter(
+            invoice__tenant=tenant, invoice__status=Invoice.Status.FINALIZED, kind=L.COMMITMENT_CREDIT,
+            plan_id=plan_pk, usage_from=m_start).exclude(invoice_id=invoice_id)), Decimal(0))
+        credit = min(money(late_amount), topup.amount - given)
+        if credit <= 0:
+            continue
+        d = Draft(L.COMMITMENT_CREDIT, topup.tier, topup.plan,
+                  f"{topup.tier.name}: late usage of {month:%Y-%m} at the reserved plan counts toward that month's "
+                  f"commitment: credit against its top-up of {topup.amount} ({given} credited before)",
+                  "credit", price=-credit)
+        d.add(Decimal(1), m_start, m_end)
+        out.append(d)
+    return out
+
+
+def corrections(tenant: Tenant, period_start: date, invoice_id: int | None) -> list[Draft]:
+    """The corrected charges of credit notes on earlier invoices not yet carried by a finalized invoice
+    (or carried by the one being rated): one `correction` line each."""
+    from marketplace.models import CreditNote  # noqa: PLC0415
+
+    out = []
+    notes = (CreditNote.objects.filter(tenant=tenant, invoice__period_start__lt=period_start)
+             .filter(Q(recharged_on__isnull=True) | Q(recharged_on_id=invoice_id) if invoice_id
+                     else Q(recharged_on__isnull=True))
+             .select_related("invoice").prefetch_related("lines__invoice_line__tier", "lines__invoice_line__plan"))
+    for cn in notes.order_by("pk"):
+        first = next(iter(cn.lines.all()), None)
+        if first is None:
+            continue
+        tier, plan = first.invoice_line.tier, first.invoice_line.plan
+        for item in cn.recharge:
+            d = Draft(L.CORRECTION, tier, plan, f"corrected charge of {cn.invoice.number} (credit note {cn.number}): "
+                      f"{item['description']}", "charge", price=Decimal(item["amount"]))
+            d.add(Decimal(1), *bounds(cn.invoice.period_start))
+            d.rows.append(cn.pk)
+            out.append(d)
+    return out
 
 
 ADJUSTMENT_KINDS = (L.ADJUSTMENT_INPUT, L.ADJUSTMENT_OUTPUT)
+#: lines about another month's usage or another invoice: the charts count each month's own lines only
+NOT_THIS_MONTH = (*ADJUSTMENT_KINDS, L.COMMITMENT_CREDIT, L.CORRECTION)
 
 
 def rated_lines(tenant: Tenant, start: datetime, end: datetime, now: datetime | None = None) -> list[tuple[Draft, str]]:
@@ -285,7 +354,7 @@ def rated_lines(tenant: Tenant, start: datetime, end: datetime, now: datetime | 
     for m in _months(start, min(end, now)):
         _, m_end = bounds(m)
         rated = rate(tenant, m, min(now, m_end))
-        out.extend((d, rated.currency) for d in rated.drafts if d.kind not in ADJUSTMENT_KINDS)
+        out.extend((d, rated.currency) for d in rated.drafts if d.kind not in NOT_THIS_MONTH)
     return out
 
 
@@ -399,7 +468,7 @@ def refresh(invoice: Invoice, now: datetime | None = None) -> Invoice:
     invoice = Invoice.objects.select_for_update().select_related("tenant").get(pk=invoice.pk)
     if invoice.status != Invoice.Status.DRAFT:
         raise Conflict(f"invoice {invoice.number} is finalized and cannot change")
-    rated = rate(invoice.tenant, invoice.period_start, now, invoice.currency)
+    rated = rate(invoice.tenant, invoice.period_start, now, invoice.currency, invoice.pk)
     invoice.lines.all().delete()
     lines = InvoiceLine.objects.bulk_create([d.line(invoice) for d in rated.drafts])
     invoice.total = sum((line.amount for line in lines), Decimal(0))
@@ -450,7 +519,7 @@ def finalize(invoice: Invoice, *, now: datetime | None = None, force: bool = Fal
         # Lock the rollup rows this invoice may charge so concurrent ingest waits for us.
         list(UsageHourly.objects.select_for_update().filter(tenant=invoice.tenant, hour__lt=end)
              .order_by("deployment_id", "hour").values_list("pk"))
-        rated = rate(invoice.tenant, invoice.period_start, min(now, end), invoice.currency)
+        rated = rate(invoice.tenant, invoice.period_start, min(now, end), invoice.currency, invoice.pk)
         if rated.unpriced:
             raise FinalizeBlocked(f"invoice for {invoice.period_start:%Y-%m} cannot be finalized: usage with no "
                                   f"price in {invoice.currency} ({'; '.join(rated.unpriced)}); add a plan in "
@@ -461,6 +530,10 @@ def finalize(invoice: Invoice, *, now: datetime | None = None, force: bool = Fal
             billed_input_tokens=F("input_tokens"), billed_output_tokens=F("output_tokens"),
             billed_requests=F("requests"))
         invoice.total = sum((line.amount for line in lines), Decimal(0))
+        from marketplace.models import CreditNote  # noqa: PLC0415
+
+        CreditNote.objects.filter(pk__in=[pk for d in rated.drafts if d.kind == L.CORRECTION for pk in d.rows]
+                                  ).update(recharged_on=invoice)
         invoice.number = _next_number(invoice.period_start.year)
         invoice.status = Invoice.Status.FINALIZED
         invoice.finalized_at = now
@@ -587,11 +660,100 @@ def invoice_payload(invoice: Invoice) -> dict:
         "number": invoice.number, "tenant": invoice.tenant.slug, "status": invoice.status,
         "period_start": invoice.period_start.isoformat(), "period_end": invoice.period_end.isoformat(),
         "currency": invoice.currency, "total": str(invoice.total),
+        "credit_notes": [{"number": cn.number, "total": str(cn.total)} for cn in invoice.credit_notes.order_by("pk")],
         "lines": [{"kind": li.kind, "tier": li.tier.key, "deployment": li.deployment_id,
                    "description": li.description, "quantity": str(li.quantity), "unit": li.unit,
                    "unit_price": str(li.unit_price), "amount": str(li.amount),
                    "usage_from": li.usage_from.isoformat(), "usage_to": li.usage_to.isoformat()}
                   for li in invoice.lines.select_related("tier").order_by("pk")],
+    }
+
+
+# --- credit notes ---------------------------------------------------------------------------------
+
+def _next_credit_note_number(year: int) -> str:
+    from marketplace.models import CreditNoteSequence  # noqa: PLC0415
+
+    seq, _ = CreditNoteSequence.objects.select_for_update().get_or_create(year=year)
+    seq.last += 1
+    seq.save(update_fields=["last"])
+    return f"CN-{year}-{seq.last:06d}"
+
+
+@retry_on_conflict
+def issue_credit_note(principal, invoice: Invoice, *, reason: str, lines: list[tuple[int, Decimal]] | None = None,
+                      recharge: list[dict] | None = None, now: datetime | None = None):
+    """Operators correct a finalized invoice (which never changes) with a numbered, immutable credit
+    note: `lines` [(invoice line id, amount credited)] (default: every line in full, less what earlier
+    credit notes credited), and optionally the corrected charges `recharge` [{description, amount}],
+    which the tenant's next invoice carries as `correction` lines. Emits credit_note.issued."""
+    from marketplace.models import CreditNote, CreditNoteLine  # noqa: PLC0415
+    from marketplace.services import webhooks  # noqa: PLC0415
+
+    if not principal.can("operate"):
+        raise Forbidden("only operators issue credit notes")
+    if not reason or not reason.strip():
+        raise ServiceError("say why the invoice is corrected", field="reason")
+    now = now or timezone.now()
+    with transaction.atomic():
+        invoice = Invoice.objects.select_for_update().select_related("tenant").get(pk=invoice.pk)
+        if invoice.status != Invoice.Status.FINALIZED:
+            raise Conflict("only a finalized invoice is corrected by a credit note; re-rate the draft instead",
+                           field="invoice")
+        own = {li.pk: li for li in invoice.lines.all()}
+        credited: dict[int, Decimal] = defaultdict(Decimal)
+        for line_id, amount in CreditNoteLine.objects.filter(invoice_line__invoice=invoice).values_list(
+                "invoice_line_id", "amount"):
+            credited[line_id] += amount
+        wanted = ([(pk, li.amount - credited[pk]) for pk, li in own.items() if li.amount > 0] if lines is None
+                  else [(int(pk), Decimal(str(a))) for pk, a in lines])
+        out = []
+        for pk, amount in wanted:
+            li = own.get(pk)
+            if li is None:
+                raise ServiceError(f"line {pk} is not a line of invoice {invoice.number}", field="lines")
+            amount = money(amount)
+            left = li.amount - credited[pk]
+            if amount <= 0 or amount > left:
+                if lines is None and amount <= 0:
+                    continue
+                raise ServiceError(f"line {pk}: credit between 0.01 and {left} (its amount less earlier credits)",
+                                   field="lines")
+            out.append((li, amount))
+        items = []
+        for item in recharge or []:
+            try:
+                amt = money(Decimal(str(item["amount"])))
+                desc = str(item["description"]).strip()[:200]
+            except (KeyError, ArithmeticError, ValueError) as exc:
+                raise ServiceError(f"each corrected charge needs description and amount ({exc})", field="recharge"
+                                   ) from None
+            if amt <= 0 or not desc:
+                raise ServiceError("a corrected charge has a description and a positive amount", field="recharge")
+            items.append({"description": desc, "amount": str(amt)})
+        if not out:
+            raise ServiceError("nothing left to credit on this invoice", field="lines")
+        cn = CreditNote.objects.create(
+            tenant=invoice.tenant, invoice=invoice, number=_next_credit_note_number(now.year),
+            currency=invoice.currency, total=sum((a for _, a in out), Decimal(0)), reason=reason.strip()[:500],
+            recharge=items, issued_at=now, issued_by=audit.actor_of(principal)[0])
+        CreditNoteLine.objects.bulk_create([CreditNoteLine(credit_note=cn, invoice_line=li, amount=a,
+                                                           description=li.description) for li, a in out])
+        audit.record(principal, "invoice.credit_note", f"credit_note:{cn.number}", invoice.tenant,
+                     invoice=invoice.number, total=cn.total, currency=cn.currency, recharge=items)
+        webhooks.emit(invoice.tenant, "credit_note.issued", f"credit_note:{cn.pk}", credit_note_payload(cn))
+    log.info("credit note issued", extra={"credit_note": cn.number, "invoice": invoice.number, "total": str(cn.total)})
+    return cn
+
+
+def credit_note_payload(cn) -> dict:
+    return {
+        "number": cn.number, "invoice": cn.invoice.number, "tenant": cn.tenant.slug, "currency": cn.currency,
+        "total": str(cn.total), "reason": cn.reason, "issued_at": cn.issued_at.isoformat(),
+        "lines": [{"invoice_line": li.invoice_line_id, "description": li.description, "amount": str(li.amount)}
+                  for li in cn.lines.order_by("pk")],
+        "recharge": cn.recharge,
+        "recharged_on": cn.recharged_on.number if cn.recharged_on_id else None,
     }
 
 

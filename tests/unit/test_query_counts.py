@@ -14,6 +14,7 @@ from django.utils import timezone
 
 from marketplace.models import (
     Allocation,
+    CreditNote,
     DriftEvent,
     Invoice,
     InvoiceLine,
@@ -73,6 +74,8 @@ def seed(n: int, k0: int, world, node, tier, owner, operator) -> None:
                                    description="x", quantity=Decimal(1), unit="hour", unit_price=Decimal(1),
                                    amount=Decimal("1.00"), usage_from=datetime(2025, 1, 1, tzinfo=UTC),
                                    usage_to=datetime(2025, 1, 2, tzinfo=UTC))
+        CreditNote.objects.create(tenant=a, invoice=inv, number=f"CN-2025-{k:06d}", currency="USD",
+                                  total=Decimal("1.00"), reason="r", issued_by="user:op", recharged_on=inv)
         ep = WebhookEndpoint.objects.create(tenant=a, url=f"https://h{k}.example/", secret="s",
                                             events=["invoice.finalized"])
         WebhookDelivery.objects.create(endpoint=ep, event="invoice.finalized", event_key=f"k{k}", payload={})
