@@ -52,3 +52,8 @@ def test_creating_a_key_with_a_read_only_field_is_refused(world, members_a, as_u
                                                                   "prefix": "mine"}, format="json")
     assert r.status_code == 400 and "prefix" in r.json()
     assert not ApiKey.objects.filter(name="k").exists()
+
+
+def test_a_usage_batch_with_an_unknown_top_level_field_is_refused(world, as_key):
+    r = as_key(world["secret_a"]).post("/api/v1/usage/events/", {"events": [], "billed": True}, format="json")
+    assert r.status_code == 400 and "billed" in r.json()
