@@ -561,22 +561,34 @@ def _months(a: datetime, b: datetime) -> list[date]:
         m = next_month(m)
 
 
-def periods_used(now: datetime | None = None) -> dict[int, set[date]]:
+#: The beat looks for periods needing an invoice among rollups and allocations changed this recently
+#: (it runs every few minutes: anything older was seen by an earlier run); None = everything.
+ENSURE_LOOKBACK = timedelta(days=35)
+
+
+def periods_used(now: datetime | None = None, since: datetime | None = None,
+                 tenant: Tenant | None = None) -> dict[int, set[date]]:
     """Per tenant id: the months up to now with usage (hourly rollups) or held capacity (an
     allocation while active), and, where usage of a finalized month is still unbilled, the current
-    month (whose draft will carry it as adjustments)."""
+    month (whose draft will carry it as adjustments). since: only rollups updated and allocations
+    still active (or stopped) since then."""
     now = now or timezone.now()
     out: dict[int, set[date]] = defaultdict(set)
-    for tenant_id, m in (UsageHourly.objects.filter(hour__lt=now).annotate(m=TruncMonth("hour", tzinfo=UTC))
-                         .values_list("tenant_id", "m").distinct()):
+    hourly = UsageHourly.objects.filter(hour__lt=now)
+    allocs = Allocation.objects.filter(activated_at__isnull=False, activated_at__lt=now)
+    if tenant is not None:
+        hourly, allocs = hourly.filter(tenant=tenant), allocs.filter(tenant=tenant)
+    if since is not None:
+        hourly = hourly.filter(updated_at__gte=since)
+        allocs = allocs.filter(Q(released_at__isnull=True) | Q(released_at__gte=since) | Q(updated_at__gte=since))
+    for tenant_id, m in hourly.annotate(m=TruncMonth("hour", tzinfo=UTC)).values_list("tenant_id", "m").distinct():
         out[tenant_id].add(month_of(m))
-    for tenant_id, activated, released, state, updated in Allocation.objects.filter(
-            activated_at__isnull=False, activated_at__lt=now).values_list(
+    for tenant_id, activated, released, state, updated in allocs.values_list(
             "tenant_id", "activated_at", "released_at", "state", "updated_at"):
         stopped = released or (updated if state == Allocation.State.FAILED else None)
         out[tenant_id].update(_months(activated, min(stopped or now, now)))
-    pending_late = (UsageHourly.objects.filter(Q(input_tokens__gt=F("billed_input_tokens"))
-                                               | Q(output_tokens__gt=F("billed_output_tokens")))
+    pending_late = (hourly.filter(Q(input_tokens__gt=F("billed_input_tokens"))
+                                  | Q(output_tokens__gt=F("billed_output_tokens")))
                     .annotate(m=TruncMonth("hour", tzinfo=UTC)).values_list("tenant_id", "m").distinct())
     finalized = set(Invoice.objects.filter(status=Invoice.Status.FINALIZED).values_list("tenant_id", "period_start"))
     for tenant_id, m in pending_late:
@@ -585,11 +597,12 @@ def periods_used(now: datetime | None = None) -> dict[int, set[date]]:
     return out
 
 
-def ensure_invoices(now: datetime | None = None, tenant: Tenant | None = None) -> list[Invoice]:
+def ensure_invoices(now: datetime | None = None, tenant: Tenant | None = None,
+                    since: datetime | None = None) -> list[Invoice]:
     """Create the missing invoice (a draft, in the tenant's currency) of every period in which a
-    tenant used something or held capacity. Returns the invoices created."""
+    tenant used something or held capacity. Returns the invoices created. since: see periods_used."""
     now = now or timezone.now()
-    used = periods_used(now)
+    used = periods_used(now, since, tenant)
     if tenant is not None:
         used = {tenant.pk: used.get(tenant.pk, set())}
     have = set(Invoice.objects.filter(tenant_id__in=list(used)).values_list("tenant_id", "period_start"))
@@ -607,12 +620,13 @@ def ensure_invoices(now: datetime | None = None, tenant: Tenant | None = None) -
     return created
 
 
-def finalize_due(now: datetime | None = None) -> list[str]:
+def finalize_due(now: datetime | None = None, *, ensure: bool = True) -> list[str]:
     """Beat, month end: open the missing invoices, then finalize every draft whose month has ended,
     oldest first. Each invoice in its own transaction: one that fails (no price in its currency, a
     conflict) is alerted and holds back only that tenant's later invoices."""
     now = now or timezone.now()
-    ensure_invoices(now)
+    if ensure:
+        ensure_invoices(now, since=now - ENSURE_LOOKBACK)
     done, held_back = [], set()
     for inv in Invoice.objects.filter(status=Invoice.Status.DRAFT, period_end__lte=now.date()).select_related(
             "tenant").order_by("period_start", "tenant_id"):
@@ -632,7 +646,7 @@ def rate_all(now: datetime | None = None) -> dict:
     transaction; a tenant that fails is recorded (BillingAlert) and the others go on. Then the
     month-end finalization."""
     now = now or timezone.now()
-    ensure_invoices(now)
+    ensure_invoices(now, since=now - ENSURE_LOOKBACK)
     notices, failed = {}, []
     period = month_of(now)
     drafts = {i.tenant_id: i for i in Invoice.objects.filter(period_start=period)}
@@ -652,7 +666,7 @@ def rate_all(now: datetime | None = None) -> dict:
             log.exception("rating failed", extra={"tenant": t.slug})
             alert(t, period, BillingAlert.Kind.RATING_FAILED, f"rating {period:%Y-%m} failed: {exc}")
             failed.append(t.slug)
-    return {"finalized": finalize_due(now), "notices": notices, "failed": failed}
+    return {"finalized": finalize_due(now, ensure=False), "notices": notices, "failed": failed}
 
 
 def invoice_payload(invoice: Invoice) -> dict:
