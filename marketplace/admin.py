@@ -3,6 +3,7 @@ from django.contrib import admin
 from .models import (
     Allocation,
     AllocationEvent,
+    BillingAlert,
     DriftEvent,
     Gpu,
     GpuInstance,
@@ -166,4 +167,18 @@ class TritonServerAdmin(admin.ModelAdmin):
         return False
 
     def has_change_permission(self, request, obj=None) -> bool:
+        return False
+
+
+@admin.register(BillingAlert)
+class BillingAlertAdmin(admin.ModelAdmin):
+    """Billing problems an operator must act on (usage with no price in the invoice's currency, a
+    tenant's rating or finalization failing in the beat); resolved by the next successful run."""
+
+    list_display = ["at", "tenant", "period_start", "kind", "message", "resolved_at"]
+    list_filter = ["kind", "resolved_at"]
+    list_select_related = ["tenant"]
+    readonly_fields = ["tenant", "period_start", "kind", "message", "at", "resolved_at"]
+
+    def has_add_permission(self, request) -> bool:
         return False

@@ -72,6 +72,10 @@ def backfill(days: int = 3) -> int:
     slices' Triton servers served (the same requests), so metered and served agree as they would have."""
     total = 0
     now = timezone.now().replace(minute=0, second=0, microsecond=0)
+    since = now - timedelta(hours=days * 24)
+    # the seeded history is the deployments' own: they "existed" over it (ingest refuses earlier events)
+    ModelDeployment.objects.filter(state__in=["ready", "loading", "pending"], created_at__gt=since).update(
+        created_at=since)
     for dep in ModelDeployment.objects.filter(state__in=["ready", "loading", "pending"]).select_related("tenant"):
         for h in range(days * 24, 0, -1):
             hour = now - timedelta(hours=h)

@@ -255,10 +255,7 @@ SPECTACULAR_SETTINGS = {
     "VERSION": "1",
     "SERVE_INCLUDE_SCHEMA": False,
     "COMPONENT_SPLIT_REQUEST": True,
-    "APPEND_COMPONENTS": {
-        "securitySchemes": {"ApiKey": {"type": "http", "scheme": "bearer", "description": "tsk_… API key"}}
-    },
-    "SECURITY": [{"ApiKey": []}],
+    # The ApiKey scheme comes from its authentication extension (tenants/schema.py), once per operation.
     # Swagger UI from the drf-spectacular-sidecar wheel's static files: no CDN.
     "SWAGGER_UI_DIST": "SIDECAR",
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
@@ -324,6 +321,14 @@ TESSERA_INVITATION_TTL_DAYS = 7
 TESSERA_PLANNER_GPU_HOUR_COST = {
     k.strip(): v.strip() for k, _, v in (item.partition("=") for item in
                                          os.environ.get("TESSERA_PLANNER_GPU_HOUR_COST", "").split(",")) if v.strip()}
+
+# Energy price per kWh (the plans' currency): power cost per 1K tokens, the planner's power cost.
+TESSERA_ENERGY_PRICE_PER_KWH = os.environ.get("TESSERA_ENERGY_PRICE_PER_KWH", "0.12")
+# Modelled throughput of a whole GPU per TB/s of memory bandwidth (tokens/s); a slice gets its compute share.
+TESSERA_TOKENS_PER_S_PER_TBPS = float(os.environ.get("TESSERA_TOKENS_PER_S_PER_TBPS", "3000"))
+
+# Webhook targets in these networks (CIDRs) are allowed although internal (loopback, private, ...).
+TESSERA_WEBHOOK_ALLOW_NETWORKS = env_list("TESSERA_WEBHOOK_ALLOW_NETWORKS", "")
 
 # --- Security --------------------------------------------------------------------------------
 # API throttling (DRF, counters in the Django cache: Redis in production). Per API key (prefix),

@@ -64,12 +64,9 @@ def deliver_webhook(self, delivery_id: int) -> str:
 
 @shared_task(name="tessera.rate_and_check_spend", acks_late=True, time_limit=600)
 def rate_and_check_spend() -> dict:
-    """Beat (control): re-rate every active tenant's current draft, send spend notices, and
-    finalize the drafts of months that have ended."""
-    from tenants.models import Tenant
-
-    fired = {t.slug: billing.evaluate_spend(t) for t in Tenant.objects.filter(status=Tenant.Status.ACTIVE)}
-    return {"finalized": billing.finalize_due(), "notices": {k: v for k, v in fired.items() if v}}
+    """Beat (control): open missing invoices, re-rate each tenant's current draft and send spend
+    notices (each tenant on its own; failures are alerted), then finalize the months that ended."""
+    return billing.rate_all()
 
 
 @shared_task(name="tessera.demo_gateway_node", acks_late=True, time_limit=120)

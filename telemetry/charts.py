@@ -1,13 +1,15 @@
 """Plotly figures, built in Python from stored data only: GPU samples (GpuSample/MigSample, any
 resolution), slot occupancy (GpuSlot), the hourly usage rollups (UsageHourly; never raw usage
-events) and the plans in force (PlanBook). Every builder returns ``(figure, numbers)``: the plotly
+events) and, for money, the invoices' own rating (``billing.rated_lines``: one rating function for
+invoices, spend, charts and the planner). Every builder returns ``(figure, numbers)``: the plotly
 Figure and the plain numbers it shows (what the JSON endpoint and the tests read).
 
 Access: the fleet figures are for MSP operators only; ``tenant_usage`` is scoped through
 ``visible_to`` (capability "billing"), so a tenant user sees its own usage and spend only.
 Params (all optional): ``start``/``end`` (ISO 8601, UTC; default the last 24 h), ``hours`` (instead
 of start), ``resolution`` (raw|5m|1h; default by span), ``bucket`` (hour|day, tenant_usage),
-``tenant`` (slug, tenant_usage), ``currency`` (default USD).
+``tenant`` (slug, tenant_usage), ``currency`` (the per-tier charts: default USD, only tenants billed in
+it; tenant_usage: each tenant in its invoices' currency, or only the tenants billed in the one given).
 """
 
 from __future__ import annotations
@@ -25,16 +27,18 @@ from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 from plotly.subplots import make_subplots
 
-from marketplace.models import Allocation, Gpu, GpuSlot, Tier
-from marketplace.services.billing import PlanBook
+from marketplace.models import Allocation, Gpu, GpuSlot, InvoiceLine, Tier
+from marketplace.services.billing import amount_between, rated_lines
 from telemetry.models import GpuSample, Resolution, UsageHourly
 from telemetry.services import energy
 from tenants.errors import Forbidden, ServiceError
 from tenants.models import Tenant
 from tenants.scoping import Principal
 
-MILLION = Decimal(1_000_000)
 LAYOUT = {"template": "plotly_white", "margin": {"l": 60, "r": 20, "t": 60, "b": 50}}
+
+
+L = InvoiceLine.Kind
 
 
 class ChartNotFound(ServiceError):
@@ -186,47 +190,41 @@ def mig_slot_map(per: Period, principal: Principal):
     return fig, {"gpus": rows, "tenants": tenants, "used": len(held), "free": 8 * len(gpus) - len(held)}
 
 
-def _slice_hour_spans(per: Period, book: PlanBook, tenant_ids: set[int] | None = None):
-    """(allocation, plan, lo, hi) for every active span of an allocation within the period."""
-    now = timezone.now()
-    qs = (Allocation.objects.filter(activated_at__isnull=False, activated_at__lt=per.end)
-          .filter(Q(released_at__isnull=True) | Q(released_at__gt=per.start)).select_related("tier", "order"))
+def _tenants_used(per: Period, tenant_ids=None) -> list[Tenant]:
+    """Tenants with usage or an allocation active in the period (the ones there is anything to rate)."""
+    used = set(UsageHourly.objects.filter(hour__gte=per.start, hour__lt=per.end).values_list("tenant_id", flat=True))
+    used |= set(Allocation.objects.filter(activated_at__isnull=False, activated_at__lt=per.end)
+                .filter(Q(released_at__isnull=True) | Q(released_at__gt=per.start)).values_list("tenant_id", flat=True))
     if tenant_ids is not None:
-        qs = qs.filter(tenant_id__in=tenant_ids)
-    for a in qs:
-        stopped = a.released_at or (a.updated_at if a.state == Allocation.State.FAILED else None)
-        lo, hi = max(a.activated_at, per.start), min(stopped or now, per.end)
-        for plan, p_lo, p_hi in book.spans(a.tier_id, a.order.plan_kind, lo, hi):
-            yield a, plan, p_lo, p_hi
-
-
-def _token_amount(r: UsageHourly, book: PlanBook) -> Decimal | None:
-    alloc = r.deployment.allocation
-    plan = book.at(alloc.tier_id, alloc.order.plan_kind, r.hour)
-    if plan is None:
-        return None
-    return (Decimal(r.input_tokens) * plan.price_per_1m_input_tokens
-            + Decimal(r.output_tokens) * plan.price_per_1m_output_tokens) / MILLION
+        used &= set(tenant_ids)
+    return list(Tenant.objects.filter(pk__in=used).order_by("pk"))
 
 
 def tier_spend(per: Period) -> dict[int, dict]:
-    """tier id -> requests, tokens, token/slice-hour/total amounts over the period (rated like
-    invoices: the plan in force at each hour; slice-hours per second while active)."""
-    book = PlanBook(per.currency)
+    """tier id -> requests, tokens, token/slice-hour/commitment/total amounts over the period: the
+    invoices' own rating (billing.rated_lines: the plan in force at each hour, slice-hours per second,
+    reserved commitments) of the tenants billed in `per.currency` (amounts in other currencies are not
+    added up)."""
     out: dict[int, dict] = defaultdict(lambda: {"requests": 0, "tokens": 0, "token_amount": Decimal(0),
-                                                 "slice_amount": Decimal(0)})
-    for r in (UsageHourly.objects.filter(hour__gte=per.start, hour__lt=per.end)
-              .select_related("deployment__allocation__order")):
-        amount = _token_amount(r, book)
-        d = out[r.deployment.allocation.tier_id]
-        d["requests"] += r.requests
-        d["tokens"] += r.input_tokens + r.output_tokens
-        d["token_amount"] += amount or 0
-    for a, plan, lo, hi in _slice_hour_spans(per, book):
-        out[a.tier_id]["slice_amount"] += Decimal((hi - lo).total_seconds()) / 3600 * plan.price_per_slice_hour
+                                                 "slice_amount": Decimal(0), "commitment_amount": Decimal(0)})
+    priced = set()
+    for t in _tenants_used(per):
+        for d, currency in rated_lines(t, per.start, per.end):
+            if currency != per.currency:
+                continue
+            priced.add(t.pk)
+            part = amount_between(d, per.start, per.end)
+            key = {L.SLICE_HOURS: "slice_amount", L.COMMITMENT_TOPUP: "commitment_amount"}.get(d.kind, "token_amount")
+            out[d.tier.pk][key] += part
+    for r in (UsageHourly.objects.filter(hour__gte=per.start, hour__lt=per.end, tenant_id__in=priced)
+              .values_list("deployment__allocation__tier_id", "requests", "input_tokens", "output_tokens")):
+        d = out[r[0]]
+        d["requests"] += r[1]
+        d["tokens"] += r[2] + r[3]
     for d in out.values():
-        d["amount"] = _money(d["token_amount"] + d["slice_amount"])
-        d["token_amount"], d["slice_amount"] = _money(d["token_amount"]), _money(d["slice_amount"])
+        d["amount"] = _money(d["token_amount"] + d["slice_amount"] + d["commitment_amount"])
+        for k in ("token_amount", "slice_amount", "commitment_amount"):
+            d[k] = _money(d[k])
         d["cost_per_inference"] = _money(d["amount"] / d["requests"], "0.00000001") if d["requests"] else None
         d["cost_per_1k_tokens"] = _money(d["amount"] * 1000 / d["tokens"], "0.00000001") if d["tokens"] else None
     return out
@@ -317,35 +315,43 @@ def tenant_usage(per: Period, principal: Principal, params: dict | None = None):
         if not tenants.exists():
             raise ChartNotFound("No such tenant.")
     slug = dict(tenants.values_list("pk", "slug"))
-    book = PlanBook(per.currency)
     tok = defaultdict(lambda: defaultdict(int))
     spend = defaultdict(lambda: defaultdict(Decimal))
-    rows = (UsageHourly.objects.filter(tenant_id__in=list(slug), hour__gte=per.start, hour__lt=per.end)
-            .select_related("deployment__allocation__order"))
-    for r in rows:
-        b = _trunc(r.hour, bucket)
-        tok[r.tenant_id][b] += r.input_tokens + r.output_tokens
-        spend[r.tenant_id][b] += _token_amount(r, book) or 0
+    for tid, hour, i, o in (UsageHourly.objects.filter(tenant_id__in=list(slug), hour__gte=per.start,
+                                                        hour__lt=per.end)
+                            .values_list("tenant_id", "hour", "input_tokens", "output_tokens")):
+        tok[tid][_trunc(hour, bucket)] += i + o
     step = timedelta(days=1) if bucket == "day" else timedelta(hours=1)
-    for a, plan, lo, hi in _slice_hour_spans(per, book, set(slug)):
-        t = lo
-        while t < hi:
-            b = _trunc(t, bucket)
-            nxt = min(hi, b + step)
-            spend[a.tenant_id][b] += Decimal((nxt - t).total_seconds()) / 3600 * plan.price_per_slice_hour
-            t = nxt
+    currency: dict[int, str] = {}
+    wanted = (params.get("currency") or "").upper() or None  # given: only the tenants billed in it
+    for t in _tenants_used(per, slug):
+        for d, cur in rated_lines(t, per.start, per.end):  # the invoices' own rating, in each invoice's currency
+            currency.setdefault(t.pk, cur)
+            b, hi = _trunc(max(d.usage_from, per.start), bucket), min(d.usage_to, per.end)
+            while True:
+                part = amount_between(d, max(b, per.start), min(b + step, per.end))
+                if part:
+                    spend[t.pk][b] += part
+                b += step
+                if b >= hi:
+                    break
+    if wanted:
+        slug = {tid: s for tid, s in slug.items() if currency.get(tid, tenants.get(pk=tid).currency) == wanted}
+    currencies = sorted({currency.get(tid) or "" for tid in slug} - {""})
     numbers = {}
-    fig = make_subplots(rows=2, cols=1, shared_xaxes=True,
-                        subplot_titles=("tokens", f"spend ({per.currency})"))
+    unit = currencies[0] if len(currencies) == 1 else "each tenant's billing currency"
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, subplot_titles=("tokens", f"spend ({unit})"))
     for tid in sorted(slug, key=slug.get):
         times = sorted(set(tok[tid]) | set(spend[tid]))
         numbers[slug[tid]] = {"ts": [t.isoformat() for t in times], "tokens": [tok[tid].get(t, 0) for t in times],
-                              "spend": [_money(spend[tid].get(t, Decimal(0)), "0.01") for t in times]}
+                              "spend": [_money(spend[tid].get(t, Decimal(0)), "0.01") for t in times],
+                              "total": _money(sum(spend[tid].values(), Decimal(0)), "0.01"),
+                              "currency": currency.get(tid) or Tenant.objects.get(pk=tid).currency}
         fig.add_trace(go.Bar(x=times, y=numbers[slug[tid]]["tokens"], name=slug[tid]), 1, 1)
         fig.add_trace(go.Scatter(x=times, y=[float(s) for s in numbers[slug[tid]]["spend"]], name=f"{slug[tid]} spend",
                                  mode="lines+markers"), 2, 1)
     fig.update_layout(**LAYOUT, title="Usage and spend per tenant", barmode="stack")
-    return fig, {"bucket": bucket, "currency": per.currency, "tenants": numbers}
+    return fig, {"bucket": bucket, "currency": currencies[0] if len(currencies) == 1 else None, "tenants": numbers}
 
 
 # --- capacity planner ------------------------------------------------------------------------------

@@ -7,6 +7,6 @@ from . import views
 urlpatterns = [
     path("metrics", views.metrics_view, name="metrics"),
     path("charts/<slug:name>/", views.chart_page, name="chart-page"),
-    path("api/v1/charts/", views.chart_index, name="chart-index"),
+    path("api/v1/charts/", views.ChartIndexView.as_view(), name="chart-index"),
     path("api/v1/charts/<slug:name>/", views.ChartApiView.as_view(), name="chart-api"),
 ]

@@ -4,14 +4,16 @@ static files) and /api/v1/charts/<name>/ (the figure JSON plus its numbers)."""
 from __future__ import annotations
 
 from django.contrib.auth.views import redirect_to_login
-from django.http import HttpResponse, JsonResponse
+from django.http import HttpResponse
 from django.shortcuts import render
 from drf_spectacular.utils import OpenApiParameter, extend_schema
+from rest_framework import serializers
 from rest_framework.exceptions import NotFound, PermissionDenied, ValidationError
-from rest_framework.permissions import IsAuthenticated
+from rest_framework.permissions import AllowAny, IsAuthenticated
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from marketplace.api.schema import error_response
 from telemetry import charts, metrics
 from tenants.errors import Forbidden, ServiceError
 from tenants.scoping import principal_for
@@ -74,6 +76,23 @@ class ChartApiView(APIView):
         return Response(body)
 
 
-def chart_index(request):
-    return JsonResponse({"charts": [{"name": c.name, "title": c.title, "operators_only": c.operators_only}
+class ChartInfoSerializer(serializers.Serializer):
+    name = serializers.CharField()
+    title = serializers.CharField()
+    operators_only = serializers.BooleanField()
+
+
+class ChartIndexSerializer(serializers.Serializer):
+    charts = ChartInfoSerializer(many=True)
+
+
+class ChartIndexView(APIView):
+    """The charts there are (name, title, whether only operators may see it). Public, as before."""
+
+    permission_classes = [AllowAny]
+
+    @extend_schema(operation_id="charts_list", responses={
+        200: ChartIndexSerializer, 403: error_response(403, "credentials were sent and are not valid")})
+    def get(self, request):
+        return Response({"charts": [{"name": c.name, "title": c.title, "operators_only": c.operators_only}
                                     for c in charts.CHARTS.values()]})

@@ -52,3 +52,22 @@ class TenantAccess(permissions.BasePermission):
 
     def has_object_permission(self, request, view, obj) -> bool:
         return principal_for(request).can(required_capability(view, request), object_tenant_id(obj))
+
+
+#: What lets a principal read the shared catalog, tiers and price plans: a key that only reports usage
+#: (scope usage:write) does not.
+SHARED_READ_CAPABILITIES = ("read", "billing", "deploy")
+
+
+class SharedRead(permissions.BasePermission):
+    """Shared objects (catalog, tiers, price plans): any principal holding read, billing or deploy on
+    some tenant (every role; keys with scope read, billing:read or deployments:write), and operators."""
+
+    message = "Your API-key scopes do not allow reading the catalog and prices (scope read, billing:read or " \
+              "deployments:write)."
+
+    def has_permission(self, request, view) -> bool:
+        if not (request.user and request.user.is_authenticated):
+            return False
+        p = principal_for(request)
+        return p.is_operator or any(p.can(c) for c in SHARED_READ_CAPABILITIES)

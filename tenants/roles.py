@@ -16,16 +16,17 @@ class Role(models.TextChoices):
 # Capabilities: read (see the tenant's objects), manage_tenant (edit the tenant profile),
 # manage_members (invite, change roles, remove), manage_keys (create/revoke API keys),
 # billing (invoices, usage, spend), deploy (order slices, deploy models), infer (call the tenant's models through
-# the inference gateway), audit (read the tenant's audit log). Reporting usage ("usage") is no tenant's
+# the inference gateway), audit (read the tenant's audit log), refresh_billing (re-rate a draft invoice now: a
+# write, so no API-key scope grants it; billing:read keys only read). Reporting usage ("usage") is no tenant's
 # capability: Tessera bills what its gateway served; only operators (and operator keys with usage:write, for an
 # MSP-run external gateway) may post usage events.
 CAPABILITIES: dict[str, frozenset[str]] = {
     Role.OWNER: frozenset({"read", "manage_tenant", "manage_members", "manage_keys", "billing", "deploy", "infer",
-                           "audit"}),
+                           "audit", "refresh_billing"}),
     Role.ADMIN: frozenset({"read", "manage_tenant", "manage_members", "manage_keys", "billing", "deploy", "infer",
-                           "audit"}),
+                           "audit", "refresh_billing"}),
     Role.MEMBER: frozenset({"read", "deploy", "infer"}),
-    Role.BILLING: frozenset({"read", "billing"}),
+    Role.BILLING: frozenset({"read", "billing", "refresh_billing"}),
     Role.VIEWER: frozenset({"read"}),
 }
 

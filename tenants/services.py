@@ -18,8 +18,9 @@ from .scoping import Principal
 
 log = logging.getLogger("tessera.tenants")
 
-TENANT_PROFILE_FIELDS = {"name", "billing_email", "currency"}
-TENANT_QUOTA_FIELDS = {
+TENANT_PROFILE_FIELDS = {"name", "billing_email"}
+# Operator-only: quotas, limits and the billing currency (which applies from the next period).
+TENANT_QUOTA_FIELDS = {"currency",
     "max_slices", "max_slices_per_tier", "max_memory_gb",
     "monthly_spend_limit", "spend_warn_ratio", "spend_block_ratio",
 }
@@ -70,6 +71,12 @@ def update_tenant(principal: Principal, tenant: Tenant, **fields) -> Tenant:
         raise ServiceError(f"cannot be changed here: {', '.join(sorted(unknown))}")
     merged = {name: getattr(tenant, name) for name in TENANT_QUOTA_FIELDS} | fields
     _check_quota_values(merged)
+    if "currency" in fields and fields["currency"] != tenant.currency:
+        from marketplace.services import billing  # noqa: PLC0415
+
+        # The open period (and any period used but not yet invoiced) keeps the old currency.
+        billing.ensure_invoices(tenant=tenant)
+        billing.draft_for(tenant, billing.month_of(timezone.now()))
     for name, value in fields.items():
         setattr(tenant, name, value)
     tenant.save(update_fields=list(fields))

@@ -6,15 +6,18 @@ from __future__ import annotations
 import csv
 import io
 from datetime import timedelta
+from decimal import Decimal
 
 import django_filters
-from drf_spectacular.utils import OpenApiParameter, extend_schema
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
 from rest_framework import mixins, renderers, serializers, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from marketplace.models import Invoice, InvoiceLine, WebhookDelivery, WebhookEndpoint
+from marketplace.api.disclosure import reader_is_operator
+from marketplace.models import CreditNote, CreditNoteLine, Invoice, InvoiceLine, WebhookDelivery, WebhookEndpoint
 from marketplace.selectors import billing as selectors
 from marketplace.services import billing, webhooks
 from telemetry.selectors import usage_summary
@@ -22,7 +25,7 @@ from tenants.api.serializers import ScopedTenantField
 from tenants.models import Tenant
 from tenants.scoping import principal_for
 
-from .viewsets import ScopedViewSetMixin
+from .viewsets import ScopedViewSetMixin, reject_unsettable_fields
 
 
 class InvoiceLineSerializer(serializers.ModelSerializer):
@@ -34,19 +37,165 @@ class InvoiceLineSerializer(serializers.ModelSerializer):
                   "amount", "usage_from", "usage_to"]
 
 
+class CreditNoteBriefSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = CreditNote
+        fields = ["id", "number", "total", "issued_at"]
+
+
 class InvoiceSerializer(serializers.ModelSerializer):
     tenant = serializers.SlugRelatedField(slug_field="slug", read_only=True)
     lines = InvoiceLineSerializer(many=True, read_only=True)
+    credit_notes = CreditNoteBriefSerializer(many=True, read_only=True, help_text="credit notes correcting it")
 
     class Meta:
         model = Invoice
         fields = ["id", "number", "tenant", "status", "period_start", "period_end", "currency", "total", "rated_at",
-                  "finalized_at", "lines"]
+                  "finalized_at", "lines", "credit_notes"]
 
 
 class InvoiceListSerializer(InvoiceSerializer):
     class Meta(InvoiceSerializer.Meta):
         fields = [f for f in InvoiceSerializer.Meta.fields if f != "lines"]
+
+
+class ExportLineSerializer(serializers.Serializer):
+    kind = serializers.ChoiceField(choices=InvoiceLine.Kind.choices)
+    tier = serializers.CharField()
+    deployment = serializers.IntegerField(allow_null=True)
+    description = serializers.CharField()
+    quantity = serializers.DecimalField(max_digits=24, decimal_places=6)
+    unit = serializers.CharField()
+    unit_price = serializers.DecimalField(max_digits=12, decimal_places=4)
+    amount = serializers.DecimalField(max_digits=14, decimal_places=2)
+    usage_from = serializers.DateTimeField()
+    usage_to = serializers.DateTimeField()
+
+
+class CreditNoteBriefExportSerializer(serializers.Serializer):
+    number = serializers.CharField()
+    total = serializers.DecimalField(max_digits=14, decimal_places=2)
+
+
+class InvoiceExportSerializer(serializers.Serializer):
+    """The JSON export (the same body the invoice.finalized webhook carries)."""
+
+    number = serializers.CharField(allow_null=True)
+    tenant = serializers.CharField()
+    status = serializers.ChoiceField(choices=Invoice.Status.choices)
+    period_start = serializers.DateField()
+    period_end = serializers.DateField()
+    currency = serializers.CharField()
+    total = serializers.DecimalField(max_digits=14, decimal_places=2)
+    credit_notes = CreditNoteBriefExportSerializer(many=True)
+    lines = ExportLineSerializer(many=True)
+
+
+class SpendRowSerializer(serializers.Serializer):
+    tenant = serializers.CharField()
+    spend = serializers.DecimalField(max_digits=14, decimal_places=2)
+    currency = serializers.CharField()
+    limit = serializers.DecimalField(max_digits=14, decimal_places=2, allow_null=True)
+    ratio = serializers.FloatField(allow_null=True, help_text="spend / limit; null without a limit")
+    warn = serializers.BooleanField()
+    blocked = serializers.BooleanField()
+    period_start = serializers.DateField()
+
+
+class SpendSerializer(serializers.Serializer):
+    results = SpendRowSerializer(many=True)
+
+
+class UsageRowSerializer(serializers.Serializer):
+    tenant = serializers.CharField()
+    deployment = serializers.IntegerField(required=False, help_text="group_by=deployment")
+    model = serializers.CharField(required=False, allow_null=True, help_text="group_by=deployment")
+    allocation = serializers.IntegerField(required=False, allow_null=True, help_text="group_by=deployment")
+    tier = serializers.CharField(required=False, allow_null=True, help_text="group_by=deployment or tier")
+    hour = serializers.DateTimeField(required=False, help_text="group_by=hour")
+    day = serializers.DateTimeField(required=False, help_text="group_by=day")
+    input_tokens = serializers.IntegerField()
+    output_tokens = serializers.IntegerField()
+    requests = serializers.IntegerField()
+    events = serializers.IntegerField()
+    billed_input_tokens = serializers.IntegerField()
+    billed_output_tokens = serializers.IntegerField()
+    billed_requests = serializers.IntegerField()
+    unbilled_input_tokens = serializers.IntegerField()
+    unbilled_output_tokens = serializers.IntegerField()
+    unbilled_requests = serializers.IntegerField()
+
+
+class UsageSummarySerializer(serializers.Serializer):
+    start = serializers.DateTimeField()
+    end = serializers.DateTimeField()
+    group_by = serializers.CharField()
+    results = UsageRowSerializer(many=True)
+
+
+class CreditNoteLineSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = CreditNoteLine
+        fields = ["id", "invoice_line", "description", "amount"]
+
+
+class RechargeSerializer(serializers.Serializer):
+    description = serializers.CharField(max_length=200)
+    amount = serializers.DecimalField(max_digits=14, decimal_places=2, min_value=Decimal("0.01"))
+
+
+class CreditNoteSerializer(serializers.ModelSerializer):
+    tenant = serializers.SlugRelatedField(slug_field="slug", read_only=True)
+    invoice_number = serializers.CharField(source="invoice.number", read_only=True)
+    recharged_on = serializers.SlugRelatedField(slug_field="number", read_only=True, allow_null=True,
+                                                help_text="the invoice that carried the corrected charges")
+    lines = CreditNoteLineSerializer(many=True, read_only=True)
+    recharge = RechargeSerializer(many=True, read_only=True)
+
+    class Meta:
+        model = CreditNote
+        fields = ["id", "number", "tenant", "invoice", "invoice_number", "currency", "total", "reason", "issued_at",
+                  "issued_by", "lines", "recharge", "recharged_on"]
+
+
+class CreditLineRequestSerializer(serializers.Serializer):
+    line = serializers.IntegerField(help_text="an invoice line id")
+    amount = serializers.DecimalField(max_digits=14, decimal_places=2)
+
+
+class CreditNoteRequestSerializer(serializers.Serializer):
+    reason = serializers.CharField(max_length=500)
+    lines = CreditLineRequestSerializer(many=True, required=False,
+                                        help_text="what to credit per line; omitted: every line in full")
+    recharge = RechargeSerializer(many=True, required=False,
+                                  help_text="the corrected charges, carried by the tenant's next invoice")
+
+
+class CreditNoteExportSerializer(serializers.Serializer):
+    number = serializers.CharField()
+    invoice = serializers.CharField()
+    tenant = serializers.CharField()
+    currency = serializers.CharField()
+    total = serializers.DecimalField(max_digits=14, decimal_places=2)
+    reason = serializers.CharField()
+    issued_at = serializers.DateTimeField()
+    lines = CreditNoteLineSerializer(many=True)
+    recharge = RechargeSerializer(many=True)
+    recharged_on = serializers.CharField(allow_null=True)
+
+
+def credit_note_csv(cn: CreditNote) -> str:
+    out = io.StringIO()
+    w = csv.writer(out)
+    w.writerow(["credit_note", cn.number, "invoice", cn.invoice.number, "tenant", cn.tenant.slug, "currency",
+                cn.currency])
+    w.writerow(["invoice_line", "description", "amount"])
+    for li in cn.lines.order_by("pk"):
+        w.writerow([li.invoice_line_id, li.description, f"-{li.amount}"])
+    w.writerow(["total", "", f"-{cn.total}"])
+    for item in cn.recharge:
+        w.writerow(["recharge", item["description"], item["amount"]])
+    return out.getvalue()
 
 
 class InvoiceFilter(django_filters.FilterSet):
@@ -82,6 +231,8 @@ def invoice_csv(invoice: Invoice) -> str:
         w.writerow([li.kind, li.tier.key, li.deployment_id or "", li.description, li.quantity, li.unit,
                     li.unit_price, li.amount, li.usage_from.isoformat(), li.usage_to.isoformat()])
     w.writerow(["total", "", "", "", "", "", "", invoice.total, "", ""])
+    for cn in invoice.credit_notes.order_by("pk"):  # corrections: the invoice itself never changes
+        w.writerow(["credit_note", cn.number, "", cn.reason, "", "", "", f"-{cn.total}", cn.issued_at.isoformat(), ""])
     return out.getvalue()
 
 
@@ -95,13 +246,25 @@ class InvoiceViewSet(ScopedViewSetMixin, viewsets.ReadOnlyModelViewSet):
     filterset_class = InvoiceFilter
     ordering_fields = ["period_start", "total", "number"]
     ordering = ["-period_start", "tenant__slug"]
-    capabilities = {"list": "billing", "retrieve": "billing", "export": "billing", "refresh": "billing",
-                    "finalize": "operate"}
+    capabilities = {"list": "billing", "retrieve": "billing", "export": "billing", "refresh": "refresh_billing",
+                    "finalize": "operate", "credit_note": "operate"}
 
     def get_serializer_class(self):
         return InvoiceListSerializer if self.action == "list" else InvoiceSerializer
 
-    @extend_schema(parameters=[OpenApiParameter("format", str, enum=["csv", "json"])], responses={200: None})
+    def finalize_response(self, request, response, *args, **kwargs):
+        # Errors are JSON whatever format was asked (an integrator's client parses them as JSON).
+        if response.status_code >= 400 and getattr(getattr(request, "accepted_renderer", None), "format", "") == "csv":
+            request.accepted_renderer = renderers.JSONRenderer()
+            request.accepted_media_type = "application/json"
+        return super().finalize_response(request, response, *args, **kwargs)
+
+    @extend_schema(parameters=[OpenApiParameter("format", str, enum=["csv", "json"])],
+                   responses={(200, "application/json"): InvoiceExportSerializer,
+                              (200, "text/csv"): OpenApiResponse(
+                                  response=OpenApiTypes.STR,
+                                  description="the invoice as CSV: a header row, the lines (usage first, then "
+                                              "commitment top-ups), a total row")})
     @action(detail=True, methods=["get"], renderer_classes=[renderers.JSONRenderer, CsvRenderer])
     def export(self, request, pk=None):
         invoice = self.get_object()
@@ -117,6 +280,21 @@ class InvoiceViewSet(ScopedViewSetMixin, viewsets.ReadOnlyModelViewSet):
         invoice = billing.refresh(self.get_object())
         return Response(InvoiceSerializer(self.get_queryset().get(pk=invoice.pk)).data)
 
+    @extend_schema(request=CreditNoteRequestSerializer, responses={201: CreditNoteSerializer})
+    @action(detail=True, methods=["post"], url_path="credit-note", url_name="credit-note")
+    def credit_note(self, request, pk=None):
+        """Operators: correct a finalized invoice with a numbered, immutable credit note."""
+        invoice = self.get_object()  # another tenant's invoice is a 404 before the body is looked at
+        body = CreditNoteRequestSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        reject_unsettable_fields(body, request.data)
+        d = body.validated_data
+        cn = billing.issue_credit_note(
+            principal_for(request), invoice, reason=d["reason"],
+            lines=[(x["line"], x["amount"]) for x in d["lines"]] if "lines" in d else None,
+            recharge=[dict(x) for x in d.get("recharge", [])])
+        return Response(CreditNoteSerializer(cn).data, status=status.HTTP_201_CREATED)
+
     @extend_schema(request=None, responses=InvoiceSerializer)
     @action(detail=True, methods=["post"])
     def finalize(self, request, pk=None):
@@ -125,12 +303,45 @@ class InvoiceViewSet(ScopedViewSetMixin, viewsets.ReadOnlyModelViewSet):
         return Response(InvoiceSerializer(self.get_queryset().get(pk=invoice.pk)).data)
 
 
+class CreditNoteViewSet(ScopedViewSetMixin, viewsets.ReadOnlyModelViewSet):
+    """Credit notes (scope billing:read; operators see all): numbered, immutable corrections of finalized
+    invoices, with CSV/JSON export."""
+
+    queryset_model = CreditNote
+    selector = selectors.credit_notes
+    serializer_class = CreditNoteSerializer
+    filterset_fields = ["invoice", "currency"]
+    ordering_fields = ["issued_at", "number", "total"]
+    ordering = ["-issued_at"]
+    capabilities = {"list": "billing", "retrieve": "billing", "export": "billing"}
+
+    def finalize_response(self, request, response, *args, **kwargs):
+        if response.status_code >= 400 and getattr(getattr(request, "accepted_renderer", None), "format", "") == "csv":
+            request.accepted_renderer = renderers.JSONRenderer()
+            request.accepted_media_type = "application/json"
+        return super().finalize_response(request, response, *args, **kwargs)
+
+    @extend_schema(parameters=[OpenApiParameter("format", str, enum=["csv", "json"])],
+                   responses={(200, "application/json"): CreditNoteExportSerializer,
+                              (200, "text/csv"): OpenApiResponse(response=OpenApiTypes.STR,
+                                                                 description="the credit note as CSV")})
+    @action(detail=True, methods=["get"], renderer_classes=[renderers.JSONRenderer, CsvRenderer])
+    def export(self, request, pk=None):
+        cn = self.get_object()
+        if request.accepted_renderer.format == "csv":
+            resp = Response(credit_note_csv(cn), content_type="text/csv; charset=utf-8")
+            resp["Content-Disposition"] = f'attachment; filename="{cn.number}.csv"'
+            return resp
+        return Response(billing.credit_note_payload(cn))
+
+
 class SpendView(APIView):
-    """Month-to-date spend against each visible tenant's limit (re-rated now)."""
+    """Month-to-date spend against each visible tenant's limit: the month rated now, in memory (a read:
+    nothing is written; a month finalized early counts its final total)."""
 
     capabilities = {"get": "billing"}
 
-    @extend_schema(parameters=[OpenApiParameter("tenant", str)], responses={200: None})
+    @extend_schema(parameters=[OpenApiParameter("tenant", str)], responses={200: SpendSerializer})
     def get(self, request):
         principal = principal_for(request)
         tenants = Tenant.objects.visible_to(principal, "billing")
@@ -174,7 +385,7 @@ class UsageSummaryView(APIView):
 
     capabilities = {"get": "billing"}
 
-    @extend_schema(parameters=[UsageSummaryQuery], responses={200: None})
+    @extend_schema(parameters=[UsageSummaryQuery], responses={200: UsageSummarySerializer})
     def get(self, request):
         q = UsageSummaryQuery(data=request.query_params)
         q.is_valid(raise_exception=True)
@@ -202,10 +413,26 @@ class WebhookCreatedSerializer(WebhookEndpointSerializer):
 
 
 class WebhookDeliverySerializer(serializers.ModelSerializer):
+    """Operators read the detail (status code, connection error); tenants the status class ("2xx",
+    "3xx", "4xx", "5xx", null: no answer) and a generic reason, so the log is no port scanner."""
+
+    last_status_class = serializers.SerializerMethodField()
+    last_status_code = serializers.SerializerMethodField(help_text="operators only (null for tenants)")
+    last_error = serializers.SerializerMethodField(help_text="operators: the detail; tenants: a generic reason")
+
     class Meta:
         model = WebhookDelivery
-        fields = ["id", "endpoint", "event", "event_key", "status", "attempts", "last_status_code", "last_error",
-                  "created_at", "delivered_at", "payload"]
+        fields = ["id", "endpoint", "event", "event_key", "status", "attempts", "last_status_class",
+                  "last_status_code", "last_error", "created_at", "delivered_at", "payload"]
+
+    def get_last_status_class(self, obj) -> str | None:
+        return f"{obj.last_status_code // 100}xx" if obj.last_status_code else None
+
+    def get_last_status_code(self, obj) -> int | None:
+        return obj.last_status_code if reader_is_operator(self.context) else None
+
+    def get_last_error(self, obj) -> str:
+        return obj.last_error if reader_is_operator(self.context) else obj.last_reason
 
 
 class WebhookEndpointViewSet(ScopedViewSetMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin,
@@ -231,4 +458,5 @@ class WebhookEndpointViewSet(ScopedViewSetMixin, mixins.ListModelMixin, mixins.R
     def deliveries(self, request, pk=None):
         ep = self.get_object()
         page = self.paginate_queryset(ep.deliveries.order_by("-created_at"))
-        return self.get_paginated_response(WebhookDeliverySerializer(page, many=True).data)
+        return self.get_paginated_response(WebhookDeliverySerializer(page, many=True,
+                                                                     context=self.get_serializer_context()).data)

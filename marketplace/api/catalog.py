@@ -5,10 +5,11 @@ from __future__ import annotations
 from typing import ClassVar
 
 import django_filters
-from rest_framework import permissions, serializers, viewsets
+from rest_framework import serializers, viewsets
 
 from marketplace.models import Gpu, GpuInstance, GpuModel, MigProfile, Node, ServerPlatform
 from marketplace.selectors import catalog as selectors
+from tenants.permissions import SharedRead
 
 from .disclosure import OperatorOnlyFieldsMixin, OperatorOnlyFiltersMixin
 from .viewsets import ScopedReadOnlyViewSet
@@ -43,7 +44,7 @@ class ServerPlatformSerializer(serializers.ModelSerializer):
 
 
 class CatalogViewSet(viewsets.ReadOnlyModelViewSet):
-    permission_classes = [permissions.IsAuthenticated]
+    permission_classes = [SharedRead]
 
 
 class GpuModelViewSet(CatalogViewSet):

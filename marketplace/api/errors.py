@@ -14,6 +14,7 @@ from rest_framework.settings import api_settings
 from rest_framework.views import exception_handler as drf_exception_handler
 
 from marketplace.api.disclosure import reader_is_operator
+from marketplace.services.dbretry import is_conflict
 from tenants.errors import ServiceError
 
 
@@ -29,6 +30,12 @@ def exception_handler(exc, context):
         # Input the database cannot hold (e.g. a NUL byte in text); the transaction was rolled back.
         return Response({"detail": "the input contains values the database cannot store (e.g. NUL bytes)"},
                         status=status.HTTP_400_BAD_REQUEST)
+    if isinstance(exc, OperationalError) and is_conflict(exc):
+        # A deadlock or serialization failure (after the service's own retries): not an outage.
+        resp = Response({"detail": "the request conflicted with concurrent updates; nothing was stored, retry"},
+                        status=status.HTTP_409_CONFLICT)
+        resp["Retry-After"] = "1"
+        return resp
     if isinstance(exc, OperationalError | InterfaceError):
         # The database went away mid-request: the transaction was rolled back, nothing is stored.
         resp = Response({"detail": "database unavailable; nothing was stored, retry"},

@@ -27,10 +27,11 @@ from marketplace.selectors import orders as selectors
 from marketplace.services import models as model_svc
 from marketplace.services import offers, orders
 from tenants.api.serializers import ScopedTenantField
+from tenants.permissions import SharedRead
 from tenants.scoping import principal_for
 
 from .disclosure import OperatorOnlyFieldsMixin, OperatorOnlyFiltersMixin
-from .viewsets import ScopedViewSetMixin
+from .viewsets import ScopedViewSetMixin, StrictInputMixin
 
 
 class PricePlanSerializer(serializers.ModelSerializer):
@@ -87,10 +88,10 @@ class TierSerializer(serializers.ModelSerializer):
         return out
 
 
-class OperatorWritesMixin:
+class OperatorWritesMixin(StrictInputMixin):
     def get_permissions(self):
         if self.request.method in permissions.SAFE_METHODS:
-            return [permissions.IsAuthenticated()]
+            return [SharedRead()]
         return super().get_permissions()
 
     @property

@@ -18,6 +18,8 @@ endpoint added later is documented without further work. Per operation:
 - 429 ``Error`` + ``Retry-After``: the view is throttled;
 - 503 ``Error`` + ``Retry-After``: always (the database went away; nothing was stored).
 
+Error bodies are JSON whatever the operation's success media type (a CSV export's errors too).
+
 A status the view documents itself (``@extend_schema(responses={404: ...})``) is kept as it is: a view
 that raises an error these rules cannot see (e.g. a 404 for a tenant named in the body) declares it.
 """
@@ -133,15 +135,12 @@ class AutoSchema(SpectacularAutoSchema):
         if operation is None:
             return None
         register_components(registry)
-        media_types = self.map_renderers("media_type") or list(JSON_MEDIA_TYPES)
         responses = operation["responses"]
         for status in self.error_statuses(operation):
             if status in responses:  # the view documented it itself
                 continue
-            if tuple(media_types) == JSON_MEDIA_TYPES:
-                responses[status] = _ref("responses", RESPONSES[status][0])
-            else:
-                responses[status] = _response(status, media_types)
+            # Errors are JSON whatever the operation renders on success (e.g. an invoice's CSV export).
+            responses[status] = _ref("responses", RESPONSES[status][0])
         operation["responses"] = dict(sorted(responses.items()))
         return operation
 

@@ -23,6 +23,7 @@ router.register("lora-adapters", models.LoraAdapterViewSet, basename="loraadapte
 
 router.register("invoices", billing.InvoiceViewSet, basename="invoice")
 router.register("webhooks", billing.WebhookEndpointViewSet, basename="webhook")
+router.register("credit-notes", billing.CreditNoteViewSet, basename="creditnote")
 
 urlpatterns = [
     path("billing/spend/", billing.SpendView.as_view(), name="billing-spend"),

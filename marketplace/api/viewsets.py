@@ -3,12 +3,41 @@ principal, so foreign objects are absent (404) and lists show only the caller's 
 
 from __future__ import annotations
 
-from rest_framework import viewsets
+from collections.abc import Mapping
+
+from rest_framework import serializers, viewsets
 
 from tenants.scoping import principal_for
 
 
-class ScopedViewSetMixin:
+def reject_unsettable_fields(serializer, data) -> None:
+    """A body naming a field the client may not set (unknown, or read-only such as a tenant's slug
+    after creation) is a 400 naming each such field, never silently ignored."""
+    if not isinstance(data, Mapping) or not hasattr(serializer, "fields"):
+        return
+    fields = serializer.fields
+    bad = {}
+    for name in data:
+        f = fields.get(name)
+        if f is None:
+            bad[name] = ["unknown field; it cannot be set"]
+        elif f.read_only:
+            bad[name] = ["read-only field; it cannot be set here"]
+    if bad:
+        raise serializers.ValidationError(bad)
+
+
+class StrictInputMixin:
+    """Write actions refuse fields the serializer does not accept (see reject_unsettable_fields)."""
+
+    def get_serializer(self, *args, **kwargs):
+        s = super().get_serializer(*args, **kwargs)
+        if "data" in kwargs and self.request is not None and self.request.method in ("POST", "PUT", "PATCH"):
+            reject_unsettable_fields(s, kwargs["data"])
+        return s
+
+
+class ScopedViewSetMixin(StrictInputMixin):
     #: selector(principal) -> queryset already limited to what the principal may see
     selector = None
 

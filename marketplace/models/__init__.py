@@ -1,4 +1,15 @@
-from .billing import Invoice, InvoiceLine, InvoiceSequence, SpendNotice, WebhookDelivery, WebhookEndpoint
+from .billing import (
+    BillingAlert,
+    CreditNote,
+    CreditNoteLine,
+    CreditNoteSequence,
+    Invoice,
+    InvoiceLine,
+    InvoiceSequence,
+    SpendNotice,
+    WebhookDelivery,
+    WebhookEndpoint,
+)
 from .catalog import GpuModel, MigPlacement, MigProfile, ServerPlatform
 from .deployments import ModelDeployment
 from .fleet import Gpu, GpuInstance, GpuSlot, Node
@@ -10,4 +21,5 @@ from .serving import TritonServer
 __all__ = ["GpuModel", "MigProfile", "MigPlacement", "ServerPlatform", "Node", "Gpu", "GpuInstance", "GpuSlot",
            "Tier", "PricePlan", "Order", "Allocation", "AllocationEvent", "DriftEvent",
            "ModelDeployment", "Invoice", "InvoiceLine", "InvoiceSequence", "SpendNotice", "WebhookEndpoint",
-           "WebhookDelivery", "TritonServer", "LibraryModel", "ModelRepository", "LoraAdapter"]
+            "WebhookDelivery", "TritonServer", "LibraryModel", "ModelRepository", "LoraAdapter", "BillingAlert",
+            "CreditNote", "CreditNoteLine", "CreditNoteSequence"]

@@ -55,6 +55,8 @@ class InvoiceLine(models.Model):
         ADJUSTMENT_INPUT = "adjustment_input", "Late input tokens from a finalized period"
         ADJUSTMENT_OUTPUT = "adjustment_output", "Late output tokens from a finalized period"
         COMMITMENT_TOPUP = "commitment_topup", "Commitment top-up"
+        COMMITMENT_CREDIT = "commitment_credit", "Commitment credit (late usage toward a settled commitment)"
+        CORRECTION = "correction", "Corrected charge (from a credit note)"
 
     invoice = models.ForeignKey(Invoice, on_delete=models.CASCADE, related_name="lines")
     kind = models.CharField(max_length=24, choices=Kind.choices)
@@ -119,7 +121,7 @@ class WebhookEndpoint(models.Model):
     """Where events are POSTed, signed with HMAC-SHA256 of the body with `secret`. No tenant: the
     MSP's own endpoint, which receives every tenant's events."""
 
-    EVENTS = ["invoice.finalized", "spend_limit.reached", "spend_limit.warning"]
+    EVENTS = ["credit_note.issued", "invoice.finalized", "spend_limit.reached", "spend_limit.warning"]
 
     tenant = models.ForeignKey("tenants.Tenant", null=True, blank=True, on_delete=models.CASCADE,
                                related_name="webhooks")
@@ -152,7 +154,8 @@ class WebhookDelivery(models.Model):
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.PENDING)
     attempts = models.PositiveSmallIntegerField(default=0)
     last_status_code = models.PositiveSmallIntegerField(null=True, blank=True)
-    last_error = models.CharField(max_length=500, blank=True)
+    last_error = models.CharField(max_length=500, blank=True, help_text="the detail, for operators")
+    last_reason = models.CharField(max_length=200, blank=True, help_text="a generic reason, for tenants")
     created_at = models.DateTimeField(default=timezone.now)
     delivered_at = models.DateTimeField(null=True, blank=True)
 
@@ -166,3 +169,86 @@ class WebhookDelivery(models.Model):
 
     def __str__(self) -> str:
         return f"{self.event} -> {self.endpoint_id} ({self.status})"
+
+
+class BillingAlert(models.Model):
+    """Something billing could not do and an operator must see: usage with no price in the invoice's
+    currency (blocks finalization), a tenant whose rating or finalization failed in the beat. Open
+    while `resolved_at` is empty; the next successful rating or finalization resolves it."""
+
+    class Kind(models.TextChoices):
+        UNPRICED = "unpriced", "Usage with no price in the invoice's currency"
+        RATING_FAILED = "rating_failed", "Rating failed"
+        FINALIZE_FAILED = "finalize_failed", "Finalization failed"
+
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="billing_alerts")
+    period_start = models.DateField(null=True, blank=True)
+    kind = models.CharField(max_length=24, choices=Kind.choices)
+    message = models.CharField(max_length=1000)
+    at = models.DateTimeField(default=timezone.now)
+    resolved_at = models.DateTimeField(null=True, blank=True)
+
+    objects = TenantScopedQuerySet.as_manager()
+    tenant_path = "tenant_id"
+
+    class Meta:
+        ordering = ["-at"]
+        constraints = [models.UniqueConstraint(fields=["tenant", "period_start", "kind"],
+                                               condition=models.Q(resolved_at__isnull=True),
+                                               name="one_open_billing_alert")]
+
+    def __str__(self) -> str:
+        return f"{self.tenant_id} {self.kind}: {self.message[:60]}"
+
+
+class CreditNote(models.Model):
+    """A numbered, immutable correction of a finalized invoice (which itself never changes): the
+    amounts credited per invoice line, and optionally the corrected charges, which the tenant's next
+    invoice carries as `correction` lines (`recharged_on` once that invoice is finalized)."""
+
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.PROTECT, related_name="credit_notes")
+    invoice = models.ForeignKey(Invoice, on_delete=models.PROTECT, related_name="credit_notes")
+    number = models.CharField(max_length=32, unique=True, help_text="CN-<year>-<nnnnnn>, without gaps")
+    currency = models.CharField(max_length=3)
+    total = models.DecimalField(max_digits=14, decimal_places=2, help_text="credited (positive)")
+    reason = models.CharField(max_length=500)
+    recharge = models.JSONField(default=list, blank=True,
+                                help_text="corrected charges [{description, amount}] for the next invoice")
+    recharged_on = models.ForeignKey(Invoice, null=True, blank=True, on_delete=models.PROTECT, related_name="+")
+    issued_at = models.DateTimeField(default=timezone.now)
+    issued_by = models.CharField(max_length=254)
+
+    objects = TenantScopedQuerySet.as_manager()
+    tenant_path = "tenant_id"
+
+    class Meta:
+        ordering = ["-issued_at", "-pk"]
+
+    def __str__(self) -> str:
+        return self.number
+
+
+class CreditNoteLine(models.Model):
+    credit_note = models.ForeignKey(CreditNote, on_delete=models.CASCADE, related_name="lines")
+    invoice_line = models.ForeignKey(InvoiceLine, on_delete=models.PROTECT, related_name="credits")
+    description = models.CharField(max_length=300)
+    amount = models.DecimalField(max_digits=14, decimal_places=2, help_text="credited (positive)")
+
+    objects = TenantScopedQuerySet.as_manager()
+    tenant_path = "credit_note__tenant_id"
+
+    class Meta:
+        ordering = ["credit_note_id", "pk"]
+
+    def __str__(self) -> str:
+        return f"{self.description}: -{self.amount}"
+
+
+class CreditNoteSequence(models.Model):
+    """Credit-note numbers without gaps: one row per year, locked while a number is taken."""
+
+    year = models.PositiveIntegerField(unique=True)
+    last = models.PositiveIntegerField(default=0)
+
+    def __str__(self) -> str:
+        return f"{self.year}: {self.last}"

@@ -17,14 +17,20 @@ def price_plans():
     return PricePlan.objects.select_related("tier")
 
 
+def _allocation_rows():
+    return Allocation.objects.select_related(
+        "tenant", "tier", "node", "tier__gpu_model", "tier__profile", "triton_server").prefetch_related(
+        Prefetch("events", queryset=AllocationEvent.objects.order_by("at", "pk")))
+
+
 def orders(principal: Principal):
-    return Order.objects.visible_to(principal).select_related("tenant", "tier").prefetch_related("allocations")
+    """Orders with their allocations as the API nests them (a constant number of queries per page)."""
+    return Order.objects.visible_to(principal).select_related("tenant", "tier").prefetch_related(
+        Prefetch("allocations", queryset=_allocation_rows()))
 
 
 def allocations(principal: Principal):
-    return Allocation.objects.visible_to(principal).select_related(
-        "tenant", "tier", "node", "tier__gpu_model", "tier__profile", "triton_server").prefetch_related(
-        Prefetch("events", queryset=AllocationEvent.objects.order_by("at", "pk")))
+    return _allocation_rows().visible_to(principal)
 
 
 def drift_events(principal: Principal):
@@ -33,4 +39,5 @@ def drift_events(principal: Principal):
 
 
 def deployments(principal: Principal):
-    return ModelDeployment.objects.visible_to(principal).select_related("tenant", "allocation")
+    return (ModelDeployment.objects.visible_to(principal).select_related("tenant", "allocation", "library_model")
+            .prefetch_related("adapters"))

@@ -39,6 +39,7 @@ from marketplace import planner
 from marketplace.hardware.geometry import all_geometries
 from marketplace.models import Gpu, GpuModel, MigProfile, ModelDeployment, PricePlan, Tier
 from marketplace.selectors.catalog import modelled_tokens_per_s
+from marketplace.services import billing
 from telemetry.models import GpuSample, Resolution, TritonServedHourly, UsageHourly
 from telemetry.services.energy import price_per_kwh
 
@@ -167,14 +168,12 @@ def shape_figures(since: datetime, until: datetime, currency: str = "USD", *,
             out[key].peak_tps = t / 3600
 
     now = timezone.now()
-    plans = {}
-    for plan in (PricePlan.objects.filter(currency=currency, kind=PricePlan.Kind.ON_DEMAND, effective_from__lte=now,
-                                          tier__active=True).select_related("tier").order_by("effective_from")):
-        plans[plan.tier_id] = plan  # the latest in force wins
+    book = billing.PlanBook(currency)  # the rating's own plan lookup: the plan in force now
     for tier in Tier.objects.filter(active=True).order_by("dedicated", "key"):
         f = out.get((tier.gpu_model_id, tier.profile_id))
-        if f is not None and f.tier is None and tier.pk in plans:
-            f.tier, f.plan = tier, plans[tier.pk]
+        plan = book.at(tier.pk, PricePlan.Kind.ON_DEMAND, now)
+        if f is not None and f.tier is None and plan is not None:
+            f.tier, f.plan = tier, plan
     return list(out.values())
 
 
@@ -366,10 +365,7 @@ def _priced(s: planner.Scenario, shapes: dict[str, ShapeFigures], input_share: f
         if f.plan is None:
             out.unpriced.append(f.key)
             continue
-        tokens_per_hour = a.tokens_per_s * 3600
-        total += a.slices * float(f.plan.price_per_slice_hour)
-        total += tokens_per_hour / 1e6 * (input_share * float(f.plan.price_per_1m_input_tokens)
-                                          + (1 - input_share) * float(f.plan.price_per_1m_output_tokens))
+        total += billing.list_price_per_hour(f.plan, a.slices, a.tokens_per_s * 3600, input_share)
     out.revenue_per_hour = total  # partial where shapes are unpriced (listed)
     return out
 

@@ -29,7 +29,20 @@ A draft accrues the commitment up to `now` (month to date), so spend limits see 
 replaces every line, so a draft never holds two top-ups for one plan. The top-up of a month is
 settled when its invoice is finalized and never revisited: late usage of that month is charged in
 full on a later invoice as adjustment lines, counts toward no later month's commitment, and
-re-bills no commitment (there are no credit notes).
+re-bills no commitment. Late usage at a reserved plan that would have lowered the settled top-up is
+credited instead (`commitment_credits`: a negative line, never more than the top-up less earlier credits).
+
+Credit notes (`issue_credit_note`): an operator corrects a finalized invoice (which never changes) with a
+numbered, immutable credit note; its corrected charges ride on the next invoice as `correction` lines.
+
+Currency: an invoice is rated in its own `currency`, fixed when the invoice is created (the tenant's
+billing currency then); an operator's change of the tenant's currency applies from the next period.
+Usage or held capacity with no plan in the invoice's currency is never a silent 0: it is listed in
+`Rated.unpriced`, raises a BillingAlert and blocks finalization until a plan covers it.
+
+Reads never write: `spend_status` rates in memory; drafts are stored by the beat
+(`rate_all`) and by an explicit refresh. Every tenant with usage or held capacity in a month gets that
+month's invoice (`ensure_invoices`, run by the beat before month-end finalization).
 """
 
 from __future__ import annotations
@@ -42,12 +55,23 @@ from decimal import ROUND_HALF_UP, Decimal
 
 from django.db import transaction
 from django.db.models import F, Q
+from django.db.models.functions import TruncMonth
 from django.utils import timezone
 
-from marketplace.models import Allocation, Invoice, InvoiceLine, InvoiceSequence, PricePlan, SpendNotice, Tier
+from marketplace.models import (
+    Allocation,
+    BillingAlert,
+    Invoice,
+    InvoiceLine,
+    InvoiceSequence,
+    PricePlan,
+    SpendNotice,
+    Tier,
+)
+from marketplace.services.dbretry import retry_on_conflict
 from telemetry.models import UsageHourly
 from tenants import audit
-from tenants.errors import Conflict, ServiceError
+from tenants.errors import Conflict, Forbidden, ServiceError
 from tenants.models import Tenant
 
 log = logging.getLogger("tessera.billing")
@@ -132,8 +156,10 @@ class Draft:
     deployment_id: int | None = None
     price: Decimal | None = None  # a fixed unit price (commitment top-up); else the plan's price for the kind
     rows: list[int] = field(default_factory=list)
+    pieces: list[tuple[datetime, datetime, Decimal]] = field(default_factory=list)  # (from, to, quantity)
 
     def add(self, q: Decimal, a: datetime, b: datetime) -> None:
+        self.pieces.append((a, b, q))
         self.quantity += q
         self.usage_from = a if self.usage_from is None else min(self.usage_from, a)
         self.usage_to = b if self.usage_to is None else max(self.usage_to, b)
@@ -169,16 +195,29 @@ class Draft:
 class Rated:
     drafts: list[Draft]
     usage_rows: list[int]  # UsageHourly rows charged (this month's and late ones)
+    currency: str = "USD"
+    unpriced: list[str] = field(default_factory=list)  # usage or capacity with no plan in `currency`
 
     @property
     def total(self) -> Decimal:
         return sum((d.amount for d in self.drafts), Decimal(0))
 
 
-def rate(tenant: Tenant, period_start: date, now: datetime | None = None) -> Rated:
+def period_currency(tenant: Tenant, period_start: date) -> str:
+    """The currency a period is billed in: its invoice's, else (no invoice yet) the tenant's."""
+    found = Invoice.objects.filter(tenant=tenant, period_start=period_start).values_list("currency", flat=True).first()
+    return found or tenant.currency
+
+
+def rate(tenant: Tenant, period_start: date, now: datetime | None = None, currency: str | None = None,
+         invoice_id: int | None = None) -> Rated:
+    """Price a tenant's month (pure: reads only). currency: the invoice's (default: the period's);
+    invoice_id: the invoice being rated (its own credits and corrections are not counted as given)."""
     now = now or timezone.now()
     start, end = bounds(period_start)
-    book = PlanBook(tenant.currency)
+    currency = currency or period_currency(tenant, period_start)
+    book = PlanBook(currency)
+    unpriced: dict[str, None] = {}
     drafts: dict[tuple, Draft] = {}
     held: dict[int, list[tuple[datetime, datetime]]] = defaultdict(list)  # reserved capacity held, per tier
 
@@ -191,7 +230,10 @@ def rate(tenant: Tenant, period_start: date, now: datetime | None = None) -> Rat
         a_from, a_to = max(a.activated_at, start), min(stopped or now, end, now)
         if a.order.plan_kind == PricePlan.Kind.RESERVED and a_from < a_to:
             held[a.tier_id].append((a_from, a_to))
-        for plan, lo, hi in book.spans(a.tier_id, a.order.plan_kind, a_from, a_to):
+        spans = book.spans(a.tier_id, a.order.plan_kind, a_from, a_to)
+        if a_from < a_to and sum((hi - lo for _, lo, hi in spans), timedelta(0)) < a_to - a_from:
+            unpriced[f"{a.tier.name}: {a.order.plan_kind} slice-hours with no {currency} price in force"] = None
+        for plan, lo, hi in spans:
             key = (L.SLICE_HOURS, a.tier_id, plan.pk)
             d = drafts.get(key) or drafts.setdefault(key, Draft(
                 L.SLICE_HOURS, a.tier, plan, f"{a.tier.name}: slice-hours at {plan.price_per_slice_hour}/h "
@@ -210,15 +252,21 @@ def rate(tenant: Tenant, period_start: date, now: datetime | None = None) -> Rat
     rows = UsageHourly.objects.filter(tenant=tenant).filter(this_month | (late & pending_late) if finalized
                                                              else this_month)
     charged = []
+    late_reserved: dict[tuple[date, int], Decimal] = defaultdict(Decimal)
     for r in rows.select_related("deployment__allocation__tier", "deployment__allocation__order"):
         alloc = r.deployment.allocation
         plan = book.at(alloc.tier_id, alloc.order.plan_kind, r.hour)
         if plan is None:
             log.warning("usage without a price in force", extra={"row": r.pk, "tier": alloc.tier_id})
+            unpriced[f"{alloc.tier.name}: {alloc.order.plan_kind} tokens with no {currency} price in force"] = None
             continue
         is_late = r.hour < start
         ins = r.input_tokens - r.billed_input_tokens if is_late else r.input_tokens
         outs = r.output_tokens - r.billed_output_tokens if is_late else r.output_tokens
+        if is_late and plan.kind == PricePlan.Kind.RESERVED:
+            late_reserved[(month_of(r.hour), plan.pk)] += (
+                Decimal(max(ins, 0)) * plan.price_per_1m_input_tokens
+                + Decimal(max(outs, 0)) * plan.price_per_1m_output_tokens) / MILLION
         for kind, tokens in (((L.ADJUSTMENT_INPUT, ins), (L.ADJUSTMENT_OUTPUT, outs)) if is_late
                              else ((L.INPUT_TOKENS, ins), (L.OUTPUT_TOKENS, outs))):
             if tokens <= 0:
@@ -232,7 +280,104 @@ def rate(tenant: Tenant, period_start: date, now: datetime | None = None) -> Rat
             d.add(Decimal(tokens) / MILLION, r.hour, r.hour + timedelta(hours=1))
         charged.append(r.pk)
     out = list(drafts.values())
-    return Rated(out + commitment_topups(book, held, out, start, end), charged)
+    out += commitment_topups(book, held, out, start, end)
+    out += commitment_credits(tenant, late_reserved, invoice_id)
+    out += corrections(tenant, period_start, invoice_id)
+    return Rated(out, charged, currency, list(unpriced))
+
+
+def commitment_credits(tenant: Tenant, late_reserved: dict[tuple[date, int], Decimal],
+                       invoice_id: int | None) -> list[Draft]:
+    """Late usage of a finalized month at a reserved plan would have counted toward that month's
+    commitment: it is charged in full (adjustment lines) and the settled top-up is credited by as much,
+    never more than the top-up less the credits already given on other invoices (one negative line per
+    month and plan, kind commitment_credit)."""
+    out = []
+    for (month, plan_pk), late_amount in sorted(late_reserved.items()):
+        m_start, m_end = bounds(month)
+        topup = (InvoiceLine.objects.filter(invoice__tenant=tenant, invoice__period_start=month,
+                                            invoice__status=Invoice.Status.FINALIZED, kind=L.COMMITMENT_TOPUP,
+                                            plan_id=plan_pk).select_related("plan", "tier").first())
+        if topup is None:
+            continue
+        given = -sum((li.amount for li in InvoiceLine.objects.filter(
+            invoice__tenant=tenant, invoice__status=Invoice.Status.FINALIZED, kind=L.COMMITMENT_CREDIT,
+            plan_id=plan_pk, usage_from=m_start).exclude(invoice_id=invoice_id)), Decimal(0))
+        credit = min(money(late_amount), topup.amount - given)
+        if credit <= 0:
+            continue
+        d = Draft(L.COMMITMENT_CREDIT, topup.tier, topup.plan,
+                  f"{topup.tier.name}: late usage of {month:%Y-%m} at the reserved plan counts toward that month's "
+                  f"commitment: credit against its top-up of {topup.amount} ({given} credited before)",
+                  "credit", price=-credit)
+        d.add(Decimal(1), m_start, m_end)
+        out.append(d)
+    return out
+
+
+def corrections(tenant: Tenant, period_start: date, invoice_id: int | None) -> list[Draft]:
+    """The corrected charges of credit notes on earlier invoices not yet carried by a finalized invoice
+    (or carried by the one being rated): one `correction` line each."""
+    from marketplace.models import CreditNote  # noqa: PLC0415
+
+    out = []
+    notes = (CreditNote.objects.filter(tenant=tenant, invoice__period_start__lt=period_start)
+             .filter(Q(recharged_on__isnull=True) | Q(recharged_on_id=invoice_id) if invoice_id
+                     else Q(recharged_on__isnull=True))
+             .select_related("invoice").prefetch_related("lines__invoice_line__tier", "lines__invoice_line__plan"))
+    for cn in notes.order_by("pk"):
+        first = next(iter(cn.lines.all()), None)
+        if first is None:
+            continue
+        tier, plan = first.invoice_line.tier, first.invoice_line.plan
+        for item in cn.recharge:
+            d = Draft(L.CORRECTION, tier, plan, f"corrected charge of {cn.invoice.number} (credit note {cn.number}): "
+                      f"{item['description']}", "charge", price=Decimal(item["amount"]))
+            d.add(Decimal(1), *bounds(cn.invoice.period_start))
+            d.rows.append(cn.pk)
+            out.append(d)
+    return out
+
+
+ADJUSTMENT_KINDS = (L.ADJUSTMENT_INPUT, L.ADJUSTMENT_OUTPUT)
+#: lines about another month's usage or another invoice: the charts count each month's own lines only
+NOT_THIS_MONTH = (*ADJUSTMENT_KINDS, L.COMMITMENT_CREDIT, L.CORRECTION)
+
+
+def rated_lines(tenant: Tenant, start: datetime, end: datetime, now: datetime | None = None) -> list[tuple[Draft, str]]:
+    """The one rating, for anything that prices a tenant's use over [start, end) (the charts): each
+    month it touches rated exactly as its invoice is (the invoice's currency, reserved commitments
+    included), as (line, currency). Adjustment lines are left out: late usage is counted in the month it
+    happened (that month's own rating includes it). Spread a line over time with `amount_between`."""
+    now = now or timezone.now()
+    out = []
+    for m in _months(start, min(end, now)):
+        _, m_end = bounds(m)
+        rated = rate(tenant, m, min(now, m_end))
+        out.extend((d, rated.currency) for d in rated.drafts if d.kind not in NOT_THIS_MONTH)
+    return out
+
+
+def amount_between(d: Draft, lo: datetime, hi: datetime) -> Decimal:
+    """The part of a line's amount (unrounded) that falls in [lo, hi): each piece's quantity in
+    proportion to its time inside (a commitment top-up accrues over the time it covers)."""
+    price, q = d.unit_price, Decimal(0)
+    for a, b, qty in d.pieces:
+        if b <= a:
+            q += qty if lo <= a < hi else 0
+            continue
+        ov = min(b, hi) - max(a, lo)
+        if ov > timedelta(0):
+            q += qty * seconds(ov) / seconds(b - a)
+    return q * price
+
+
+def list_price_per_hour(plan: PricePlan, slices: float, tokens_per_hour: float, input_share: float) -> float:
+    """What `slices` slices serving `tokens_per_hour` cost a tenant per hour at `plan` (the planner's list
+    price): the same per-unit prices the rating charges, slice-hours plus input and output tokens."""
+    per_token = (Decimal(str(input_share)) * plan.price_per_1m_input_tokens
+                 + (1 - Decimal(str(input_share))) * plan.price_per_1m_output_tokens) / MILLION
+    return float(Decimal(str(slices)) * plan.price_per_slice_hour + Decimal(str(tokens_per_hour)) * per_token)
 
 
 def merge(spans: list[tuple[datetime, datetime]]) -> list[tuple[datetime, datetime]]:
@@ -292,24 +437,52 @@ def draft_for(tenant: Tenant, period_start: date) -> Invoice:
     return invoice
 
 
+def alert(tenant: Tenant, period_start: date | None, kind: str, message: str) -> BillingAlert:
+    """Record (or refresh) an open billing alert for operators, and log it as an error."""
+    log.error("billing alert", extra={"tenant": tenant.slug, "kind": kind, "period": str(period_start),
+                                      "alert": message})
+    a, _ = BillingAlert.objects.update_or_create(
+        tenant=tenant, period_start=period_start, kind=kind, resolved_at=None,
+        defaults={"message": message[:1000], "at": timezone.now()})
+    return a
+
+
+def resolve_alerts(tenant: Tenant, period_start: date | None, kind: str) -> None:
+    BillingAlert.objects.filter(tenant=tenant, period_start=period_start, kind=kind,
+                                resolved_at__isnull=True).update(resolved_at=timezone.now())
+
+
+def _note_unpriced(invoice: Invoice, rated: Rated) -> None:
+    if rated.unpriced:
+        alert(invoice.tenant, invoice.period_start, BillingAlert.Kind.UNPRICED,
+              f"{invoice.period_start:%Y-%m} ({invoice.currency}): " + "; ".join(rated.unpriced))
+    else:
+        resolve_alerts(invoice.tenant, invoice.period_start, BillingAlert.Kind.UNPRICED)
+
+
+@retry_on_conflict
 @transaction.atomic
 def refresh(invoice: Invoice, now: datetime | None = None) -> Invoice:
-    """Re-rate a draft from the current usage. A finalized invoice is never touched."""
+    """Re-rate a draft from the current usage, in the invoice's own currency. A finalized invoice
+    is never touched."""
     invoice = Invoice.objects.select_for_update().select_related("tenant").get(pk=invoice.pk)
     if invoice.status != Invoice.Status.DRAFT:
         raise Conflict(f"invoice {invoice.number} is finalized and cannot change")
-    rated = rate(invoice.tenant, invoice.period_start, now)
+    rated = rate(invoice.tenant, invoice.period_start, now, invoice.currency, invoice.pk)
     invoice.lines.all().delete()
     lines = InvoiceLine.objects.bulk_create([d.line(invoice) for d in rated.drafts])
     invoice.total = sum((line.amount for line in lines), Decimal(0))
     invoice.rated_at = timezone.now()
     invoice.save(update_fields=["total", "rated_at"])
+    _note_unpriced(invoice, rated)
     return invoice
 
 
 def current_invoice(tenant: Tenant, now: datetime | None = None) -> Invoice:
+    """The current month's invoice, re-rated if it is a draft (a write: beat, explicit refresh, demo)."""
     now = now or timezone.now()
-    return refresh(draft_for(tenant, month_of(now)), now)
+    invoice = draft_for(tenant, month_of(now))
+    return refresh(invoice, now) if invoice.status == Invoice.Status.DRAFT else invoice
 
 
 def _next_number(year: int) -> str:
@@ -319,9 +492,17 @@ def _next_number(year: int) -> str:
     return f"TSR-{year}-{seq.last:06d}"
 
 
+class FinalizeBlocked(Conflict):
+    code = "unpriced_usage"
+
+
+@retry_on_conflict
 def finalize(invoice: Invoice, *, now: datetime | None = None, force: bool = False, principal=None) -> Invoice:
     """Rate one last time, number and freeze the invoice, mark the usage it charged as billed.
-    principal: who finalizes (audited); None for the monthly beat."""
+    principal: who finalizes (audited); None for the monthly beat.
+
+    Lock order (everywhere): the invoice row, then the tenant's rollup rows in (deployment, hour)
+    order, the order in which ingest upserts them; then the year's invoice sequence."""
     now = now or timezone.now()
     with transaction.atomic():
         invoice = Invoice.objects.select_for_update().select_related("tenant").get(pk=invoice.pk)
@@ -336,19 +517,29 @@ def finalize(invoice: Invoice, *, now: datetime | None = None, force: bool = Fal
         if earlier:
             raise Conflict("finalize the tenant's earlier invoices first")
         # Lock the rollup rows this invoice may charge so concurrent ingest waits for us.
-        list(UsageHourly.objects.select_for_update().filter(tenant=invoice.tenant, hour__lt=end).values_list("pk"))
-        rated = rate(invoice.tenant, invoice.period_start, min(now, end))
+        list(UsageHourly.objects.select_for_update().filter(tenant=invoice.tenant, hour__lt=end)
+             .order_by("deployment_id", "hour").values_list("pk"))
+        rated = rate(invoice.tenant, invoice.period_start, min(now, end), invoice.currency, invoice.pk)
+        if rated.unpriced:
+            raise FinalizeBlocked(f"invoice for {invoice.period_start:%Y-%m} cannot be finalized: usage with no "
+                                  f"price in {invoice.currency} ({'; '.join(rated.unpriced)}); add a plan in "
+                                  f"{invoice.currency} from before that usage, then finalize")
         invoice.lines.all().delete()
         lines = InvoiceLine.objects.bulk_create([d.line(invoice) for d in rated.drafts])
         UsageHourly.objects.filter(pk__in=rated.usage_rows).update(
             billed_input_tokens=F("input_tokens"), billed_output_tokens=F("output_tokens"),
             billed_requests=F("requests"))
         invoice.total = sum((line.amount for line in lines), Decimal(0))
+        from marketplace.models import CreditNote  # noqa: PLC0415
+
+        CreditNote.objects.filter(pk__in=[pk for d in rated.drafts if d.kind == L.CORRECTION for pk in d.rows]
+                                  ).update(recharged_on=invoice)
         invoice.number = _next_number(invoice.period_start.year)
         invoice.status = Invoice.Status.FINALIZED
         invoice.finalized_at = now
         invoice.rated_at = now
         invoice.save()
+        resolve_alerts(invoice.tenant, invoice.period_start, BillingAlert.Kind.UNPRICED)
         audit.record(principal if principal is not None else "system:beat", "invoice.finalize",
                      f"invoice:{invoice.number}", invoice.tenant, total=invoice.total, currency=invoice.currency,
                      forced=force)
@@ -359,14 +550,123 @@ def finalize(invoice: Invoice, *, now: datetime | None = None, force: bool = Fal
     return invoice
 
 
-def finalize_due(now: datetime | None = None) -> list[str]:
-    """Beat: finalize every draft whose month has ended, oldest first."""
+def _months(a: datetime, b: datetime) -> list[date]:
+    """The calendar months [a, b) touches."""
+    out, m = [], month_of(a)
+    while True:
+        lo, _ = bounds(m)
+        if lo >= b:
+            return out
+        out.append(m)
+        m = next_month(m)
+
+
+#: The beat looks for periods needing an invoice among rollups and allocations changed this recently
+#: (it runs every few minutes: anything older was seen by an earlier run); None = everything.
+ENSURE_LOOKBACK = timedelta(days=35)
+
+
+def periods_used(now: datetime | None = None, since: datetime | None = None,
+                 tenant: Tenant | None = None) -> dict[int, set[date]]:
+    """Per tenant id: the months up to now with usage (hourly rollups) or held capacity (an
+    allocation while active), and, where usage of a finalized month is still unbilled, the current
+    month (whose draft will carry it as adjustments). since: only rollups updated and allocations
+    still active (or stopped) since then."""
     now = now or timezone.now()
-    done = []
-    for inv in Invoice.objects.filter(status=Invoice.Status.DRAFT, period_end__lte=now.date()).order_by(
-            "period_start"):
-        done.append(finalize(inv, now=now).number)
+    out: dict[int, set[date]] = defaultdict(set)
+    hourly = UsageHourly.objects.filter(hour__lt=now)
+    allocs = Allocation.objects.filter(activated_at__isnull=False, activated_at__lt=now)
+    if tenant is not None:
+        hourly, allocs = hourly.filter(tenant=tenant), allocs.filter(tenant=tenant)
+    if since is not None:
+        hourly = hourly.filter(updated_at__gte=since)
+        allocs = allocs.filter(Q(released_at__isnull=True) | Q(released_at__gte=since) | Q(updated_at__gte=since))
+    for tenant_id, m in hourly.annotate(m=TruncMonth("hour", tzinfo=UTC)).values_list("tenant_id", "m").distinct():
+        out[tenant_id].add(month_of(m))
+    for tenant_id, activated, released, state, updated in allocs.values_list(
+            "tenant_id", "activated_at", "released_at", "state", "updated_at"):
+        stopped = released or (updated if state == Allocation.State.FAILED else None)
+        out[tenant_id].update(_months(activated, min(stopped or now, now)))
+    pending_late = (hourly.filter(Q(input_tokens__gt=F("billed_input_tokens"))
+                                  | Q(output_tokens__gt=F("billed_output_tokens")))
+                    .annotate(m=TruncMonth("hour", tzinfo=UTC)).values_list("tenant_id", "m").distinct())
+    finalized = set(Invoice.objects.filter(status=Invoice.Status.FINALIZED).values_list("tenant_id", "period_start"))
+    for tenant_id, m in pending_late:
+        if (tenant_id, month_of(m)) in finalized:
+            out[tenant_id].add(month_of(now))
+    return out
+
+
+def ensure_invoices(now: datetime | None = None, tenant: Tenant | None = None,
+                    since: datetime | None = None) -> list[Invoice]:
+    """Create the missing invoice (a draft, in the tenant's currency) of every period in which a
+    tenant used something or held capacity. Returns the invoices created. since: see periods_used."""
+    now = now or timezone.now()
+    used = periods_used(now, since, tenant)
+    if tenant is not None:
+        used = {tenant.pk: used.get(tenant.pk, set())}
+    have = set(Invoice.objects.filter(tenant_id__in=list(used)).values_list("tenant_id", "period_start"))
+    tenants = {t.pk: t for t in Tenant.objects.filter(pk__in=list(used))}
+    created = []
+    for tenant_id, months in sorted(used.items()):
+        for m in sorted(months):
+            if (tenant_id, m) not in have:
+                inv, made = Invoice.objects.get_or_create(
+                    tenant_id=tenant_id, period_start=m,
+                    defaults={"period_end": next_month(m), "currency": tenants[tenant_id].currency})
+                if made:
+                    log.info("invoice opened", extra={"tenant": tenant_id, "period": str(m)})
+                    created.append(inv)
+    return created
+
+
+def finalize_due(now: datetime | None = None, *, ensure: bool = True) -> list[str]:
+    """Beat, month end: open the missing invoices, then finalize every draft whose month has ended,
+    oldest first. Each invoice in its own transaction: one that fails (no price in its currency, a
+    conflict) is alerted and holds back only that tenant's later invoices."""
+    now = now or timezone.now()
+    if ensure:
+        ensure_invoices(now, since=now - ENSURE_LOOKBACK)
+    done, held_back = [], set()
+    for inv in Invoice.objects.filter(status=Invoice.Status.DRAFT, period_end__lte=now.date()).select_related(
+            "tenant").order_by("period_start", "tenant_id"):
+        if inv.tenant_id in held_back:
+            continue
+        try:
+            done.append(finalize(inv, now=now).number)
+        except Exception as exc:  # noqa: BLE001 - recorded and alerted; the other tenants go on
+            held_back.add(inv.tenant_id)
+            alert(inv.tenant, inv.period_start, BillingAlert.Kind.FINALIZE_FAILED,
+                  f"finalizing {inv.period_start:%Y-%m} failed: {exc}")
     return done
+
+
+def rate_all(now: datetime | None = None) -> dict:
+    """Beat: re-rate each tenant's current draft and check its spend, each tenant in its own
+    transaction; a tenant that fails is recorded (BillingAlert) and the others go on. Then the
+    month-end finalization."""
+    now = now or timezone.now()
+    ensure_invoices(now, since=now - ENSURE_LOOKBACK)
+    notices, failed = {}, []
+    period = month_of(now)
+    drafts = {i.tenant_id: i for i in Invoice.objects.filter(period_start=period)}
+    for t in Tenant.objects.order_by("pk"):
+        inv = drafts.get(t.pk)
+        if inv is None:
+            continue  # nothing used this month (ensure_invoices opened a draft for every tenant that did)
+        try:
+            with transaction.atomic():
+                if inv is not None and inv.status == Invoice.Status.DRAFT:
+                    inv = refresh(inv, now)
+                fired = evaluate_spend(t, now)
+            resolve_alerts(t, period, BillingAlert.Kind.RATING_FAILED)
+            if fired:
+                notices[t.slug] = fired
+        except Exception as exc:  # noqa: BLE001 - recorded and alerted; the other tenants go on
+            log.exception("rating failed", extra={"tenant": t.slug})
+            alert(t, period, BillingAlert.Kind.RATING_FAILED, f"rating {period:%Y-%m} failed: {exc}")
+            failed.append(t.slug)
+    return {"finalized": finalize_due(now, ensure=False), "notices": notices, "failed": failed}
 
 
 def invoice_payload(invoice: Invoice) -> dict:
@@ -374,6 +674,7 @@ def invoice_payload(invoice: Invoice) -> dict:
         "number": invoice.number, "tenant": invoice.tenant.slug, "status": invoice.status,
         "period_start": invoice.period_start.isoformat(), "period_end": invoice.period_end.isoformat(),
         "currency": invoice.currency, "total": str(invoice.total),
+        "credit_notes": [{"number": cn.number, "total": str(cn.total)} for cn in invoice.credit_notes.order_by("pk")],
         "lines": [{"kind": li.kind, "tier": li.tier.key, "deployment": li.deployment_id,
                    "description": li.description, "quantity": str(li.quantity), "unit": li.unit,
                    "unit_price": str(li.unit_price), "amount": str(li.amount),
@@ -382,17 +683,114 @@ def invoice_payload(invoice: Invoice) -> dict:
     }
 
 
+# --- credit notes ---------------------------------------------------------------------------------
+
+def _next_credit_note_number(year: int) -> str:
+    from marketplace.models import CreditNoteSequence  # noqa: PLC0415
+
+    seq, _ = CreditNoteSequence.objects.select_for_update().get_or_create(year=year)
+    seq.last += 1
+    seq.save(update_fields=["last"])
+    return f"CN-{year}-{seq.last:06d}"
+
+
+@retry_on_conflict
+def issue_credit_note(principal, invoice: Invoice, *, reason: str, lines: list[tuple[int, Decimal]] | None = None,
+                      recharge: list[dict] | None = None, now: datetime | None = None):
+    """Operators correct a finalized invoice (which never changes) with a numbered, immutable credit
+    note: `lines` [(invoice line id, amount credited)] (default: every line in full, less what earlier
+    credit notes credited), and optionally the corrected charges `recharge` [{description, amount}],
+    which the tenant's next invoice carries as `correction` lines. Emits credit_note.issued."""
+    from marketplace.models import CreditNote, CreditNoteLine  # noqa: PLC0415
+    from marketplace.services import webhooks  # noqa: PLC0415
+
+    if not principal.can("operate"):
+        raise Forbidden("only operators issue credit notes")
+    if not reason or not reason.strip():
+        raise ServiceError("say why the invoice is corrected", field="reason")
+    now = now or timezone.now()
+    with transaction.atomic():
+        invoice = Invoice.objects.select_for_update().select_related("tenant").get(pk=invoice.pk)
+        if invoice.status != Invoice.Status.FINALIZED:
+            raise Conflict("only a finalized invoice is corrected by a credit note; re-rate the draft instead",
+                           field="invoice")
+        own = {li.pk: li for li in invoice.lines.all()}
+        credited: dict[int, Decimal] = defaultdict(Decimal)
+        for line_id, amount in CreditNoteLine.objects.filter(invoice_line__invoice=invoice).values_list(
+                "invoice_line_id", "amount"):
+            credited[line_id] += amount
+        wanted = ([(pk, li.amount - credited[pk]) for pk, li in own.items() if li.amount > 0] if lines is None
+                  else [(int(pk), Decimal(str(a))) for pk, a in lines])
+        out = []
+        for pk, amount in wanted:
+            li = own.get(pk)
+            if li is None:
+                raise ServiceError(f"line {pk} is not a line of invoice {invoice.number}", field="lines")
+            amount = money(amount)
+            left = li.amount - credited[pk]
+            if amount <= 0 or amount > left:
+                if lines is None and amount <= 0:
+                    continue
+                raise ServiceError(f"line {pk}: credit between 0.01 and {left} (its amount less earlier credits)",
+                                   field="lines")
+            out.append((li, amount))
+        items = []
+        for item in recharge or []:
+            try:
+                amt = money(Decimal(str(item["amount"])))
+                desc = str(item["description"]).strip()[:200]
+            except (KeyError, ArithmeticError, ValueError) as exc:
+                raise ServiceError(f"each corrected charge needs description and amount ({exc})", field="recharge"
+                                   ) from None
+            if amt <= 0 or not desc:
+                raise ServiceError("a corrected charge has a description and a positive amount", field="recharge")
+            items.append({"description": desc, "amount": str(amt)})
+        if not out:
+            raise ServiceError("nothing left to credit on this invoice", field="lines")
+        cn = CreditNote.objects.create(
+            tenant=invoice.tenant, invoice=invoice, number=_next_credit_note_number(now.year),
+            currency=invoice.currency, total=sum((a for _, a in out), Decimal(0)), reason=reason.strip()[:500],
+            recharge=items, issued_at=now, issued_by=audit.actor_of(principal)[0])
+        CreditNoteLine.objects.bulk_create([CreditNoteLine(credit_note=cn, invoice_line=li, amount=a,
+                                                           description=li.description) for li, a in out])
+        audit.record(principal, "invoice.credit_note", f"credit_note:{cn.number}", invoice.tenant,
+                     invoice=invoice.number, total=cn.total, currency=cn.currency, recharge=items)
+        webhooks.emit(invoice.tenant, "credit_note.issued", f"credit_note:{cn.pk}", credit_note_payload(cn))
+    log.info("credit note issued", extra={"credit_note": cn.number, "invoice": invoice.number, "total": str(cn.total)})
+    return cn
+
+
+def credit_note_payload(cn) -> dict:
+    return {
+        "number": cn.number, "invoice": cn.invoice.number, "tenant": cn.tenant.slug, "currency": cn.currency,
+        "total": str(cn.total), "reason": cn.reason, "issued_at": cn.issued_at.isoformat(),
+        "lines": [{"invoice_line": li.invoice_line_id, "description": li.description, "amount": str(li.amount)}
+                  for li in cn.lines.order_by("pk")],
+        "recharge": cn.recharge,
+        "recharged_on": cn.recharged_on.number if cn.recharged_on_id else None,
+    }
+
+
 # --- spend limits -------------------------------------------------------------------------------
 
 def spend_status(tenant: Tenant, now: datetime | None = None) -> dict:
-    invoice = current_invoice(tenant, now)
+    """Month-to-date spend against the limit. A read: the month is rated in memory (the invoice's
+    currency), nothing is written. A month finalized early counts its final total."""
+    now = now or timezone.now()
+    period = month_of(now)
+    invoice = Invoice.objects.filter(tenant=tenant, period_start=period).first()
+    if invoice is not None and invoice.status == Invoice.Status.FINALIZED:
+        spend, currency = invoice.total, invoice.currency
+    else:
+        currency = invoice.currency if invoice is not None else tenant.currency
+        spend = rate(tenant, period, now, currency).total
     limit = tenant.monthly_spend_limit
-    ratio = (invoice.total / limit) if limit else None
+    ratio = (spend / limit) if limit else None
     return {
-        "spend": invoice.total, "limit": limit, "currency": tenant.currency, "ratio": ratio,
+        "spend": spend, "limit": limit, "currency": currency, "ratio": ratio,
         "warn": bool(limit and ratio >= tenant.spend_warn_ratio),
         "blocked": bool(limit and ratio >= tenant.spend_block_ratio),
-        "period_start": invoice.period_start,
+        "period_start": period,
     }
 
 
@@ -421,6 +819,6 @@ def evaluate_spend(tenant: Tenant, now: datetime | None = None) -> list[str]:
             if created:
                 webhooks.emit(tenant, event, f"spend:{tenant.pk}:{s['period_start']}:{level}", {
                     "tenant": tenant.slug, "level": level, "spend": str(s["spend"]), "limit": str(s["limit"]),
-                    "currency": tenant.currency, "period_start": s["period_start"].isoformat()})
+                    "currency": s["currency"], "period_start": s["period_start"].isoformat()})
                 fired.append(level)
     return fired

@@ -71,8 +71,9 @@ def create_order(principal: Principal, *, tenant: Tenant, tier: Tier, quantity: 
         raise ServiceError(f"{tier.name} is not on sale", field="tier")
     if quantity < 1 or quantity > 64:
         raise ServiceError("must be between 1 and 64", field="quantity")
-    if plan_in_force(tier, tenant.currency, plan_kind) is None:
-        raise ServiceError(f"{tier.name} has no {plan_kind} price in {tenant.currency}", field="plan_kind")
+    currency = billing.period_currency(tenant, billing.month_of(timezone.now()))
+    if plan_in_force(tier, currency, plan_kind) is None:
+        raise ServiceError(f"{tier.name} has no {plan_kind} price in {currency}", field="plan_kind")
     actor = actor_of(principal)
     with transaction.atomic():
         tenant = Tenant.objects.select_for_update().get(pk=tenant.pk)  # one order at a time per tenant

@@ -26,6 +26,7 @@ from django.views.decorators.http import require_GET, require_POST
 from marketplace.api.billing import invoice_csv
 from marketplace.models import (
     Allocation,
+    BillingAlert,
     Gpu,
     GpuInstance,
     GpuModel,
@@ -135,7 +136,9 @@ def overview(request):
                  .select_related("tenant", "tier", "node").order_by("-updated_at"))
     states = dict(Allocation.objects.filter(state__in=LIVE_STATES).values_list("state").annotate(n=Count("id"))
                   .order_by())
+    open_alerts = BillingAlert.objects.filter(resolved_at__isnull=True).select_related("tenant").order_by("-at")
     return _page(request, "overview.html", {
+        "billing_alerts": list(open_alerts[:10]), "billing_alert_count": open_alerts.count(),
         "occupancy": occupancy, "utilization": utilization, "since": since, "revenue": revenue, "month": month,
         "drift": list(drift_qs[:10]), "drift_count": drift_qs.count(),
         "failed": list(failed_qs[:10]), "failed_count": failed_qs.count(),
@@ -525,7 +528,8 @@ def _finalizable(invoice: Invoice) -> bool:
 def invoice_detail(request, pk: int):
     invoice = get_object_or_404(billing_sel.invoices(request.principal), pk=pk)
     return _page(request, "invoice_detail.html", {"invoice": invoice, "lines": invoice.lines.all(),
-                                                  "can_finalize": _finalizable(invoice)})
+                                                  "can_finalize": _finalizable(invoice),
+                                                  "credit_notes": invoice.credit_notes.all()})
 
 
 @require_GET
@@ -545,6 +549,19 @@ def invoice_finalize(request, pk: int):
     try:
         invoice = billing.finalize(invoice, principal=request.principal)
         messages.success(request, f"Invoice {invoice.number} finalized: {invoice.total} {invoice.currency}.")
+    except ServiceError as exc:
+        _service_error(request, exc)
+    return redirect("console:invoice_detail", pk=invoice.pk)
+
+
+@require_POST
+@operator_required
+def invoice_credit_note(request, pk: int):
+    """Credit a finalized invoice in full (the API also credits per line and adds corrected charges)."""
+    invoice = get_object_or_404(billing_sel.invoices(request.principal), pk=pk)
+    try:
+        cn = billing.issue_credit_note(request.principal, invoice, reason=request.POST.get("reason", ""))
+        messages.success(request, f"Credit note {cn.number} issued: {cn.total} {cn.currency}.")
     except ServiceError as exc:
         _service_error(request, exc)
     return redirect("console:invoice_detail", pk=invoice.pk)

@@ -24,6 +24,7 @@ urlpatterns = [
     path("invoices/<int:pk>/", v.invoice_detail, name="invoice_detail"),
     path("invoices/<int:pk>/csv/", v.invoice_download, name="invoice_csv"),
     path("invoices/<int:pk>/finalize/", v.invoice_finalize, name="invoice_finalize"),
+    path("invoices/<int:pk>/credit-note/", v.invoice_credit_note, name="invoice_credit_note"),
     path("deployments/", v.deployments, name="deployments"),
     path("charts/", v.charts, name="charts"),
     path("planner/", planner.planner_page, name="planner"),

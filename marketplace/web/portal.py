@@ -475,7 +475,8 @@ def _invoice(request, pk):
 @portal_view
 def invoice_detail(request, pk):
     inv = _invoice(request, pk)
-    return render(request, "portal/invoice.html", ctx(request, invoice=inv, lines=list(inv.lines.all())))
+    return render(request, "portal/invoice.html", ctx(request, invoice=inv, lines=list(inv.lines.all()),
+                                                      credit_notes=list(inv.credit_notes.all())))
 
 
 @portal_view

@@ -90,6 +90,9 @@ class UsageEventsView(APIView):
         data = request.data
         if not isinstance(data, dict) or "events" not in data:
             raise ValidationError({"events": ["send {\"events\": [...]}"]})
+        unknown = sorted(set(data) - {"events", "tenant"})
+        if unknown:  # never silently ignored
+            raise ValidationError({k: ["unknown field; it cannot be set"] for k in unknown})
         tenant = _tenant_for(principal, data.get("tenant"))
         result = ingest.ingest_batch(principal, tenant, data["events"])
         return Response(result.as_dict())

@@ -6,7 +6,8 @@ Three outcomes per item:
 - the batch is malformed (not a list of 1..MAX_BATCH objects, an item with a missing field or a wrong
   type): ``BatchInvalid`` (a 400 naming the items by index) and nothing is stored;
 - an item is well-formed but not acceptable (a deployment that is not the tenant's, an ambiguous or
-  unknown model name, a time in the future, a time after its deployment was removed): it is listed in
+  unknown model name, a time in the future, a time before its deployment was created or after it was
+  removed, both with MAX_CLOCK_SKEW of slack for the gateway's clock): it is listed in
   ``rejected`` with the reason, the rest of the batch is stored;
 - an acceptable item is new (stored and added to its hour) or a duplicate (its event id was seen
   before, or earlier in the same batch: the first occurrence wins, the others are not counted).
@@ -39,6 +40,7 @@ from django.utils import timezone
 
 from marketplace.models import ModelDeployment
 from marketplace.models.deployments import LIVE_DEPLOYMENT_STATES
+from marketplace.services.dbretry import is_conflict
 from telemetry.models import UsageEvent, UsageHourly
 from tenants.errors import Forbidden, ServiceError
 from tenants.scoping import Principal
@@ -48,6 +50,7 @@ log = logging.getLogger("tessera.ingest")
 MAX_BATCH = 10_000
 MAX_EVENT_ID = 100
 MAX_FUTURE = timedelta(minutes=5)
+MAX_CLOCK_SKEW = timedelta(minutes=5)  # an event may be dated this much before its deployment was created
 MAX_INT = 2**63 - 1  # the columns are bigint
 MAX_REQUESTS = 2**31 - 1  # UsageEvent.requests is an integer column
 STAGE = "_tessera_usage_stage"
@@ -157,14 +160,14 @@ def _resolve(tenant_id: int, items: list[tuple], now: datetime) -> tuple[list[tu
     by_id: dict[int, tuple] = {}
     by_name: dict[str, list[int]] = defaultdict(list)
     if ids:
-        for pk, name, state, updated in ModelDeployment.objects.filter(tenant_id=tenant_id, pk__in=ids).values_list(
-                "pk", "name", "state", "updated_at"):
-            by_id[pk] = (name, state, updated)
+        for pk, name, state, updated, created in ModelDeployment.objects.filter(
+                tenant_id=tenant_id, pk__in=ids).values_list("pk", "name", "state", "updated_at", "created_at"):
+            by_id[pk] = (name, state, updated, created)
     if names:
-        for pk, name, state, updated in ModelDeployment.objects.filter(
+        for pk, name, state, updated, created in ModelDeployment.objects.filter(
                 tenant_id=tenant_id, name__in=names, state__in=LIVE_DEPLOYMENT_STATES).values_list(
-                "pk", "name", "state", "updated_at"):
-            by_id.setdefault(pk, (name, state, updated))
+                "pk", "name", "state", "updated_at", "created_at"):
+            by_id.setdefault(pk, (name, state, updated, created))
             by_name[name].append(pk)
     latest = now + MAX_FUTURE
     removed = ModelDeployment.State.REMOVED
@@ -193,6 +196,9 @@ def _resolve(tenant_id: int, items: list[tuple], now: datetime) -> tuple[list[tu
                 reason = f"deployment {dep} was removed at {info[2].isoformat()}, before this event"
         if reason is None and ts > latest:
             reason = "ts is more than 5 minutes in the future"
+        if reason is None and ts < by_id[dep][3] - MAX_CLOCK_SKEW:
+            reason = (f"deployment {dep} was created at {by_id[dep][3].isoformat()}, after this event "
+                      f"(more than {int(MAX_CLOCK_SKEW.total_seconds() // 60)} minutes of clock skew)")
         if reason is not None:
             rejected.append({"index": i, "event_id": eid, "reason": reason})
             continue
@@ -243,7 +249,9 @@ def _sql() -> tuple[str, str]:
 
 def _store_postgresql(tenant_id: int, rows: list[tuple], now: datetime) -> int:
     stage_ddl, upsert = _sql()
-    with connection.cursor() as cur:
+    # wrap_database_errors: Django wraps execute() but not the driver's copy(); a connection lost
+    # mid-COPY must reach the API as Django's OperationalError (a JSON 503), not a raw psycopg error.
+    with connection.wrap_database_errors, connection.cursor() as cur:
         cur.execute(stage_ddl)
         cur.execute(f"DELETE FROM {STAGE}")  # empty unless an outer transaction (tests) reused it
         with cur.copy(f"COPY {STAGE} (event_id, deployment_id, ts, input_tokens, output_tokens, requests, "
@@ -298,8 +306,7 @@ def store_rows(tenant_id: int, rows: list[tuple], now: datetime | None = None) -
             with transaction.atomic():
                 return store(tenant_id, rows, now)
         except OperationalError as exc:
-            cause = getattr(exc, "__cause__", None)
-            if not outermost or attempt == DEADLOCK_RETRIES - 1 or getattr(cause, "sqlstate", None) != "40P01":
+            if not outermost or attempt == DEADLOCK_RETRIES - 1 or not is_conflict(exc):
                 raise
             log.warning("usage ingest deadlocked; retrying", extra={"tenant": tenant_id, "attempt": attempt + 1})
     raise AssertionError("unreachable")

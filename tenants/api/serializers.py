@@ -32,6 +32,14 @@ class TenantSerializer(serializers.ModelSerializer):
         return fields
 
 
+class TenantUpdateSerializer(TenantSerializer):
+    """PATCH: the slug is fixed once created (documented read-only; sending it is a 400)."""
+
+    class Meta(TenantSerializer.Meta):
+        read_only_fields = [*TenantSerializer.Meta.read_only_fields, "slug"]
+        extra_kwargs = {}
+
+
 class SuspendSerializer(serializers.Serializer):
     reason = serializers.CharField(max_length=500, required=False, allow_blank=True, default="")
 

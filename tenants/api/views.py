@@ -33,6 +33,11 @@ class TenantViewSet(ScopedModelViewSet):
         "suspend": "operate", "activate": "operate",
     }
 
+    def get_serializer_class(self):
+        if self.action in ("partial_update", "update"):
+            return serializers.TenantUpdateSerializer
+        return serializers.TenantSerializer
+
     def perform_create(self, serializer):
         data = dict(serializer.validated_data)
         owner_email = data.pop("owner_email", None)

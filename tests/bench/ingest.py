@@ -97,7 +97,8 @@ def make_world(n_tenants: int):
         batch_size=1000)
     deps = ModelDeployment.objects.bulk_create(
         [ModelDeployment(allocation=a, tenant_id=a.tenant_id, name=f"m{k % 3}", backend="python", spec={},
-                         memory_mb=1, state="ready") for k, a in enumerate(allocs)], batch_size=1000)
+                         memory_mb=1, state="ready", created_at=datetime(2024, 12, 1, tzinfo=UTC))
+         for k, a in enumerate(allocs)], batch_size=1000)
     by_tenant: dict[int, list[int]] = {}
     for d in deps:
         by_tenant.setdefault(d.tenant_id, []).append(d.pk)

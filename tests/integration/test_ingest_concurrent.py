@@ -72,7 +72,8 @@ def test_concurrent_overlapping_batches_leave_exact_totals(catalog, tmp_path):
     for i in range(2):
         alloc = Allocation.objects.create(order=order, tenant=tenant, tier=tier, state=Allocation.State.ACTIVE)
         deps.append(ModelDeployment.objects.create(allocation=alloc, tenant=tenant, name=f"m{i}", backend="python",
-                                                   spec={}, memory_mb=1, state=ModelDeployment.State.READY).pk)
+                                                   spec={}, memory_mb=1, state=ModelDeployment.State.READY,
+                                                   created_at=datetime(2024, 12, 1, tzinfo=UTC)).pk)
     env = {**os.environ, "DATABASE_URL": worker_process.test_database_url(),
            "DJANGO_SETTINGS_MODULE": "marketplace.settings", "LOG_LEVEL": "WARNING",
            "PYTHONPATH": str(worker_process.ROOT)}

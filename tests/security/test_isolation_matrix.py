@@ -30,6 +30,7 @@ from django.utils import timezone
 from marketplace.models import (
     Allocation,
     AllocationEvent,
+    CreditNote,
     GpuInstance,
     GpuModel,
     Invoice,
@@ -125,7 +126,7 @@ CLASSIFICATION: dict[str, str] = {
     "api:tenant-list": LIST, "api:auditevent-list": LIST,
     "api:membership-list": LIST, "api:invitation-list": LIST, "api:apikey-list": LIST,
     "api:gpuinstance-list": LIST, "api:order-list": LIST, "api:allocation-list": LIST,
-    "api:deployment-list": LIST, "api:invoice-list": LIST, "api:webhook-list": LIST,
+    "api:deployment-list": LIST, "api:invoice-list": LIST, "api:webhook-list": LIST, "api:creditnote-list": LIST,
     "api:usagehourly-list": LIST, "api:billing-spend": LIST, "api:billing-usage": LIST,
     "api:usage-metered-vs-served": LIST, "chart-api": LIST, "chart-page": LIST,
     "api:modelrepository-list": LIST, "api:find-tier": LIST, "api:loraadapter-list": LIST,
@@ -146,6 +147,7 @@ CLASSIFICATION: dict[str, str] = {
     "api:invoice-export": OBJECT, "api:modelrepository-detail": OBJECT,
     "api:loraadapter-detail": OBJECT,
     "api:invoice-finalize": OBJECT, "api:invoice-refresh": OBJECT, "api:webhook-detail": OBJECT,
+    "api:invoice-credit-note": OBJECT, "api:creditnote-detail": OBJECT, "api:creditnote-export": OBJECT,
     "api:webhook-deliveries": OBJECT, "api:usagehourly-detail": OBJECT,
     "portal:slice": OBJECT, "portal:slice_status": OBJECT, "portal:slice_release": OBJECT,
     "portal:deployment": OBJECT, "portal:deployment_status": OBJECT, "portal:deployment_remove": OBJECT,
@@ -155,7 +157,7 @@ CLASSIFICATION: dict[str, str] = {
     "console:allocation_detail": OBJECT, "console:allocation_retry": OBJECT,
     "console:allocation_release": OBJECT, "console:tenant_detail": OBJECT, "console:tenant_suspend": OBJECT,
     "console:tenant_activate": OBJECT, "console:invoice_detail": OBJECT, "console:invoice_csv": OBJECT,
-    "console:invoice_finalize": OBJECT,
+    "console:invoice_finalize": OBJECT, "console:invoice_credit_note": OBJECT,
     # operators only
     "api:node-list": OPERATOR, "api:node-detail": OPERATOR, "api:gpu-list": OPERATOR, "api:gpu-detail": OPERATOR,
     "api:drift-list": OPERATOR, "metrics": OPERATOR,
@@ -214,6 +216,8 @@ def b_world(world, h100_node, tiers, operator):
     lora = LoraAdapter.objects.create(tenant=b, name=SECRET_MODEL + "-lora", base=LibraryModel.objects.first(),
                                       source="upload", rank=8, size_bytes=1, file_count=2, path="bravo/l")
     hook = WebhookEndpoint.objects.create(tenant=b, url=HOOK_URL, secret="s3cret-bravo", events=["invoice.finalized"])
+    cnote = CreditNote.objects.create(tenant=b, invoice=inv, number="CN-2026-900001", currency="USD",
+                                      total=Decimal("987.65"), reason="bravo correction", issued_by="user:op")
     hour = timezone.now().replace(minute=0, second=0, microsecond=0) - timedelta(hours=1)
     uh = UsageHourly.objects.create(tenant=b, deployment=dep, hour=hour, input_tokens=111, output_tokens=222,
                                     requests=3)
@@ -226,7 +230,8 @@ def b_world(world, h100_node, tiers, operator):
         "invoice": inv, "hook": hook,
         "usage": uh, "instance": alloc.instance, "membership": Membership.objects.get(tenant=b),
         "invitation": world["inv_b"], "key": world["key_b"], "tier": tiers["1g"], "plan": plan,
-        "audit": audit, "node": h100_node, "gpu": h100_node.gpus.first(), "secret_a": secret_a, "operator": operator,
+        "audit": audit, "creditnote": cnote,
+        "node": h100_node, "gpu": h100_node.gpus.first(), "secret_a": secret_a, "operator": operator,
     }
 
 
@@ -239,7 +244,8 @@ def bind(ep: Endpoint, bw) -> dict:
         ("member_", bw["membership"]), ("invitation", bw["invitation"]),
         ("apikey", bw["key"]), ("key_", bw["key"]), ("gpuinstance", bw["instance"]), ("order", bw["order"]),
         ("allocation", bw["alloc"]), ("slice", bw["alloc"]), ("deployment", bw["dep"]),
-        ("invoice", bw["invoice"]), ("webhook", bw["hook"]), ("usagehourly", bw["usage"]),
+        ("creditnote", bw["creditnote"]), ("invoice", bw["invoice"]), ("webhook", bw["hook"]),
+        ("usagehourly", bw["usage"]),
         ("node", bw["node"]), ("gpu-", bw["gpu"]), ("tier", bw["tier"]), ("priceplan", bw["plan"]),
     ]
     out = {}
@@ -290,13 +296,13 @@ def url_for(ep: Endpoint, bw) -> str:
 def b_markers(bw, with_slug=True) -> list[str]:
     """Strings that only tenant B's data contains (the slug is left out where the query echoes it)."""
     m = ["Bravo", "owner@bravo.example", "new@bravo.example", HOOK_URL, SECRET_MODEL, bw["key"].prefix,
-         "MIG-bravo-0000-secret", "987.65", "s3cret-bravo"]
+         "MIG-bravo-0000-secret", "987.65", "s3cret-bravo", "CN-2026-900001"]
     return m + (["bravo"] if with_slug else [])
 
 
 SNAPSHOT_MODELS = [Tenant, Membership, Invitation, ApiKey, Order, Allocation, AllocationEvent, GpuInstance,
                    ModelDeployment, ModelRepository, LoraAdapter, Invoice, InvoiceLine, WebhookEndpoint,
-                   WebhookDelivery, UsageEvent, UsageHourly, SpendNotice]
+                   WebhookDelivery, UsageEvent, UsageHourly, SpendNotice, CreditNote]
 
 
 def snapshot(b) -> dict:

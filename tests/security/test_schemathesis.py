@@ -19,6 +19,7 @@ import os
 import re
 
 import pytest
+from django.test import override_settings
 
 schemathesis = pytest.importorskip("schemathesis")
 
@@ -90,8 +91,9 @@ def _seed(operator, tiers):
     plan = offers.add_price_plan(op_p, tier=tiers["1g"], currency="USD", price_per_slice_hour=Decimal("2.0000"),
                                  price_per_1m_input_tokens=Decimal("0.10"), price_per_1m_output_tokens=Decimal("0.40"),
                                  effective_from=timezone.now() + timedelta(days=30))
-    hook = webhooks.create_endpoint(owner_p, tenant=tenant, url="http://127.0.0.1:9/hook",
-                                    events=["spend_limit.warning"])
+    with override_settings(TESSERA_WEBHOOK_ALLOW_NETWORKS=["127.0.0.1/32"]):  # a loopback target, on purpose
+        hook = webhooks.create_endpoint(owner_p, tenant=tenant, url="http://127.0.0.1:9/hook",
+                                        events=["spend_limit.warning"])
     instance = GpuInstance.objects.filter(tenant=tenant).select_related("gpu").first()
     pinned = {
         "/api/v1/tenants/": {"slug": tenant.slug},

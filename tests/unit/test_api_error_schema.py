@@ -263,13 +263,6 @@ def test_throttled_and_database_errors_match_the_documented_components(doc, as_k
     check(doc, "/api/v1/me/", "get", r)
 
 
-def test_csv_export_documents_its_errors_in_csv_too(doc, as_key, world):
-    responses = doc["paths"]["/api/v1/invoices/{id}/export/"]["get"]["responses"]
-    assert set(responses["404"]["content"]) == {"application/json", "text/csv"}
-    r = as_key(world["secret_a"]).get("/api/v1/invoices/999999/export/?format=csv")
-    assert r.status_code == 404 and r["Content-Type"].startswith("text/csv")
-
-
 # --- bugs the stricter fuzzing found --------------------------------------------------------------
 
 @pytest.mark.parametrize("query, field", [

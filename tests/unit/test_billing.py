@@ -171,7 +171,8 @@ class _Receiver(http.server.BaseHTTPRequestHandler):
 
 
 @pytest.fixture
-def receiver():
+def receiver(settings):
+    settings.TESSERA_WEBHOOK_ALLOW_NETWORKS = ["127.0.0.1/32"]  # the test receiver is on loopback
     _Receiver.responses, _Receiver.seen = [], []
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Receiver)
     threading.Thread(target=server.serve_forever, daemon=True).start()

@@ -191,7 +191,7 @@ def test_rerating_a_draft_keeps_one_topup_per_plan(shop):
     assert later.lines.count() == 2 and later.total == D("1000.00")
 
 
-def test_finalized_commitment_is_settled_late_usage_neither_rebills_nor_reduces(shop):
+def test_finalized_commitment_is_settled_late_usage_is_charged_and_credited_against_its_top_up(shop):
     tier, reserved, allocation = shop
     PricePlan.objects.filter(pk=reserved.pk).update(price_per_slice_hour=D("0.5000"))
     tenant = TenantFactory()
@@ -212,12 +212,15 @@ def test_finalized_commitment_is_settled_late_usage_neither_rebills_nor_reduces(
     # adjustment does not reduce it, and October's commitment is not billed again
     assert nov_top.amount == D(1000) - D(360) - D(2) == D("638.00")
     assert nov_top.usage_from == NOV1 and nov_top.usage_to == DEC1
-    assert nov.total == sum(li.amount for li in nov.lines.all()) == D("1040.00")
+    # ...but October's settled top-up (627.00) would have been 40.00 lower: that is credited (issue 14)
+    credit = nov.lines.get(kind="commitment_credit")
+    assert credit.amount == D("-40.00") and credit.plan == reserved and credit.usage_from == T0
+    assert nov.total == sum(li.amount for li in nov.lines.all()) == D("1000.00")
     oct_inv.refresh_from_db()
     assert sorted(oct_inv.lines.values_list("kind", "amount")) == frozen
     assert oct_inv.total == D("1000.00")
     nov = billing.finalize(nov, now=DEC1 + timedelta(days=1))
-    assert nov.total == D("1040.00") and len(topups(nov)) == 1
+    assert nov.total == D("1000.00") and len(topups(nov)) == 1
 
 
 def test_only_tenants_holding_reserved_capacity_owe_a_commitment(shop):

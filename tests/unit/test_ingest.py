@@ -30,6 +30,7 @@ def _deployment(owner, tenant, tier, name="tiny-gen") -> ModelDeployment:
     provisioning.provision(alloc.pk)
     dep = deployments.deploy(p, Allocation.objects.get(pk=alloc.pk), name, template="tiny-gen")
     deployments.load(dep.pk)
+    ModelDeployment.objects.filter(pk=dep.pk).update(created_at=timezone.now() - timedelta(days=30))
     return ModelDeployment.objects.get(pk=dep.pk)
 
 
@@ -183,6 +184,7 @@ def test_model_name_resolution(as_key, world, members_a, deps, tiers, reporter):
 def test_late_event_is_counted_in_its_old_hour(as_key, world, deps, reporter):
     api = reporter("alpha")
     old = datetime(2024, 3, 5, 14, 0, tzinfo=UTC)
+    ModelDeployment.objects.filter(pk=deps["a"].pk).update(created_at=old - timedelta(days=1))
     UsageHourly.objects.create(tenant=world["a"], deployment=deps["a"], hour=old, input_tokens=100, output_tokens=10,
                                requests=1, events=1, billed_input_tokens=100, billed_output_tokens=10,
                                billed_requests=1)  # an hour an invoice already charged
@@ -272,3 +274,38 @@ def test_usage_summary_reads_rollups(as_key, world, deps, operator, django_asser
     assert selectors.usage_summary(p, start, end, "tenant", {"tenant": "bravo"}) == []
     with pytest.raises(ValueError):
         selectors.usage_summary(p, start, end, "model")
+
+
+def test_events_before_the_deployment_existed_are_rejected_with_reason(as_key, world, deps, reporter):
+    dep = deps["a"]
+    created = timezone.now() - timedelta(hours=2)
+    ModelDeployment.objects.filter(pk=dep.pk).update(created_at=created)
+    too_early = {"event_id": "early", "deployment": dep.pk, "ts": (created - timedelta(hours=1)).isoformat(),
+                 "input_tokens": 5, "output_tokens": 5}
+    skewed = {"event_id": "skewed", "deployment": dep.pk, "ts": (created - timedelta(minutes=2)).isoformat(),
+              "input_tokens": 5, "output_tokens": 5}  # within the allowed clock skew
+    r = post(reporter("alpha"), [too_early, skewed])
+    assert r.status_code == 200, r.content
+    body = r.json()
+    assert body["new"] == 1
+    assert [x["event_id"] for x in body["rejected"]] == ["early"]
+    assert "was created at" in body["rejected"][0]["reason"]
+
+
+def test_connection_lost_during_copy_is_a_json_503(as_key, world, deps, reporter):
+    from django.db import connection
+
+    if connection.vendor != "postgresql":
+        pytest.skip("the COPY path is PostgreSQL's")
+    import psycopg
+
+    def lost(self, *a, **kw):
+        raise psycopg.OperationalError("consuming input failed: server closed the connection unexpectedly")
+
+    from unittest import mock
+
+    with mock.patch.object(psycopg.Cursor, "copy", lost):
+        r = post(reporter("alpha"), [ev(900, deps["a"])])
+    assert r.status_code == 503, r.content
+    assert r["Content-Type"].startswith("application/json") and r["Retry-After"]
+    assert "retry" in r.json()["detail"]

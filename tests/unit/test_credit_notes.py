@@ -1,0 +1,145 @@
+"""Credit notes (issue 14): an operator corrects a finalized invoice (which never changes) with a
+numbered, immutable credit note, optionally with corrected charges the next invoice carries; in the
+API (with CSV/JSON export), webhooks (credit_note.issued), console and portal. Late usage that would
+have lowered a finalized reserved top-up is credited on the invoice that charges it."""
+
+from __future__ import annotations
+
+from datetime import UTC, date, datetime, timedelta
+from decimal import Decimal
+
+import pytest
+
+from marketplace.models import (
+    Allocation,
+    CreditNote,
+    InvoiceLine,
+    ModelDeployment,
+    Order,
+    PricePlan,
+    WebhookDelivery,
+    WebhookEndpoint,
+)
+from marketplace.services import billing
+from telemetry.models import UsageHourly
+from tenants.errors import Conflict, Forbidden
+from tenants.roles import Role
+from tenants.scoping import principal_for_user
+from tests.factories import MembershipFactory, TenantFactory, make_key
+
+pytestmark = pytest.mark.django_db
+D = Decimal
+T0 = datetime(2026, 10, 1, tzinfo=UTC)
+OCT, NOV = date(2026, 10, 1), date(2026, 11, 1)
+NOV2, DEC2 = datetime(2026, 11, 2, tzinfo=UTC), datetime(2026, 12, 2, tzinfo=UTC)
+
+
+@pytest.fixture
+def billed(catalog, tiers):
+    tenant = TenantFactory(slug="acme")
+    owner = MembershipFactory(tenant=tenant, role=Role.OWNER).user
+    tier = tiers["3g"]
+    PricePlan.objects.filter(tier=tier).update(effective_from=T0 - timedelta(days=30),
+                                               price_per_slice_hour=D("2.0000"))
+    order = Order.objects.create(tenant=tenant, tier=tier)
+    Allocation.objects.create(order=order, tenant=tenant, tier=tier, state="active", activated_at=T0,
+                              released_at=T0 + timedelta(hours=10))
+    inv = billing.finalize(billing.draft_for(tenant, OCT), now=NOV2)
+    return tenant, owner, inv
+
+
+def test_credit_note_numbered_immutable_and_corrected_charge_on_the_next_invoice(billed, operator, as_user):
+    tenant, owner, inv = billed
+    assert inv.total == D("20.00")
+    ep = WebhookEndpoint.objects.create(tenant=tenant, url="https://hooks.example.com/", secret="s",
+                                        events=["credit_note.issued"])
+    r = as_user(operator).post(f"/api/v1/invoices/{inv.pk}/credit-note/", {
+        "reason": "slice-hour price was wrong", "recharge": [{"description": "10 h at 1.50", "amount": "15.00"}]},
+        format="json")
+    assert r.status_code == 201, r.content
+    body = r.json()
+    assert body["number"] == f"CN-{datetime.now(UTC).year}-000001" and D(body["total"]) == D("20.00")
+    inv.refresh_from_db()
+    assert inv.total == D("20.00") and inv.status == "finalized"  # the invoice itself never changes
+    d = WebhookDelivery.objects.get(endpoint=ep, event="credit_note.issued")
+    assert d.payload["data"]["number"] == body["number"] and d.payload["data"]["invoice"] == inv.number
+    # fully credited: nothing left
+    again = as_user(operator).post(f"/api/v1/invoices/{inv.pk}/credit-note/", {"reason": "again"}, format="json")
+    assert again.status_code == 400
+    nov = billing.finalize(billing.draft_for(tenant, NOV), now=DEC2)
+    corr = nov.lines.get(kind="correction")
+    assert corr.amount == D("15.00") and body["number"] in corr.description
+    cn = CreditNote.objects.get(number=body["number"])
+    assert cn.recharged_on_id == nov.pk
+    dec = billing.refresh(billing.draft_for(tenant, date(2026, 12, 1)), now=DEC2)
+    assert not dec.lines.filter(kind="correction").exists()  # carried once
+
+
+def test_partial_credit_by_line_and_who_may_issue(billed, operator, as_user, as_key):
+    tenant, owner, inv = billed
+    line = inv.lines.get()
+    with pytest.raises(Forbidden):
+        billing.issue_credit_note(principal_for_user(owner), inv, reason="x")
+    assert as_user(owner).post(f"/api/v1/invoices/{inv.pk}/credit-note/", {"reason": "x"},
+                               format="json").status_code == 403
+    op = principal_for_user(operator)
+    cn = billing.issue_credit_note(op, inv, reason="goodwill", lines=[(line.pk, D("5.00"))])
+    assert cn.total == D("5.00")
+    with pytest.raises(Exception, match="between 0.01 and 15.00"):
+        billing.issue_credit_note(op, inv, reason="too much", lines=[(line.pk, D("15.01"))])
+    draft = billing.draft_for(tenant, NOV)
+    with pytest.raises(Conflict):
+        billing.issue_credit_note(op, draft, reason="a draft")
+    _, key = make_key(tenant, ["billing:read"])
+    api = as_key(key)
+    listed = api.get("/api/v1/credit-notes/").json()
+    assert [x["number"] for x in listed["results"]] == [cn.number]
+    assert api.get(f"/api/v1/invoices/{inv.pk}/").json()["credit_notes"][0]["number"] == cn.number
+    csv = api.get(f"/api/v1/credit-notes/{cn.pk}/export/?format=csv")
+    assert csv.status_code == 200 and cn.number in csv.content.decode() and "-5.00" in csv.content.decode()
+    js = api.get(f"/api/v1/credit-notes/{cn.pk}/export/?format=json").json()
+    assert js["total"] == "5.00" and js["invoice"] == inv.number
+    other = TenantFactory(slug="other")
+    _, other_key = make_key(other, ["billing:read"])
+    assert as_key(other_key).get(f"/api/v1/credit-notes/{cn.pk}/").status_code == 404
+    page = as_user(owner).get(f"/portal/invoices/{inv.pk}/")
+    assert page.status_code == 200 and cn.number in page.content.decode()
+    console = as_user(operator).get(f"/console/invoices/{inv.pk}/")
+    assert console.status_code == 200 and cn.number in console.content.decode()
+
+
+def test_console_issues_a_credit_note(billed, operator, as_user):
+    tenant, owner, inv = billed
+    r = as_user(operator).post(f"/console/invoices/{inv.pk}/credit-note/", {"reason": "duplicate billing"},
+                               format="multipart")  # a browser form
+    assert r.status_code == 302
+    cn = CreditNote.objects.get(invoice=inv)
+    assert cn.total == inv.total and cn.reason == "duplicate billing"
+
+
+def test_late_usage_that_would_lower_a_finalized_top_up_is_credited(catalog, tiers):
+    tier = tiers["3g"]
+    since = T0 - timedelta(days=30)
+    PricePlan.objects.create(tier=tier, kind="reserved", currency="USD", effective_from=since,
+                             price_per_slice_hour=D("0"), price_per_1m_input_tokens=D("1.0000"),
+                             price_per_1m_output_tokens=D("1.0000"), monthly_commit=D("100.00"))
+    t = TenantFactory(slug="resv")
+    order = Order.objects.create(tenant=t, tier=tier, plan_kind="reserved")
+    a = Allocation.objects.create(order=order, tenant=t, tier=tier, state="active", activated_at=T0,
+                                  released_at=datetime(2026, 11, 1, tzinfo=UTC))  # all October
+    dep = ModelDeployment.objects.create(allocation=a, tenant=t, name="llm", backend="python", spec={},
+                                         memory_mb=10, state="ready")
+    row = UsageHourly.objects.create(tenant=t, deployment=dep, hour=T0 + timedelta(hours=3),
+                                     input_tokens=30_000_000, output_tokens=0, requests=1)  # 30.00 at the plan
+    oct_inv = billing.finalize(billing.draft_for(t, OCT), now=NOV2)
+    assert oct_inv.lines.get(kind="commitment_topup").amount == D("70.00")
+    UsageHourly.objects.filter(pk=row.pk).update(input_tokens=50_000_000)  # 20.00 more, late
+    nov = billing.refresh(billing.draft_for(t, NOV), now=datetime(2026, 11, 20, tzinfo=UTC))
+    assert nov.lines.get(kind="adjustment_input").amount == D("20.00")
+    credit = nov.lines.get(kind="commitment_credit")
+    assert credit.amount == D("-20.00")  # October owed 100.00 in all: 30 + 20 of usage + a 50.00 top-up
+    nov = billing.finalize(nov, now=DEC2)
+    UsageHourly.objects.filter(pk=row.pk).update(input_tokens=150_000_000)  # 100.00 more, late again
+    dec = billing.refresh(billing.draft_for(t, date(2026, 12, 1)), now=datetime(2026, 12, 20, tzinfo=UTC))
+    assert dec.lines.get(kind="commitment_credit").amount == D("-50.00")  # only what is left of the top-up
+    assert InvoiceLine.objects.filter(invoice=oct_inv).get(kind="commitment_topup").amount == D("70.00")

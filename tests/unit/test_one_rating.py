@@ -1,0 +1,83 @@
+"""One rating (issue 14): the tenant-usage and per-tier charts and the planner's list price use the
+invoices' own rating: a reserved commitment's top-up is in the chart as on the invoice, and a tenant
+billed in EUR is charted in EUR at its EUR prices, not on a USD axis."""
+
+from __future__ import annotations
+
+from datetime import UTC, date, datetime, timedelta
+from decimal import Decimal
+
+import pytest
+
+from marketplace.models import Allocation, Invoice, ModelDeployment, Order, PricePlan
+from marketplace.services import billing
+from telemetry import charts
+from telemetry.models import UsageHourly
+from tenants.scoping import Principal
+from tests.factories import TenantFactory
+
+pytestmark = pytest.mark.django_db
+D = Decimal
+T0 = datetime(2026, 10, 1, tzinfo=UTC)
+NOV1 = datetime(2026, 11, 1, tzinfo=UTC)
+OPERATOR = Principal(is_operator=True)
+
+
+@pytest.fixture
+def reserved_tenant(catalog, tiers):
+    tier = tiers["3g"]
+    since = T0 - timedelta(days=30)
+    PricePlan.objects.filter(tier=tier).update(effective_from=since, price_per_slice_hour=D("2.0000"))
+    PricePlan.objects.create(tier=tier, kind="reserved", currency="USD", effective_from=since,
+                             price_per_slice_hour=D("1.0000"), price_per_1m_input_tokens=D("0.2500"),
+                             price_per_1m_output_tokens=D("0.7500"), monthly_commit=D("1000.00"))
+    PricePlan.objects.create(tier=tier, kind="on_demand", currency="EUR", effective_from=since,
+                             price_per_slice_hour=D("1.8000"), price_per_1m_input_tokens=D("0.4000"),
+                             price_per_1m_output_tokens=D("1.2000"))
+    t = TenantFactory(slug="resv", currency="USD")
+    order = Order.objects.create(tenant=t, tier=tier, plan_kind="reserved")
+    a = Allocation.objects.create(order=order, tenant=t, tier=tier, state="active", activated_at=T0,
+                                  released_at=T0 + timedelta(days=10))
+    dep = ModelDeployment.objects.create(allocation=a, tenant=t, name="llm", backend="python", spec={},
+                                         memory_mb=10, state="ready")
+    UsageHourly.objects.create(tenant=t, deployment=dep, hour=T0 + timedelta(hours=5), input_tokens=4_000_000,
+                               output_tokens=1_000_000, requests=10)
+    return t, tier
+
+
+def test_tenant_usage_chart_equals_the_invoice_with_a_reserved_commitment(reserved_tenant):
+    t, _ = reserved_tenant
+    inv = billing.finalize(billing.draft_for(t, date(2026, 10, 1)), now=datetime(2026, 11, 2, tzinfo=UTC))
+    assert inv.lines.filter(kind="commitment_topup").exists()
+    _, numbers = charts.tenant_usage(charts.period({"start": T0.isoformat(), "end": NOV1.isoformat()}), OPERATOR,
+                                     {"bucket": "day"})
+    row = numbers["tenants"]["resv"]
+    assert row["total"] == inv.total and row["currency"] == "USD"
+    assert sum(row["spend"]) == pytest.approx(inv.total, abs=D("0.01") * len(row["spend"]))
+
+
+def test_a_eur_tenant_is_charted_in_eur_at_eur_prices(reserved_tenant):
+    _, tier = reserved_tenant
+    eur = TenantFactory(slug="euro", currency="EUR")
+    order = Order.objects.create(tenant=eur, tier=tier)
+    Allocation.objects.create(order=order, tenant=eur, tier=tier, state="active", activated_at=T0,
+                              released_at=T0 + timedelta(hours=10))
+    Invoice.objects.create(tenant=eur, period_start=date(2026, 10, 1), period_end=date(2026, 11, 1), currency="EUR")
+    per = charts.period({"start": T0.isoformat(), "end": NOV1.isoformat()})
+    _, numbers = charts.tenant_usage(per, OPERATOR, {"bucket": "day", "tenant": "euro"})
+    row = numbers["tenants"]["euro"]
+    assert row["currency"] == "EUR" and numbers["currency"] == "EUR"
+    assert row["total"] == D("18.00")  # 10 h x 1.80 EUR
+    fig, _ = charts.tenant_usage(per, OPERATOR, {"bucket": "day"})
+    assert "each tenant's billing currency" in fig.to_plotly_json()["layout"]["annotations"][1]["text"]
+    usd = charts.tier_spend(per)
+    eur_per = charts.period({"start": T0.isoformat(), "end": NOV1.isoformat(), "currency": "EUR"})
+    assert charts.tier_spend(eur_per)[tier.pk]["slice_amount"] == D("18.00")
+    assert usd[tier.pk]["commitment_amount"] > 0  # the reserved tenant's top-up counts in USD only
+
+
+def test_planner_list_price_is_the_ratings_prices(reserved_tenant):
+    _, tier = reserved_tenant
+    plan = billing.PlanBook("USD").at(tier.pk, "on_demand", datetime.now(UTC))
+    # 2 slices for an hour + 1M tokens (half input at 0.10, half output at 0.40 per 1M): 4.00 + 0.25
+    assert billing.list_price_per_hour(plan, 2, 1_000_000, 0.5) == pytest.approx(4.25)
