@@ -28,6 +28,25 @@ from tests.factories import MembershipFactory, TenantFactory, make_key
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def run_async(make_coro):
+    """Run ``make_coro()`` to completion on a fresh event loop in its own thread: the test's thread may already
+    have a running loop (Playwright's sync API keeps one in the main thread once a browser test ran)."""
+    out: dict = {}
+
+    def target():
+        try:
+            out["value"] = asyncio.run(make_coro())
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            out["error"] = exc
+
+    t = threading.Thread(target=target)
+    t.start()
+    t.join()
+    if "error" in out:
+        raise out["error"]
+    return out.get("value")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -47,7 +47,7 @@ def test_upload_find_a_tier_order_and_deploy(page, shot, login, live_server, wor
     page.set_input_files("#upload-form input[name=archive]", str(world["good"]))
     page.click("#upload-form button[type=submit]")
     page.wait_for_url(re.compile(r"/portal/models/repositories/$"))
-    assert "echo · python" in page.locator("table.data").inner_text()
+    assert "echo · python" in page.locator("table.data").first.inner_text()
     shot(page, "portal-repositories")
 
     page.goto(f"{base}/portal/find-tier/")

@@ -41,7 +41,7 @@ from tenants.roles import Role
 from tenants.scoping import principal_for_user
 from tests.factories import MembershipFactory, TenantFactory, make_key
 from tests.faults.conftest import needs_real_services
-from tests.gateway_fixtures import GatewayProcess
+from tests.gateway_fixtures import GatewayProcess, run_async
 from tests.worker_process import test_database_url as database_url
 from tests.worker_process import wait_for
 
@@ -308,7 +308,7 @@ def _append(events: list[dict], redis_url: str, stream: str) -> None:
         await sink.close()
         await r.aclose()
 
-    asyncio.run(run())
+    run_async(run)
 
 
 def _pending(r, stream: str) -> int:

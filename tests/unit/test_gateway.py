@@ -24,7 +24,7 @@ from marketplace.services import serving
 from telemetry.models import UsageEvent
 from tenants.roles import Role
 from tests.factories import MembershipFactory, make_key
-from tests.gateway_fixtures import gateway_deploy, gateway_slice
+from tests.gateway_fixtures import gateway_deploy, gateway_slice, run_async
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -233,7 +233,7 @@ def test_spool_sink_without_redis_is_consumed_once(settings, fleet, tmp_path):
                                for i in range(50)))
         await sink.close()
 
-    asyncio.run(write())
+    run_async(write)
     assert metering.consume(budget_s=5) == {"processed": 50, "new": 50}
     assert metering.consume(budget_s=5) == {"processed": 0, "new": 0}
     assert UsageEvent.objects.count() == 50
