@@ -236,7 +236,17 @@ def invoice_csv(invoice: Invoice) -> str:
     return out.getvalue()
 
 
-class InvoiceViewSet(ScopedViewSetMixin, viewsets.ReadOnlyModelViewSet):
+class JsonErrorsMixin:
+    """Errors are JSON whatever format was asked (an integrator's client parses them as JSON, CSV export included)."""
+
+    def finalize_response(self, request, response, *args, **kwargs):
+        if response.status_code >= 400 and getattr(getattr(request, "accepted_renderer", None), "format", "") == "csv":
+            request.accepted_renderer = renderers.JSONRenderer()
+            request.accepted_media_type = "application/json"
+        return super().finalize_response(request, response, *args, **kwargs)
+
+
+class InvoiceViewSet(JsonErrorsMixin, ScopedViewSetMixin, viewsets.ReadOnlyModelViewSet):
     """Invoices, one per tenant and month. Drafts are re-rated on request (POST refresh) and by beat;
     a finalized invoice never changes."""
 
@@ -251,13 +261,6 @@ class InvoiceViewSet(ScopedViewSetMixin, viewsets.ReadOnlyModelViewSet):
 
     def get_serializer_class(self):
         return InvoiceListSerializer if self.action == "list" else InvoiceSerializer
-
-    def finalize_response(self, request, response, *args, **kwargs):
-        # Errors are JSON whatever format was asked (an integrator's client parses them as JSON).
-        if response.status_code >= 400 and getattr(getattr(request, "accepted_renderer", None), "format", "") == "csv":
-            request.accepted_renderer = renderers.JSONRenderer()
-            request.accepted_media_type = "application/json"
-        return super().finalize_response(request, response, *args, **kwargs)
 
     @extend_schema(parameters=[OpenApiParameter("format", str, enum=["csv", "json"])],
                    responses={(200, "application/json"): InvoiceExportSerializer,
@@ -303,7 +306,7 @@ class InvoiceViewSet(ScopedViewSetMixin, viewsets.ReadOnlyModelViewSet):
         return Response(InvoiceSerializer(self.get_queryset().get(pk=invoice.pk)).data)
 
 
-class CreditNoteViewSet(ScopedViewSetMixin, viewsets.ReadOnlyModelViewSet):
+class CreditNoteViewSet(JsonErrorsMixin, ScopedViewSetMixin, viewsets.ReadOnlyModelViewSet):
     """Credit notes (scope billing:read; operators see all): numbered, immutable corrections of finalized
     invoices, with CSV/JSON export."""
 
@@ -314,12 +317,6 @@ class CreditNoteViewSet(ScopedViewSetMixin, viewsets.ReadOnlyModelViewSet):
     ordering_fields = ["issued_at", "number", "total"]
     ordering = ["-issued_at"]
     capabilities = {"list": "billing", "retrieve": "billing", "export": "billing"}
-
-    def finalize_response(self, request, response, *args, **kwargs):
-        if response.status_code >= 400 and getattr(getattr(request, "accepted_renderer", None), "format", "") == "csv":
-            request.accepted_renderer = renderers.JSONRenderer()
-            request.accepted_media_type = "application/json"
-        return super().finalize_response(request, response, *args, **kwargs)
 
     @extend_schema(parameters=[OpenApiParameter("format", str, enum=["csv", "json"])],
                    responses={(200, "application/json"): CreditNoteExportSerializer,

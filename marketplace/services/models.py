@@ -67,9 +67,8 @@ def _store(principal: Principal, tenant, name: str, source: BinaryIO | Path, *, 
         raise
 
 
-def upload_repository(principal: Principal, tenant, name: str, upload) -> ModelRepository:
-    """A Triton repository archive (tar.gz or zip) uploaded by a tenant: validated, unpacked under
-    TESSERA_UPLOAD_ROOT; a refusal is a 400 naming the file and stores nothing."""
+def _checked_upload(upload) -> tuple:
+    """An uploaded archive within TESSERA_UPLOAD_MAX_BYTES: (its file, size, SHA-256), rewound for unpacking."""
     size = getattr(upload, "size", 0) or 0
     if size > settings.TESSERA_UPLOAD_MAX_BYTES:
         raise ServiceError(f"the archive is {size:,} bytes; the limit is {settings.TESSERA_UPLOAD_MAX_BYTES:,}",
@@ -78,9 +77,15 @@ def upload_repository(principal: Principal, tenant, name: str, upload) -> ModelR
     for chunk in upload.chunks():
         digest.update(chunk)
     upload.seek(0)
-    fh = upload.file if hasattr(upload, "file") else upload
+    return (upload.file if hasattr(upload, "file") else upload), size, digest.hexdigest()
+
+
+def upload_repository(principal: Principal, tenant, name: str, upload) -> ModelRepository:
+    """A Triton repository archive (tar.gz or zip) uploaded by a tenant: validated, unpacked under
+    TESSERA_UPLOAD_ROOT; a refusal is a 400 naming the file and stores nothing."""
+    fh, size, sha = _checked_upload(upload)
     return _store(principal, tenant, name, fh, kind="upload", filename=getattr(upload, "name", "") or "",
-                  size=size, sha=digest.hexdigest())
+                  size=size, sha=sha)
 
 
 def _store_object(store_path: str) -> Path:
@@ -134,17 +139,9 @@ def _store_adapter(principal: Principal, tenant, name: str, base: LibraryModel, 
 def upload_adapter(principal: Principal, tenant, name: str, base: LibraryModel, upload) -> LoraAdapter:
     """A LoRA adapter archive (PEFT's adapter_config.json + adapter_model.safetensors), validated like a
     repository (paths, links, devices, file count, expanded size)."""
-    size = getattr(upload, "size", 0) or 0
-    if size > settings.TESSERA_UPLOAD_MAX_BYTES:
-        raise ServiceError(f"the archive is {size:,} bytes; the limit is {settings.TESSERA_UPLOAD_MAX_BYTES:,}",
-                           field="archive")
-    digest = hashlib.sha256()
-    for chunk in upload.chunks():
-        digest.update(chunk)
-    upload.seek(0)
-    fh = upload.file if hasattr(upload, "file") else upload
+    fh, _size, sha = _checked_upload(upload)
     return _store_adapter(principal, tenant, name, base, fh, kind="upload", filename=getattr(upload, "name", "") or "",
-                          sha=digest.hexdigest())
+                          sha=sha)
 
 
 def adapter_from_store(principal: Principal, tenant, name: str, base: LibraryModel, store_path: str) -> LoraAdapter:

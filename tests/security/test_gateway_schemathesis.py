@@ -12,7 +12,6 @@ import pytest
 
 schemathesis = pytest.importorskip("schemathesis")
 
-from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from schemathesis.checks import not_a_server_error  # noqa: E402
 from schemathesis.specs.openapi.checks import (  # noqa: E402
     response_schema_conformance,
@@ -20,6 +19,7 @@ from schemathesis.specs.openapi.checks import (  # noqa: E402
 )
 
 from marketplace.gateway.openapi import document  # noqa: E402
+from tests.security.fuzz import fuzz_operation  # noqa: E402
 
 MAX_EXAMPLES = int(os.environ.get("TESSERA_FUZZ_EXAMPLES", "10"))
 
@@ -41,31 +41,11 @@ def test_gateway_fuzz(gateway_fleet, gateway_factory, capsys):
     gw = gateway_factory()
     schema = schemathesis.openapi.from_dict(document())
     secret = gateway_fleet["key_a"]
-    failures, n = [], {"cases": 0, "ops": 0}
+    failures, n = [], {"n": 0, "ops": 0}
 
     def fuzz(op, path_parameters, tag):
-        key = f"{op.method.upper()} {op.path}{tag}"
-
-        @settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True, database=None,
-                  phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
-        @given(case=op.as_strategy(path_parameters=path_parameters))
-        def one_case(case):
-            n["cases"] += 1
-            response = case.call(base_url=gw.url, headers={"Authorization": f"Bearer {secret}"}, timeout=30)
-            try:
-                case.validate_response(response, checks=CHECKS)
-            except Exception as exc:  # noqa: BLE001 - report every failing operation
-                text = " | ".join(line for line in str(exc).splitlines()[:10] if line.strip())
-                failures.append(f"{key}: {type(exc).__name__}: {text}\n    curl: {case.as_curl_command()}")
-                raise
-
-        try:
-            one_case()
-        except BaseException as exc:  # noqa: BLE001 - FailureGroup is a BaseExceptionGroup
-            if isinstance(exc, KeyboardInterrupt):
-                raise
-            if not any(f.startswith(f"{key}:") for f in failures):
-                failures.append(f"{key}: {type(exc).__name__}: {exc}")
+        fuzz_operation(op, path_parameters, tag, base_url=gw.url, secret=secret, checks=CHECKS,
+                       max_examples=MAX_EXAMPLES, failures=failures, cases=n)
 
     for result in schema.get_all_operations():
         op = result.ok()
@@ -74,5 +54,5 @@ def test_gateway_fuzz(gateway_fleet, gateway_factory, capsys):
         if "{model}" in op.path:
             fuzz(op, {"model": "tiny-gen"}, " [own model]")
     with capsys.disabled():
-        print(f"\n[schemathesis] gateway: {n['ops']} operations, {n['cases']} cases, {len(failures)} failing")
+        print(f"\n[schemathesis] gateway: {n['ops']} operations, {n['n']} cases, {len(failures)} failing")
     assert not failures, "\n".join(failures)

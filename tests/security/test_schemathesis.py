@@ -23,7 +23,6 @@ from django.test import override_settings
 
 schemathesis = pytest.importorskip("schemathesis")
 
-from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from schemathesis.checks import not_a_server_error  # noqa: E402
 from schemathesis.generation import GenerationMode  # noqa: E402
 from schemathesis.specs.openapi.checks import (  # noqa: E402
@@ -32,6 +31,7 @@ from schemathesis.specs.openapi.checks import (  # noqa: E402
 )
 
 from tests.factories import make_key  # noqa: E402
+from tests.security.fuzz import fuzz_operation  # noqa: E402
 
 MAX_EXAMPLES = int(os.environ.get("TESSERA_FUZZ_EXAMPLES", "10"))
 MODE = GenerationMode(os.environ.get("TESSERA_FUZZ_MODE", "positive"))
@@ -130,28 +130,8 @@ def _run(schema, base_url, secret, label, pinned):
     unseeded = set()
 
     def fuzz(op, path_parameters, tag):
-        key = f"{op.method.upper()} {op.path}{tag}"
-
-        @settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True, database=None,
-                  phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
-        @given(case=op.as_strategy(generation_mode=MODE, path_parameters=path_parameters))
-        def one_case(case):
-            cases["n"] += 1
-            response = case.call(base_url=base_url, headers={"Authorization": f"Bearer {secret}"}, timeout=30)
-            try:
-                case.validate_response(response, checks=CHECKS)
-            except Exception as exc:  # noqa: BLE001 - collect every failing operation, report all
-                text = " | ".join(line for line in str(exc).splitlines()[:12] if line.strip())
-                failures.append(f"{key}: {type(exc).__name__}: {text}\n    curl: {case.as_curl_command()}")
-                raise
-
-        try:
-            one_case()
-        except BaseException as exc:  # noqa: BLE001 - FailureGroup is a BaseExceptionGroup
-            if isinstance(exc, KeyboardInterrupt):
-                raise
-            if not any(f.startswith(f"{key}:") for f in failures):
-                failures.append(f"{key}: {type(exc).__name__}: {exc}")
+        fuzz_operation(op, path_parameters, tag, base_url=base_url, secret=secret, checks=CHECKS,
+                       max_examples=MAX_EXAMPLES, failures=failures, cases=cases, mode=MODE)
 
     for result in schema.get_all_operations():
         op = result.ok()

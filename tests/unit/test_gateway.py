@@ -338,3 +338,32 @@ def test_a_vllm_library_model_is_called_with_vllms_tensors():
     served = p.Served()
     served.add(io, {"text_output": "hello there"})
     assert served.usage("hi") == (1, 2)  # vLLM reports no counts: the words rule
+
+
+def test_try_it_tokens_are_bound_to_their_tenant_and_cannot_be_forged(fleet, gateway_factory, settings):
+    """A hostile tenant with a portal session: its minted token reaches only its own models, an edited token (the
+    tenant id swapped) or a stale one is refused, and a client-sent repository secret header gains nothing."""
+    from django.core import signing
+
+    from marketplace.gateway.state import TRY_PREFIX, TRY_SALT, mint_try_token
+
+    gw = gateway_factory()
+    chat = {"model": "tiny-gen", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+    b_token = mint_try_token(fleet["b"].pk, 1)
+    assert _raw(gw, "/v1/chat/completions", b_token, chat)[0] == 404  # B's token, A's model name
+    assert _raw(gw, "/v1/chat/completions", b_token, {**chat, "model": "secret-model"})[0] == 200
+    raw = signing.loads(b_token[len(TRY_PREFIX):], salt=TRY_SALT)
+    body = b_token[len(TRY_PREFIX):].split(":", 1)[1]
+    forged = TRY_PREFIX + signing.dumps({**raw, "t": fleet["a"].pk}, key="not-the-secret", salt=TRY_SALT)
+    assert _raw(gw, "/v1/chat/completions", forged, chat)[0] == 401
+    assert _raw(gw, "/v1/chat/completions", TRY_PREFIX + "x" + body, chat)[0] == 401
+    settings.TESSERA_GATEWAY_TRY_TTL_S = 1
+    time.sleep(2.1)
+    status, answer, _ = _raw(gw, "/v1/chat/completions", b_token, {**chat, "model": "secret-model"})
+    assert status == 401 and json.loads(answer)["error"]["code"] == "token_expired"
+    # the per-server secret is Tessera's: a client's own "tessera-repository-key" header is not forwarded
+    req = urllib.request.Request(gw.url + "/v2/models/secret-model/generate", data=b'{"prompt": "x"}', headers={
+        "Authorization": f"Bearer {fleet['key_a']}", "tessera-repository-key": "guess"}, method="POST")
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=10)
+    assert err.value.code == 404
