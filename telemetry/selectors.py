@@ -112,7 +112,8 @@ def usage_summary(principal: Principal, start: datetime, end: datetime, group_by
     return out
 
 
-def metered_vs_served(principal: Principal, since: datetime, until: datetime, tenant: Any = None) -> list[dict]:
+def metered_vs_served(principal: Principal, since: datetime, until: datetime, tenant: Any = None,
+                      node_id: int | None = None) -> list[dict]:
     """Per deployment over hours in [since, until): requests the tenant's gateway reported (metered,
     from UsageHourly) against requests its Triton server reported serving (from TritonServedHourly),
     and the difference (metered - served: negative = served but not metered). Operators see every
@@ -124,6 +125,9 @@ def metered_vs_served(principal: Principal, since: datetime, until: datetime, te
     if tenant is not None:
         metered_qs = metered_qs.filter(_tenant_q(tenant))
         served_qs = served_qs.filter(_tenant_q(tenant))
+    if node_id is not None:  # one node's deployments (the node's scrape compares only its own)
+        metered_qs = metered_qs.filter(deployment__allocation__node_id=node_id)
+        served_qs = served_qs.filter(deployment__allocation__node_id=node_id)
     metered = {r["deployment_id"]: r for r in metered_qs.values("deployment_id").annotate(
         requests=Sum("requests"), input_tokens=Sum("input_tokens"), output_tokens=Sum("output_tokens"))}
     served = {r["deployment_id"]: r for r in served_qs.values("deployment_id").annotate(

@@ -132,8 +132,8 @@ def check_metering(node_id: int, now: datetime | None = None) -> list[dict]:
     now = now or timezone.now()
     until = now.replace(minute=0, second=0, microsecond=0)
     since = until - timedelta(hours=24)
-    rows = [r for r in selectors.metered_vs_served(Principal(is_operator=True), since, until)
-            if r["allocation"] is not None and r["node_id"] == node_id]
+    rows = [r for r in selectors.metered_vs_served(Principal(is_operator=True), since, until, node_id=node_id)
+            if r["allocation"] is not None]
     open_for = set(DriftEvent.objects.filter(node_id=node_id, kind=DriftEvent.Kind.METERING_MISMATCH,
                                              resolved=False).values_list("allocation_id", flat=True))
     found = []

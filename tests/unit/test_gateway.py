@@ -296,6 +296,7 @@ def test_metered_vs_served_mismatch_opens_one_drift_event_and_shows_in_the_conso
     node_id = gen.allocation.node_id
     found = check_metering(node_id)
     assert [r["deployment"] for r in found] == [gen.pk]  # chat is within the 2 % tolerance
+    assert check_metering(node_id + 1000) == []  # another node's scrape compares only its own deployments
     check_metering(node_id)  # still off: the open event is not repeated
     (event,) = DriftEvent.objects.filter(kind=DriftEvent.Kind.METERING_MISMATCH)
     assert not event.resolved and event.allocation_id == gen.allocation_id and "(-60)" in event.detail
