@@ -105,6 +105,7 @@ TEMPLATES = [
                 "marketplace.web.context.navigation",
                 "marketplace.security.csp_nonce",
             ],
+            "builtins": ["marketplace.templatetags.tessera"],
         },
     },
 ]
