@@ -23,6 +23,8 @@ class UsageEvent(models.Model):
     received_at = models.DateTimeField(default=timezone.now)
     latency_ms = models.PositiveIntegerField(null=True, blank=True,
                                              help_text="the gateway's time to the last byte; empty: reported usage")
+    adapter = models.CharField(max_length=64, blank=True, default="",
+                               help_text="the LoRA adapter the request selected (its name); empty: the base model")
 
     objects = TenantScopedQuerySet.as_manager()
     tenant_path = "tenant_id"
@@ -42,7 +44,7 @@ class UsageEvent(models.Model):
 
 
 class UsageHourly(models.Model):
-    """Usage per (tenant, deployment, hour), kept up to date as events arrive. `billed_*` is what a
+    """Usage per (tenant, deployment, LoRA adapter, hour), kept up to date as events arrive. `billed_*` is what a
     finalized invoice has charged for this hour; a late event makes the totals exceed it and the
     difference goes onto the next invoice as an adjustment."""
 
@@ -50,6 +52,8 @@ class UsageHourly(models.Model):
     tenant = models.ForeignKey("tenants.Tenant", on_delete=models.PROTECT, related_name="usage_hours")
     deployment = models.ForeignKey("marketplace.ModelDeployment", on_delete=models.PROTECT, related_name="usage_hours")
     hour = models.DateTimeField(help_text="start of the UTC hour")
+    adapter = models.CharField(max_length=64, blank=True, default="",
+                               help_text="the LoRA adapter's name; empty: the base model (an adapter is its own line)")
     input_tokens = models.BigIntegerField(default=0)
     output_tokens = models.BigIntegerField(default=0)
     requests = models.BigIntegerField(default=0)
@@ -63,7 +67,8 @@ class UsageHourly(models.Model):
     tenant_path = "tenant_id"
 
     class Meta:
-        constraints = [models.UniqueConstraint(fields=["tenant", "deployment", "hour"], name="usage_hour_unique")]
+        constraints = [models.UniqueConstraint(fields=["tenant", "deployment", "adapter", "hour"],
+                                               name="usage_hour_unique")]
         indexes = [models.Index(fields=["tenant", "hour"]), models.Index(fields=["hour"])]
 
     def __str__(self) -> str:

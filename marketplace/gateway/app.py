@@ -1,6 +1,7 @@
 """The gateway's ASGI application: a plain ASGI callable (no framework on the hot path), served by uvicorn.
 
-Routes (``model`` is the tenant's deployment name):
+Routes (``model`` is the tenant's deployment name, or the name of a LoRA adapter deployed with a vLLM library
+model: see ``state``):
 
 - OpenAI-compatible: ``GET /v1/models``, ``GET /v1/models/{model}``, ``POST /v1/chat/completions``,
   ``POST /v1/completions`` (``stream: true`` as server-sent events, ``stream_options.include_usage``);
@@ -214,7 +215,7 @@ class Gateway:
 
     async def _passthrough_get(self, send: Send, caller: Caller, model: str, path: str, rid: str) -> None:
         up = upstream_mod.pick(self._routes(caller, model))
-        status, body = await self.client.json(up, "GET", path)
+        status, body = await self.client.json(up, "GET", path.replace(f"/v2/models/{model}", f"/v2/models/{up.name}"))
         if status == 404:
             raise upstream_mod.unavailable(model)
         await _send(send, status, _dumps(body), JSON, rid)
@@ -222,7 +223,7 @@ class Gateway:
     async def _ready(self, send: Send, caller: Caller, model: str, rid: str) -> None:
         for up in sorted(self._routes(caller, model), key=lambda u: u.ejected_until):
             try:
-                resp = await self.client.request(up, "GET", f"/v2/models/{model}/ready")
+                resp = await self.client.request(up, "GET", f"/v2/models/{up.name}/ready")
                 resp.release()
             except GatewayError:
                 continue
@@ -261,7 +262,8 @@ class Gateway:
         assert self.sink is not None
         try:
             ms = (time.perf_counter() - _started.get(time.perf_counter())) * 1000
-            await self.sink.append(event(rid, caller.tenant.id, up.deployment_id, n_in, n_out, ms=ms))
+            await self.sink.append(event(rid, caller.tenant.id, up.deployment_id, n_in, n_out, ms=ms,
+                                         adapter=up.adapter))
         except MeteringUnavailable:
             raise GatewayError(503, "metering_unavailable", "The request could not be recorded for billing, so its "
                                "answer is withheld; retry shortly.", kind="server_error",
@@ -270,7 +272,7 @@ class Gateway:
     # --- text generation (OpenAI) ---------------------------------------------------------------------------
     async def _text(self, receive: Receive, send: Send, caller: Caller, req: TextRequest, rid: str) -> None:
         async def work(up: Upstream) -> int:
-            body = p.generate_body(up.io, req)
+            body = p.generate_body(up.io, req, up.adapter)
             if req.stream:
                 return await self._text_stream(receive, send, caller, up, req, body, rid)
             served = await self._text_once(up, req, body)
@@ -285,7 +287,7 @@ class Gateway:
     async def _text_once(self, up: Upstream, req: TextRequest, body: dict[str, Any]) -> Served:
         served = Served()
         if not up.io.decoupled:
-            status, out = await self.client.json(up, "POST", f"/v2/models/{req.model}/generate", body)
+            status, out = await self.client.json(up, "POST", f"/v2/models/{up.name}/generate", body)
             _check_model_answer(req.model, status, out)
             served.add(up.io, out)
             return served
@@ -294,7 +296,7 @@ class Gateway:
         return served
 
     async def _chunks(self, up: Upstream, model: str, body: dict[str, Any]):
-        resp = await self.client.request(up, "POST", f"/v2/models/{model}/generate_stream", body=_dumps(body),
+        resp = await self.client.request(up, "POST", f"/v2/models/{up.name}/generate_stream", body=_dumps(body),
                                          headers={"Content-Type": "application/json"})
         try:
             if resp.status != 200:
@@ -358,8 +360,9 @@ class Gateway:
 
         async def work(up: Upstream) -> int:
             prompt = text.prompt if text is not None else ""
+            sent = p.select_adapter(body, up.adapter, model) if up.io.sampling else body
             if not stream and not up.io.decoupled:
-                status, out = await self.client.json(up, "POST", f"/v2/models/{model}/generate", body)
+                status, out = await self.client.json(up, "POST", f"/v2/models/{up.name}/generate", sent)
                 _check_model_answer(model, status, out, kserve=True)
                 served = Served()
                 served.add(up.io, out)
@@ -367,7 +370,7 @@ class Gateway:
                 await self._meter(caller, up, rid, n_in, n_out)
                 await _send(send, 200, _dumps(out), JSON, rid)
                 return n_in + n_out
-            return await self._generate_stream(receive, send, caller, up, model, body, prompt, stream, rid)
+            return await self._generate_stream(receive, send, caller, up, model, sent, prompt, stream, rid)
 
         await self._serve(caller, model, rid, work)
 
@@ -413,7 +416,10 @@ class Gateway:
             forward["Inference-Header-Content-Length"] = head_len
 
         async def work(up: Upstream) -> int:
-            resp = await self.client.request(up, "POST", f"/v2/models/{model}/infer", body=raw, headers=forward)
+            if up.adapter is not None:  # the adapter is selected in a generate body; infer tensors are not rewritten
+                raise p.bad_request(f"'{model}' is a LoRA adapter: call it with /v1/chat/completions, /v1/completions "
+                                    f"or /v2/models/{model}/generate.", param="model", code="adapter_needs_generate")
+            resp = await self.client.request(up, "POST", f"/v2/models/{up.name}/infer", body=raw, headers=forward)
             try:
                 data = await resp.read()
             finally:

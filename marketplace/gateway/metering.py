@@ -1,7 +1,8 @@
 """Usage events the gateway served: made durable on the hot path, written to the database by a consumer.
 
 One event per request: ``{"id": request id, "t": tenant, "d": deployment, "ts": epoch seconds, "i": input
-tokens, "o": output tokens, "ms": milliseconds from the request's arrival to its metering}``. The request id is
+tokens, "o": output tokens, "ms": milliseconds from the request's arrival to its metering, "a": the LoRA adapter the
+request selected, absent for the base model}``. The request id is
 the usage event id, so a replay is counted once.
 
 Producers (``UsageSink``, async, in the gateway):
@@ -50,9 +51,11 @@ class MeteringUnavailable(Exception):
 
 
 def event(request_id: str, tenant_id: int, deployment_id: int, n_in: int, n_out: int,
-          ts: float | None = None, ms: float | None = None) -> dict[str, Any]:
+          ts: float | None = None, ms: float | None = None, adapter: str | None = None) -> dict[str, Any]:
     e = {"id": request_id, "t": tenant_id, "d": deployment_id, "ts": round(ts or time.time(), 6), "i": n_in,
          "o": n_out}
+    if adapter:
+        e["a"] = adapter
     if ms is not None:
         e["ms"] = max(0, round(ms))
     return e
@@ -176,7 +179,7 @@ def _rows(events: list[dict[str, Any]]) -> dict[int, list[tuple]]:
         try:
             ms = e.get("ms")
             row = (str(e["id"]), int(e["d"]), datetime.fromtimestamp(float(e["ts"]), UTC), int(e["i"]), int(e["o"]), 1,
-                   int(ms) if ms is not None else None)
+                   int(ms) if ms is not None else None, str(e.get("a") or "")[:64])
             by_tenant[int(e["t"])].setdefault(row[0], row)
         except (KeyError, TypeError, ValueError):
             log.error("malformed usage event dropped", extra={"event": str(e)[:200]})

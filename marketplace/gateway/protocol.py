@@ -206,7 +206,7 @@ def parse_generate(raw: bytes, model: str, stream: bool) -> tuple[dict[str, Any]
     return body, text
 
 
-def generate_body(io: ModelIO, req: TextRequest) -> dict[str, Any]:
+def generate_body(io: ModelIO, req: TextRequest, adapter: str | None = None) -> dict[str, Any]:
     """The generate request for a text model (the model's own tensor names)."""
     if not io.generative:
         raise bad_request(f"The model '{req.model}' is not a text-generation model (it has no prompt input and "
@@ -222,7 +222,35 @@ def generate_body(io: ModelIO, req: TextRequest) -> dict[str, Any]:
             raise bad_request(f"The model '{req.model}' takes no max_tokens.", param="max_tokens")
         else:
             body[io.max_tokens] = req.max_tokens
-    return body
+    return select_adapter(body, adapter, req.model)
+
+
+def select_adapter(body: dict[str, Any], adapter: str | None, model: str) -> dict[str, Any]:
+    """A generate body for a vLLM model with its LoRA adapter selected as Triton's vLLM backend reads it
+    (https://github.com/triton-inference-server/vllm_backend, ``src/model.py`` ``_verify_loras``): ``lora_name`` in
+    the JSON string input ``sampling_parameters`` when the request has that input, else in the request's
+    ``parameters``. The gateway decides the adapter (the model name called); a ``lora_name`` sent by the
+    caller is refused, so every request is metered as the adapter that served it."""
+    sampling = body.get("sampling_parameters")
+    params = body.get("parameters")
+    if sampling is not None:
+        try:
+            parsed = json.loads(sampling) if isinstance(sampling, str) else None
+        except ValueError:
+            parsed = None
+        if not isinstance(parsed, dict):
+            raise bad_request("'sampling_parameters' must be a JSON object in a string.", param="sampling_parameters")
+        sampling = parsed
+    if params is not None and not isinstance(params, dict):
+        raise bad_request("'parameters' must be an object.", param="parameters")
+    if "lora_name" in (sampling or {}) or "lora_name" in (params or {}):
+        raise bad_request("Select a LoRA adapter by calling it by its model name (GET /v1/models), not with "
+                          "'lora_name'.", param="lora_name")
+    if adapter is None:
+        return body
+    if sampling is not None:
+        return {**body, "sampling_parameters": json.dumps({**sampling, "lora_name": adapter})}
+    return {**body, "parameters": {**(params or {}), "lora_name": adapter}}
 
 
 def words(text: str) -> int:

@@ -2,10 +2,16 @@
 
 The hot path never queries the database: it looks callers and models up in the ``Tables`` of this process,
 which ``refresh()`` replaces every ``TESSERA_GATEWAY_REFRESH_S`` seconds (default 2) with a new snapshot
-read in four queries whatever the size of the fleet. A revoked key, a suspended tenant, a spend block or a
+read in five queries whatever the size of the fleet. A revoked key, a suspended tenant, a spend block or a
 model that became ready or was removed is therefore seen within that interval (the README promises 5 s);
 an expiry is checked against the clock on each request. Per-upstream counters (outstanding requests, health)
 live on the ``Upstream`` objects and survive a refresh.
+
+A LoRA adapter deployed with a vLLM library model (multi-LoRA) is a model name of its own: a route
+``(tenant, adapter name)`` to the base deployment's upstreams, with ``Upstream.adapter`` set. Requests to it are
+sent to the base model's Triton name with the adapter selected as Triton's vLLM backend reads it (``lora_name``
+in the ``sampling_parameters`` JSON, else in the request's parameters) and metered with the adapter's name. A
+deployment named like an adapter of the same tenant keeps the name (the adapter is then not routed).
 """
 
 from __future__ import annotations
@@ -66,13 +72,14 @@ class Upstream:
     base_url: str
     headers: dict[str, str]
     io: ModelIO
+    adapter: str | None = None  # a LoRA adapter of the deployment: the name requests select it by
     outstanding: int = 0
     failures: int = 0
     ejected_until: float = 0.0
 
     @property
-    def key(self) -> tuple[int, str]:
-        return self.deployment_id, self.base_url
+    def key(self) -> tuple[int, str, str | None]:
+        return self.deployment_id, self.base_url, self.adapter
 
 
 @dataclass(frozen=True)
@@ -101,7 +108,7 @@ def _epoch(dt: datetime | None) -> float | None:
 
 
 def load_snapshot() -> Snapshot:
-    """Read keys, tenants and routes (four queries, independent of the fleet's size)."""
+    """Read keys, tenants, routes and LoRA adapters (five queries, independent of the fleet's size)."""
     from marketplace.hardware.runtime import SECRET_HEADER  # noqa: PLC0415 - Django must be set up first
     from marketplace.models import Allocation, Invoice, ModelDeployment, TritonServer  # noqa: PLC0415
     from marketplace.services.serving import secret_for  # noqa: PLC0415
@@ -139,6 +146,16 @@ def load_snapshot() -> Snapshot:
         url = f"http://{r['allocation__triton_server__address']}:{r['allocation__triton_server__http_port']}"
         snap.routes.setdefault((r["tenant_id"], r["name"]), []).append(Upstream(
             r["pk"], r["tenant_id"], r["name"], url, {SECRET_HEADER: secret_for(server)}, io))
+    by_deployment = {u.deployment_id: u for ups in snap.routes.values() for u in ups}
+    served = ModelDeployment.adapters.through.objects.filter(
+        modeldeployment__in=rows.values("pk")).order_by("modeldeployment_id", "loraadapter__name")
+    for dep_id, adapter in served.values_list("modeldeployment_id", "loraadapter__name"):
+        base = by_deployment.get(dep_id)
+        if base is None or (base.tenant_id, adapter) in snap.routes and not any(
+                u.adapter for u in snap.routes[(base.tenant_id, adapter)]):
+            continue  # a deployment of that name wins
+        snap.routes.setdefault((base.tenant_id, adapter), []).append(Upstream(
+            dep_id, base.tenant_id, base.name, base.base_url, base.headers, base.io, adapter=adapter))
     return snap
 
 

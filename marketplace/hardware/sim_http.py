@@ -18,7 +18,7 @@ from typing import Any
 
 from tritonclient.utils import InferenceServerException
 
-from .triton import SimTritonBackend
+from .triton import SimTritonBackend, demo_generate
 
 _FRONTS: dict[tuple[str, int], ThreadingHTTPServer] = {}
 _LOCK = threading.Lock()
@@ -102,6 +102,9 @@ class _Handler(BaseHTTPRequestHandler):
         if action == "infer":
             self._infer(name, body)
             return
+        if model is not None and model.config.backend == "vllm":
+            self._vllm(name, model, action, body)
+            return
         prompt, limit = body.get("prompt", body.get("text_input")), body.get("max_tokens")
         if model is not None and model.config.decoupled and action == "generate":
             self._reply(200, {"error": "generate expects model to produce exactly 1 response, use generate stream "
@@ -128,6 +131,30 @@ class _Handler(BaseHTTPRequestHandler):
             events = [{**head, **out}]
         data = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
         self._reply(200, data, content_type="text/event-stream")
+
+    def _vllm(self, name: str, model: Any, action: str, body: dict[str, Any]) -> None:
+        """Triton's vLLM backend's generate protocol: ``text_input``, ``sampling_parameters`` (a JSON string; else
+        the request's ``parameters``) with ``max_tokens`` and ``lora_name`` (checked against the model's
+        ``multi_lora.json`` as the backend does), answered as ``text_output`` pieces, no token counts."""
+        sampling = body.get("sampling_parameters")
+        params = json.loads(sampling) if isinstance(sampling, str) else (body.get("parameters") or {})
+        lora = params.get("lora_name")
+        if lora is not None:
+            index = self.server.backend.repo_dir / name / str(model.version) / "multi_lora.json"
+            loras = json.loads(index.read_text()) if index.is_file() else {}
+            if lora not in loras:
+                self._reply(400, {"error": f"LoRA {lora} is not supported, we currently support {list(loras)}"})
+                return
+        if action == "generate":
+            self._reply(200, {"error": "generate expects model to produce exactly 1 response, use generate stream "
+                                       "for model that generates various number of responses"})
+            return
+        text, _n_in, _n_out = demo_generate(str(body.get("text_input") or ""), params.get("max_tokens"))
+        self.server.backend.served_loras.append((name, lora))
+        events = [{"model_name": name, "model_version": str(model.version), "text_output": w if i == 0 else " " + w}
+                  for i, w in enumerate(text.split())]
+        self._reply(200, b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events),
+                    content_type="text/event-stream")
 
     def _infer(self, name: str, body: dict[str, Any]) -> None:
         inputs = {i.get("name"): i for i in body.get("inputs") or [] if isinstance(i, dict)}

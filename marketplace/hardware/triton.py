@@ -859,6 +859,7 @@ class SimTritonBackend(TritonBackend):
         self.clock = clock
         self.server_ready = True  # set False to simulate a server that is down
         self.restricted: tuple[str, str] | None = None  # (header, secret) the repository API requires
+        self.served_loras: list[tuple[str, str | None]] = []  # (model, lora_name) of each vLLM request served
         self.exit_code: int | None = None
         self._log: list[str] = []
         self._models: dict[str, _SimModel] = {}

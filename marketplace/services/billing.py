@@ -2,9 +2,9 @@
 
 Rating turns what a tenant used in a calendar month into priced lines, with the plan that was in
 force at the time of each use: slice-hours of its allocations while active (per second, split at
-every price change) and input/output tokens of its deployments per hour (from the hourly rollups,
-never the raw events). A draft is re-rated whenever asked; finalizing it (once the month is over)
-numbers it, freezes it, and marks the rolled-up usage it charged as billed. Usage that arrives
+every price change) and input/output tokens of its deployments per hour, each LoRA adapter on its own
+line (from the hourly rollups, never the raw events). A draft is re-rated whenever asked; finalizing it
+(once the month is over) numbers it, freezes it, and marks the rolled-up usage it charged as billed. Usage that arrives
 later for a finalized month goes onto the next invoice as adjustment lines.
 
 Reserved plans carry a monthly commitment (`PricePlan.monthly_commit`, a minimum billed per month).
@@ -271,11 +271,12 @@ def rate(tenant: Tenant, period_start: date, now: datetime | None = None, curren
                              else ((L.INPUT_TOKENS, ins), (L.OUTPUT_TOKENS, outs))):
             if tokens <= 0:
                 continue
-            key = (kind, alloc.tier_id, plan.pk, r.deployment_id)
+            key = (kind, alloc.tier_id, plan.pk, r.deployment_id, r.adapter)  # a LoRA adapter is its own line
             what = "input" if kind in (L.INPUT_TOKENS, L.ADJUSTMENT_INPUT) else "output"
             prefix = "late usage from a finalized month: " if is_late else ""
+            served = f"LoRA adapter {r.adapter} of {r.deployment.name}" if r.adapter else r.deployment.name
             d = drafts.get(key) or drafts.setdefault(key, Draft(
-                kind, alloc.tier, plan, f"{prefix}{r.deployment.name} on {alloc.tier.name}: {what} tokens (per 1M)",
+                kind, alloc.tier, plan, f"{prefix}{served} on {alloc.tier.name}: {what} tokens (per 1M)",
                 "1M tokens", deployment_id=r.deployment_id))
             d.add(Decimal(tokens) / MILLION, r.hour, r.hour + timedelta(hours=1))
         charged.append(r.pk)
