@@ -406,6 +406,14 @@ TESSERA_UPLOAD_ROOT = Path(os.environ.get("TESSERA_UPLOAD_ROOT", VAR_DIR / "uplo
 # The MSP's model store: library weights and repositories tenants may import (read-only, same path everywhere).
 TESSERA_MODEL_STORE_ROOT = Path(os.environ.get("TESSERA_MODEL_STORE_ROOT", VAR_DIR / "model-store"))
 TESSERA_UPLOAD_MAX_BYTES = int(os.environ.get("TESSERA_UPLOAD_MAX_BYTES", str(2 * 1024**3)))  # archive size
+# An S3-compatible model store (README: "Models on slices"): when a bucket is set, a tenant's store_path is an
+# object key under the prefix, fetched with boto3 (no URL from the tenant: the endpoint is the operator's).
+TESSERA_MODEL_STORE_S3_ENDPOINT = os.environ.get("TESSERA_MODEL_STORE_S3_ENDPOINT", "")
+TESSERA_MODEL_STORE_S3_BUCKET = os.environ.get("TESSERA_MODEL_STORE_S3_BUCKET", "")
+TESSERA_MODEL_STORE_S3_PREFIX = os.environ.get("TESSERA_MODEL_STORE_S3_PREFIX", "")
+TESSERA_MODEL_STORE_S3_REGION = os.environ.get("TESSERA_MODEL_STORE_S3_REGION", "us-east-1")
+TESSERA_MODEL_STORE_S3_ACCESS_KEY_ID = os.environ.get("TESSERA_MODEL_STORE_S3_ACCESS_KEY_ID", "")
+TESSERA_MODEL_STORE_S3_SECRET_ACCESS_KEY = os.environ.get("TESSERA_MODEL_STORE_S3_SECRET_ACCESS_KEY", "")
 TESSERA_REPO_MAX_EXPANDED_BYTES = int(os.environ.get("TESSERA_REPO_MAX_EXPANDED_BYTES", str(8 * 1024**3)))
 TESSERA_REPO_MAX_FILES = int(os.environ.get("TESSERA_REPO_MAX_FILES", "2000"))
 DATA_UPLOAD_MAX_NUMBER_FILES = 1

@@ -100,8 +100,60 @@ def _store_object(store_path: str) -> Path:
     return path
 
 
+def _store_key(store_path: str) -> str:
+    raw = (store_path or "").strip()
+    if (not raw or raw.startswith("/") or ".." in raw.split("/") or "\\" in raw or "\x00" in raw
+            or "://" in raw or len(raw) > 500):
+        raise ServiceError("an object key relative to the model store, without '..' (not a URL)", field="store_path")
+    return raw
+
+
+def _s3_object(store_path: str) -> tuple[BinaryIO, int, str]:
+    """An archive object of the operator's S3-compatible store (endpoint, bucket and prefix are settings; the
+    tenant names a key under the prefix only, so it cannot make Tessera fetch anything else): downloaded to a
+    temporary file within TESSERA_UPLOAD_MAX_BYTES, as (file, size, SHA-256)."""
+    import tempfile  # noqa: PLC0415
+
+    import boto3  # noqa: PLC0415
+    from botocore.exceptions import BotoCoreError, ClientError  # noqa: PLC0415
+
+    key = settings.TESSERA_MODEL_STORE_S3_PREFIX + _store_key(store_path)
+    limit = settings.TESSERA_UPLOAD_MAX_BYTES
+    client = boto3.client("s3", endpoint_url=settings.TESSERA_MODEL_STORE_S3_ENDPOINT or None,
+                          region_name=settings.TESSERA_MODEL_STORE_S3_REGION,
+                          aws_access_key_id=settings.TESSERA_MODEL_STORE_S3_ACCESS_KEY_ID or None,
+                          aws_secret_access_key=settings.TESSERA_MODEL_STORE_S3_SECRET_ACCESS_KEY or None)
+    try:
+        obj = client.get_object(Bucket=settings.TESSERA_MODEL_STORE_S3_BUCKET, Key=key)
+    except (ClientError, BotoCoreError):
+        raise ServiceError(f"{store_path.strip()}: no such object in the model store", field="store_path") from None
+    if obj.get("ContentLength", 0) > limit:
+        obj["Body"].close()
+        raise ServiceError(f"the archive is {obj['ContentLength']:,} bytes; the limit is {limit:,}", field="store_path")
+    fh = tempfile.TemporaryFile()
+    digest, size = hashlib.sha256(), 0
+    for chunk in obj["Body"].iter_chunks(1024 * 1024):
+        size += len(chunk)
+        if size > limit:  # a server that lied about the length
+            fh.close()
+            raise ServiceError(f"the archive is over the limit of {limit:,} bytes", field="store_path")
+        digest.update(chunk)
+        fh.write(chunk)
+    fh.seek(0)
+    return fh, size, digest.hexdigest()
+
+
 def import_from_store(principal: Principal, tenant, name: str, store_path: str) -> ModelRepository:
-    """An object of the MSP's model store (a repository folder or an archive under TESSERA_MODEL_STORE_ROOT)."""
+    """An object of the MSP's model store: a repository folder or an archive under TESSERA_MODEL_STORE_ROOT, or,
+    with TESSERA_MODEL_STORE_S3_BUCKET set, an archive object under the S3 store's prefix (validated like an
+    upload)."""
+    if settings.TESSERA_MODEL_STORE_S3_BUCKET:
+        if not principal.can("deploy", tenant.pk):  # before any fetch
+            raise Forbidden("Your role or API-key scopes do not allow adding model repositories.")
+        fh, size, sha = _s3_object(store_path)
+        with fh:
+            return _store(principal, tenant, name, fh, kind="store", filename=store_path.strip().rsplit("/", 1)[-1],
+                          store_path=store_path.strip(), size=size, sha=sha)
     path = _store_object(store_path)
     raw = store_path.strip()
     return _store(principal, tenant, name, path, kind="store", filename=path.name, store_path=raw,
