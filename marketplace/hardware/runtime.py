@@ -518,10 +518,18 @@ def _tail(path: Path, chars: int) -> str:
 CONTAINER_REPO = "/models"
 
 
-def container_spec(spec: ServerSpec, image: str) -> dict[str, Any]:
+def container_spec(spec: ServerSpec, image: str, model_store: Path | None = None) -> dict[str, Any]:
     """The keyword arguments of ``docker.from_env().containers.run`` for one slice's server: NVIDIA's Triton
-    image, only this slice's MIG device (``--gpus device=<uuid>``), only its repository mounted read-only,
-    a bridge network (never the host's), ports published on the node's private address, no privileges."""
+    image, only this slice's MIG device (``--gpus device=<uuid>``), only its repository mounted read-only (and
+    the MSP's model store, read-only at the same path as on the node: a vLLM library model's ``model.json``
+    names its weights there), a bridge network (never the host's), ports published on the node's private
+    address, no privileges."""
+    volumes = {str(spec.repo_dir.resolve()): {"bind": CONTAINER_REPO, "mode": "ro"}}
+    if model_store is not None:
+        store = str(Path(model_store).resolve())
+        if store == CONTAINER_REPO or store.startswith(CONTAINER_REPO + "/"):
+            raise ValueError(f"the model store {store} would hide the repository mounted at {CONTAINER_REPO}")
+        volumes[store] = {"bind": store, "mode": "ro"}
     return {
         "image": image,
         "name": f"tessera-{spec.name}",
@@ -529,7 +537,7 @@ def container_spec(spec: ServerSpec, image: str) -> dict[str, Any]:
         "detach": True,
         "environment": {"CUDA_VISIBLE_DEVICES": "0"},  # the container sees only the requested device
         "device_requests": [{"Driver": "nvidia", "DeviceIDs": [spec.device_uuid], "Capabilities": [["gpu"]]}],
-        "volumes": {str(spec.repo_dir.resolve()): {"bind": CONTAINER_REPO, "mode": "ro"}},
+        "volumes": volumes,
         "network_mode": "bridge",
         "ports": {"8000/tcp": (spec.address, spec.http_port), "8001/tcp": (spec.address, spec.grpc_port),
                   "8002/tcp": (spec.address, spec.metrics_port)},
@@ -554,9 +562,10 @@ def _container_args(spec: ServerSpec) -> list[str]:
 class DockerRuntime(ServingRuntime):
     kind = "docker"
 
-    def __init__(self, image: str, client: Any = None) -> None:
+    def __init__(self, image: str, client: Any = None, model_store: Path | None = None) -> None:
         self.image = image
         self._client = client
+        self.model_store = model_store
 
     @property
     def client(self) -> Any:
@@ -584,7 +593,7 @@ class DockerRuntime(ServingRuntime):
             return ServerStatus(running=True, container_id=c.id)
         if c is not None:
             c.remove(force=True)
-        kwargs = container_spec(spec, self.image)
+        kwargs = container_spec(spec, self.image, self.model_store)
         from docker.types import DeviceRequest  # noqa: PLC0415
 
         kwargs["device_requests"] = [DeviceRequest(driver="nvidia", device_ids=[spec.device_uuid],

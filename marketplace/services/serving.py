@@ -71,7 +71,7 @@ def runtime() -> rt.ServingRuntime:
     kind = runtime_kind()
     runtime_dir = Path(settings.TESSERA_SERVING_RUNTIME_DIR or repo_root() / ".runtime")
     key = (kind, settings.TESSERA_TRITONSERVER, settings.TESSERA_TRITON_PYTHON, str(runtime_dir),
-           settings.TESSERA_TRITON_IMAGE)
+           settings.TESSERA_TRITON_IMAGE, str(settings.TESSERA_MODEL_STORE_ROOT))
     with _runtimes_lock:
         found = _runtimes.get(key)
         if found is None:
@@ -79,7 +79,7 @@ def runtime() -> rt.ServingRuntime:
                 found = rt.ProcessRuntime(binary=settings.TESSERA_TRITONSERVER, python=settings.TESSERA_TRITON_PYTHON,
                                           runtime_dir=runtime_dir)
             elif kind == "docker":
-                found = rt.DockerRuntime(settings.TESSERA_TRITON_IMAGE)
+                found = rt.DockerRuntime(settings.TESSERA_TRITON_IMAGE, model_store=settings.TESSERA_MODEL_STORE_ROOT)
             elif kind == "sim":
                 found = rt.SimRuntime()
             else:

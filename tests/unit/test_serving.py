@@ -377,6 +377,27 @@ def test_docker_container_spec_sees_one_device_one_read_only_repository_and_no_h
     assert c["labels"]["tessera.server"] == "allocation-7"
 
 
+def test_docker_container_spec_mounts_the_model_store_read_only_at_its_own_path(tmp_path, settings):
+    """A vLLM library model's model.json names its weights under TESSERA_MODEL_STORE_ROOT: the container sees that
+    folder at the same path, read-only, next to its repository; nothing else of the node is mounted."""
+    store = tmp_path / "model-store"
+    store.mkdir()
+    s = spec(tmp_path)
+    c = rt.container_spec(s, "nvcr.io/nvidia/tritonserver:24.10-py3", store)
+    assert c["volumes"] == {str(s.repo_dir.resolve()): {"bind": "/models", "mode": "ro"},
+                            str(store.resolve()): {"bind": str(store.resolve()), "mode": "ro"}}
+    with pytest.raises(ValueError, match="hide the repository"):
+        rt.container_spec(s, "img", Path("/models/weights"))
+    settings.TESSERA_SERVING_RUNTIME, settings.TESSERA_MODEL_STORE_ROOT = "docker", store
+    settings.TESSERA_TRITON_BACKEND = "http"
+    serving.reset_runtimes()
+    try:
+        docker_rt = serving.runtime()
+        assert isinstance(docker_rt, rt.DockerRuntime) and docker_rt.model_store == store
+    finally:
+        serving.reset_runtimes()
+
+
 def _docker_engine() -> str | None:
     try:
         import docker
