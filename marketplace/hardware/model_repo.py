@@ -30,6 +30,7 @@ from pathlib import Path, PurePosixPath
 from typing import BinaryIO
 
 from marketplace.hardware import triton
+from marketplace.hardware.triton import repository as triton_repository
 
 KNOWN_BACKENDS = ("python", "onnxruntime", "vllm", "tensorrtllm", "ensemble")
 PLATFORM_BACKENDS = {"ensemble": "ensemble", "onnxruntime_onnx": "onnxruntime"}
@@ -427,7 +428,7 @@ def write_files(repo_dir: Path, files: dict[str, str], *, copies: dict[str, str]
         if not triton.MODEL_NAME_RE.match(model):
             raise ValueError(f"bad model name {model!r}")
         target = repo_dir / model
-        if target.is_dir() and triton._read_tree(target) == content:
+        if target.is_dir() and triton_repository._read_tree(target) == content:
             continue
         staging = Path(tempfile.mkdtemp(prefix=f".{model}.tessera-new-", dir=repo_dir))
         for rel, data in content.items():

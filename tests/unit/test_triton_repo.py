@@ -259,7 +259,7 @@ class TestWriteRepository:
                 raise OSError("disk on fire")
             return real_rename(src, dst)
 
-        monkeypatch.setattr(t.os, "rename", failing_rename)
+        monkeypatch.setattr(t.repository.os, "rename", failing_rename)
         with pytest.raises(OSError, match="disk on fire"):
             write_repository(tmp_path, demo_text_model(version=2))
         monkeypatch.undo()
@@ -267,7 +267,7 @@ class TestWriteRepository:
         assert sorted(os.listdir(tmp_path)) == ["tiny-gen"]
 
     def test_failure_while_writing_files_leaves_nothing_partial(self, tmp_path, monkeypatch):
-        monkeypatch.setattr(t.os, "fsync", lambda fd: (_ for _ in ()).throw(OSError("no space")))
+        monkeypatch.setattr(t.repository.os, "fsync", lambda fd: (_ for _ in ()).throw(OSError("no space")))
         with pytest.raises(OSError, match="no space"):
             write_repository(tmp_path, demo_text_model())
         assert os.listdir(tmp_path) == []
