@@ -141,38 +141,69 @@ class ModelSpec:
         self.validate()
 
     def validate(self) -> None:
+        """One check per field, in this order (the first problem is the one reported); the coercing checks
+        replace dicts with their spec objects and parameter values with strings."""
+        self._check_name()
+        self._check_backend()
+        self._check_max_batch_size()
+        self.inputs = self._checked_tensors("inputs", "input")
+        self.outputs = self._checked_tensors("outputs", "output")
+        self.instance_group = self._checked_instance_group()
+        self.dynamic_batching = self._checked_dynamic_batching()
+        self._check_version()
+        self._check_files()
+        self.parameters = self._checked_parameters()
+        self._check_memory_mb()
+        self._check_decoupled()
+
+    def _check_name(self) -> None:
         if not isinstance(self.name, str) or not MODEL_NAME_RE.match(self.name):
             raise ValueError(f"model name {self.name!r} is invalid: 1 to 64 characters from a-z A-Z 0-9 _ -")
+
+    def _check_backend(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"model {self.name!r}: backend {self.backend!r} is not one of {', '.join(BACKENDS)}")
+
+    def _check_max_batch_size(self) -> None:
         if not _is_int(self.max_batch_size) or self.max_batch_size < 0:
             raise ValueError(f"model {self.name!r}: max_batch_size must be an integer >= 0 (0 = no batching), "
                              f"got {self.max_batch_size!r}")
-        for attr, where in (("inputs", "input"), ("outputs", "output")):
-            items = getattr(self, attr)
-            if not isinstance(items, list | tuple):
-                raise ValueError(f"model {self.name!r}: {attr} must be a list")
-            items = [_coerce(TensorSpec, t, f"model {self.name!r} {where}") for t in items]
-            if not items and self.backend not in AUTOCOMPLETE_BACKENDS:
-                raise ValueError(f"model {self.name!r}: at least one {where} is required for backend {self.backend!r}")
-            names = set()
-            for t in items:
-                t.validate(f"model {self.name!r} {where}")
-                if t.name in names:
-                    raise ValueError(f"model {self.name!r}: duplicate {where} name {t.name!r}")
-                if where == "output" and t.optional:
-                    raise ValueError(f"model {self.name!r}: output {t.name!r} cannot be optional")
-                names.add(t.name)
-            setattr(self, attr, items)
-        self.instance_group = _coerce(InstanceGroup, self.instance_group, f"model {self.name!r} instance_group")
-        self.instance_group.validate()
-        if self.dynamic_batching is not None:
-            self.dynamic_batching = _coerce(DynamicBatching, self.dynamic_batching,
-                                            f"model {self.name!r} dynamic_batching")
-            self.dynamic_batching.validate(self.max_batch_size)
+
+    def _checked_tensors(self, attr: str, where: str) -> list[TensorSpec]:
+        items = getattr(self, attr)
+        if not isinstance(items, list | tuple):
+            raise ValueError(f"model {self.name!r}: {attr} must be a list")
+        tensors = [_coerce(TensorSpec, t, f"model {self.name!r} {where}") for t in items]
+        if not tensors and self.backend not in AUTOCOMPLETE_BACKENDS:
+            raise ValueError(f"model {self.name!r}: at least one {where} is required for backend {self.backend!r}")
+        names = set()
+        for t in tensors:
+            t.validate(f"model {self.name!r} {where}")
+            if t.name in names:
+                raise ValueError(f"model {self.name!r}: duplicate {where} name {t.name!r}")
+            if where == "output" and t.optional:
+                raise ValueError(f"model {self.name!r}: output {t.name!r} cannot be optional")
+            names.add(t.name)
+        return tensors
+
+    def _checked_instance_group(self) -> InstanceGroup:
+        group = _coerce(InstanceGroup, self.instance_group, f"model {self.name!r} instance_group")
+        group.validate()
+        return group
+
+    def _checked_dynamic_batching(self) -> DynamicBatching | None:
+        if self.dynamic_batching is None:
+            return None
+        batching = _coerce(DynamicBatching, self.dynamic_batching, f"model {self.name!r} dynamic_batching")
+        batching.validate(self.max_batch_size)
+        return batching
+
+    def _check_version(self) -> None:
         if not _is_int(self.version) or self.version < 1:
             raise ValueError(f"model {self.name!r}: version must be an integer >= 1 (Triton ignores folder '0'), "
                              f"got {self.version!r}")
+
+    def _check_files(self) -> None:
         if not isinstance(self.files, dict):
             raise ValueError(f"model {self.name!r}: files must be a dict of relative path -> bytes or str")
         for path, content in self.files.items():
@@ -180,6 +211,8 @@ class ModelSpec:
             if not isinstance(content, bytes | str):
                 raise ValueError(f"model {self.name!r}: file {path!r} content must be bytes or str, "
                                  f"got {type(content).__name__}")
+
+    def _checked_parameters(self) -> dict[str, str]:
         if not isinstance(self.parameters, dict):
             raise ValueError(f"model {self.name!r}: parameters must be a dict of str -> str")
         params = {}
@@ -191,12 +224,15 @@ class ModelSpec:
             if not isinstance(value, str | int | float | bool):
                 raise ValueError(f"model {self.name!r}: parameter {key!r} must be a string, got {type(value).__name__}")
             params[key] = str(value).lower() if isinstance(value, bool) else str(value)
-        self.parameters = params
+        return params
+
+    def _check_memory_mb(self) -> None:
         if not _is_int(self.memory_mb) or self.memory_mb < 0:
             raise ValueError(f"model {self.name!r}: memory_mb must be an integer >= 0, got {self.memory_mb!r}")
+
+    def _check_decoupled(self) -> None:
         if not isinstance(self.decoupled, bool):
             raise ValueError(f"model {self.name!r}: decoupled must be true or false, got {self.decoupled!r}")
-
 
 def _check_relative_path(model: str, path: Any) -> None:
     if not isinstance(path, str) or not path or "\\" in path or "\x00" in path:
