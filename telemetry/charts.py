@@ -22,15 +22,16 @@ from datetime import UTC, datetime, timedelta
 from decimal import ROUND_HALF_UP, Decimal
 
 import plotly.graph_objects as go
-from django.db.models import Q
+from django.db.models import Count, F, Max, Q, QuerySet, Sum
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 from plotly.subplots import make_subplots
 
-from marketplace.models import Allocation, Gpu, GpuSlot, InvoiceLine, Tier
+from marketplace.models import Allocation, Gpu, GpuSlot, InvoiceLine, Node, Tier
 from marketplace.services.billing import amount_between, rated_lines
 from telemetry.models import GpuSample, Resolution, UsageHourly
 from telemetry.services import energy
+from telemetry.sqlbuckets import EpochBucket, from_epoch
 from tenants.errors import Forbidden, ServiceError
 from tenants.models import Tenant
 from tenants.scoping import Principal
@@ -74,6 +75,14 @@ def _dt(value, field: str) -> datetime | None:
 
 
 MAX_HOURS = 400 * 24
+RAW_UP_TO = timedelta(hours=6)
+FIVE_MIN_UP_TO = timedelta(days=3)
+#: points per series at most (a time bucket widens to keep under it), and heatmap cells per axis
+MAX_POINTS = 360
+HEATMAP_COLUMNS = 120
+HEATMAP_ROWS = 128
+NICE_STEPS = (60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200, 86400, 172800, 604800)
+NATIVE_STEP = {Resolution.RAW: 60, Resolution.FIVE_MIN: 300, Resolution.HOUR: 3600}
 
 
 def period(params: dict | None) -> Period:
@@ -96,10 +105,10 @@ def period(params: dict | None) -> Period:
     res = p.get("resolution")
     if res not in (None, "", *Resolution.values):
         raise ServiceError("resolution must be raw, 5m or 1h", field="resolution")
-    if not res:
+    if not res:  # raw only for short ranges: the rollups (plus the raw tail after them) beyond
         span = end - start
-        res = Resolution.RAW if span <= timedelta(days=1) else (
-            Resolution.FIVE_MIN if span <= timedelta(days=30) else Resolution.HOUR)
+        res = Resolution.RAW if span <= RAW_UP_TO else (
+            Resolution.FIVE_MIN if span <= FIVE_MIN_UP_TO else Resolution.HOUR)
     return Period(start, end, res, (p.get("currency") or "USD").upper())
 
 
@@ -107,13 +116,46 @@ def _gpu_label(gpu: Gpu) -> str:
     return f"{gpu.node.hostname}/gpu{gpu.index}"
 
 
-def _samples(per: Period):
-    rows = (GpuSample.objects.filter(resolution=per.resolution, ts__gte=per.start, ts__lt=per.end)
-            .values_list("gpu_id", "ts", "activity", "gpu__gpu_model__key").order_by("ts"))
-    for gpu_id, ts, act, model in rows:
-        if per.resolution == Resolution.RAW:  # nodes are read a few seconds apart: align to the minute
-            ts = ts.replace(second=0, microsecond=0)
-        yield gpu_id, ts, act, model
+def bucket_step(per: Period, points: int = MAX_POINTS) -> int:
+    """Seconds per time bucket: the resolution's own step, widened to a round step that keeps a series
+    under `points` points."""
+    want = max(NATIVE_STEP[per.resolution], per.seconds / points)
+    return next((s for s in NICE_STEPS if s >= want), NICE_STEPS[-1])
+
+
+def _sample_rows(per: Period) -> QuerySet:
+    """GpuSample rows of the period at its resolution; for a rollup, the raw rows after the last rolled-up
+    bucket too (the rollup job only writes complete buckets), so the newest minutes are never missing."""
+    base = GpuSample.objects.filter(ts__gte=per.start, ts__lt=per.end)
+    if per.resolution == Resolution.RAW:
+        return base.filter(resolution=Resolution.RAW)
+    mark = base.filter(resolution=per.resolution).aggregate(m=Max("ts"))["m"]
+    tail = mark + timedelta(seconds=NATIVE_STEP[per.resolution]) if mark else per.start
+    return base.filter(Q(resolution=per.resolution, ts__lt=tail) | Q(resolution=Resolution.RAW, ts__gte=tail))
+
+
+def activity(per: Period, *keys: str, step: int | None = None) -> list[dict]:
+    """Average activity in percent per time bucket ("t", a datetime; none when step is 0: the whole
+    period) and `keys` (GpuSample value paths), aggregated by the database: a rollup row weighs as
+    many raw samples as it averages."""
+    qs = _sample_rows(per)
+    group = list(keys)
+    if step:
+        qs = qs.annotate(b=EpochBucket("ts", step))
+        group.insert(0, "b")
+    rows = (qs.values(*group).annotate(w=Sum(F("activity") * F("samples")), n=Sum("samples")).order_by(*group)
+            if group else [qs.aggregate(w=Sum(F("activity") * F("samples")), n=Sum("samples"))])
+    out = []
+    for r in rows:
+        if not r["n"]:
+            continue
+        row = {k: r[k] for k in keys}
+        row["avg"] = 100.0 * r["w"] / r["n"]
+        row["n"] = r["n"]
+        if step:
+            row["t"] = from_epoch(r["b"])
+        out.append(row)
+    return out
 
 
 def _money(x: Decimal, places: str = "0.000001") -> Decimal:
@@ -122,42 +164,77 @@ def _money(x: Decimal, places: str = "0.000001") -> Decimal:
 
 # --- fleet figures ---------------------------------------------------------------------------------
 
+def _when(t: datetime) -> str:
+    return t.strftime("%Y-%m-%d %H:%M")
+
+
+def _empty(fig: go.Figure, message: str = "no data yet") -> go.Figure:
+    """An empty chart says so instead of drawing a blank -1..1 axis."""
+    fig.add_annotation(text=message, showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper",
+                       font={"size": 16, "color": "#666"})
+    fig.update_xaxes(visible=False)
+    fig.update_yaxes(visible=False)
+    return fig
+
+
 def fleet_utilization(per: Period, principal: Principal):
-    """Average GPU activity (percent) over time, fleet-wide and per GPU model."""
-    acc: dict[datetime, list[float]] = defaultdict(list)
-    by_model: dict[str, dict[datetime, list[float]]] = defaultdict(lambda: defaultdict(list))
-    for _gpu, ts, act, model in _samples(per):
-        acc[ts].append(act * 100)
-        by_model[model][ts].append(act * 100)
-    ts = sorted(acc)
-    numbers = {
-        "ts": [t.isoformat() for t in ts],
-        "fleet": [round(sum(acc[t]) / len(acc[t]), 4) for t in ts],
-        "by_model": {m: {"ts": [t.isoformat() for t in sorted(v)],
-                         "avg": [round(sum(v[t]) / len(v[t]), 4) for t in sorted(v)]} for m, v in by_model.items()},
-    }
-    fig = go.Figure(layout={**LAYOUT, "title": "Fleet utilization (%)", "yaxis": {"range": [0, 100]}})
+    """Average GPU activity (percent) over time, fleet-wide and per GPU model (one GROUP BY query)."""
+    step = bucket_step(per)
+    fleet: dict[datetime, list[float]] = defaultdict(lambda: [0.0, 0])
+    by_model: dict[str, dict[str, list]] = defaultdict(lambda: {"ts": [], "avg": []})
+    for r in activity(per, "gpu__gpu_model__key", step=step):
+        acc = fleet[r["t"]]
+        acc[0] += r["avg"] * r["n"]
+        acc[1] += r["n"]
+        m = by_model[r["gpu__gpu_model__key"]]
+        m["ts"].append(r["t"].isoformat())
+        m["avg"].append(round(r["avg"], 4))
+    ts = sorted(fleet)
+    numbers = {"ts": [t.isoformat() for t in ts], "fleet": [round(fleet[t][0] / fleet[t][1], 4) for t in ts],
+               "by_model": dict(by_model), "step_s": step}
+    fig = go.Figure(layout={**LAYOUT, "title": "Fleet utilization", "yaxis": {"range": [0, 100],
+                                                                              "title": "GPU activity (%)"},
+                            "xaxis": {"title": f"time (UTC), {_step_words(step)} averages"}})
     fig.add_trace(go.Scatter(x=ts, y=numbers["fleet"], name="fleet", mode="lines"))
     for m, v in sorted(numbers["by_model"].items()):
         fig.add_trace(go.Scatter(x=v["ts"], y=v["avg"], name=m, mode="lines", line={"dash": "dot"}))
-    return fig, numbers
+    return (fig if ts else _empty(fig)), numbers
+
+
+def _step_words(step: int) -> str:
+    return f"{step // 3600} h" if step % 3600 == 0 else f"{step // 60} min"
 
 
 def gpu_heatmap(per: Period, principal: Principal):
-    """Activity (percent) per GPU (rows) and time bucket (columns)."""
-    gpus = list(Gpu.objects.select_related("node").order_by("node__hostname", "index"))
-    cells: dict[tuple[int, datetime], float] = {}
-    times: set[datetime] = set()
-    for gpu_id, ts, act, _m in _samples(per):
-        cells[(gpu_id, ts)] = act * 100
-        times.add(ts)
-    ts = sorted(times)
-    z = [[None if (g.pk, t) not in cells else round(cells[(g.pk, t)], 4) for t in ts] for g in gpus]
-    labels = [_gpu_label(g) for g in gpus]
+    """Activity (percent) per GPU (rows; one row per node when the fleet has more GPUs than a page can
+    show) and time bucket (columns, at most HEATMAP_COLUMNS): one GROUP BY query."""
+    step = bucket_step(per, HEATMAP_COLUMNS)
+    per_node = Gpu.objects.count() > HEATMAP_ROWS
+    if per_node:
+        rows = list(Node.objects.order_by("hostname").annotate(n=Count("gpus")).values_list("pk", "hostname", "n"))
+        keys = {pk: i for i, (pk, _h, _n) in enumerate(rows)}
+        labels = [f"{host} ({n} GPUs)" for _pk, host, n in rows]
+        key = "gpu__node_id"
+    else:
+        gpus = list(Gpu.objects.order_by("node__hostname", "index").values_list("pk", "node__hostname", "index"))
+        keys = {pk: i for i, (pk, _h, _i) in enumerate(gpus)}
+        labels = [f"{host}/gpu{index}" for _pk, host, index in gpus]
+        key = "gpu_id"
+    cells = activity(per, key, step=step)
+    ts = sorted({c["t"] for c in cells})
+    col = {t: j for j, t in enumerate(ts)}
+    z: list[list[float | None]] = [[None] * len(ts) for _ in labels]
+    for c in cells:
+        if c[key] in keys:
+            z[keys[c[key]]][col[c["t"]]] = round(c["avg"], 1 if per_node else 4)
     fig = go.Figure(go.Heatmap(x=ts, y=labels, z=z, zmin=0, zmax=100, colorscale="Viridis",
-                               colorbar={"title": "%"}),
-                    layout={**LAYOUT, "title": "GPU activity heatmap (%)"})
-    return fig, {"gpus": labels, "ts": [t.isoformat() for t in ts], "z": z}
+                               colorbar={"title": "activity (%)"}, hoverongaps=False),
+                    layout={**LAYOUT, "title": "GPU activity heatmap" + (" (per node)" if per_node else ""),
+                            "xaxis": {"title": f"time (UTC), {_step_words(step)} averages"},
+                            "yaxis": {"title": "node" if per_node else "GPU"},
+                            "height": max(360, min(1400, 60 + 14 * len(labels)))})
+    return (fig if ts else _empty(fig)), {"gpus": labels, "per_node": per_node, "step_s": step,
+                                          "ts": [t.isoformat() for t in ts], "z": z}
 
 
 def mig_slot_map(per: Period, principal: Principal):
@@ -273,16 +350,14 @@ def h100_vs_h200(per: Period, principal: Principal):
     for tier_id, d in spend.items():
         tokens[model_of[tier_id]] += d["tokens"]
         amount[model_of[tier_id]] += d["amount"]
-    util = defaultdict(list)
-    for _g, _ts, act, model in _samples(per):
-        util[model].append(act * 100)
+    util = {r["gpu__gpu_model__key"]: r["avg"] for r in activity(per, "gpu__gpu_model__key")}
     models = sorted(set(gpus) | set(tokens))
     numbers = {m: {
         "gpus": gpus.get(m, 0),
         "tokens": tokens.get(m, 0),
         "tokens_per_s_per_gpu": round(tokens.get(m, 0) / per.seconds / gpus[m], 6) if gpus.get(m) else None,
         "cost_per_1k_tokens": _money(amount[m] * 1000 / tokens[m], "0.00000001") if tokens.get(m) else None,
-        "utilization": round(sum(util[m]) / len(util[m]), 4) if util.get(m) else None,
+        "utilization": round(util[m], 4) if m in util else None,
     } for m in models}
     fig = make_subplots(rows=1, cols=3, subplot_titles=("tokens/s per GPU", f"cost per 1K tokens ({per.currency})",
                                                         "utilization (%)"))

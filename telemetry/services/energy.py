@@ -22,9 +22,10 @@ from datetime import datetime, timedelta
 from decimal import ROUND_HALF_UP, Decimal
 
 from django.conf import settings
-from django.db.models import F, Sum
+from django.db import connection
+from django.db.models import Case, F, Max, Min, Q, Sum, When
 
-from marketplace.models import Allocation, Gpu, Tier
+from marketplace.models import Allocation, Gpu, GpuModel, Tier
 from telemetry.models import GpuSample, MigSample, Resolution, UsageHourly
 
 J_PER_KWH = 3_600_000.0
@@ -35,26 +36,6 @@ LOOKBACK = {Resolution.RAW: timedelta(hours=1), Resolution.FIVE_MIN: timedelta(m
 
 def price_per_kwh() -> Decimal:
     return Decimal(str(getattr(settings, "TESSERA_ENERGY_PRICE_PER_KWH", "0.12")))
-
-
-def _series(gpu_id: int, start: datetime, end: datetime) -> tuple[str, list[tuple[datetime, float, datetime]]]:
-    """(resolution, [(effective time, counter J, row ts)]) from one anchor at/before start to end."""
-    best: tuple[str, list] | None = None
-    for res in (Resolution.RAW, Resolution.FIVE_MIN, Resolution.HOUR):
-        step = STEP[res]
-        rows = [(ts + step, e, ts) for ts, e in GpuSample.objects.filter(
-            gpu_id=gpu_id, resolution=res, ts__gte=start - step - LOOKBACK[res], ts__lte=end - step)
-            .order_by("ts").values_list("ts", "energy_j")]
-        anchor = [i for i, r in enumerate(rows) if r[0] <= start]
-        rows = rows[anchor[-1]:] if anchor else rows
-        rows = [r for r in rows if r[0] <= end]
-        if not rows:
-            continue
-        if anchor:
-            return res, rows
-        if best is None or rows[0][0] < best[1][0][0]:
-            best = (res, rows)
-    return best if best else (Resolution.RAW, [])
 
 
 def _increase(prev: float, cur: float) -> float:
@@ -76,41 +57,107 @@ class EnergyReport:
 
 
 def gpu_kwh(gpu_id: int, start: datetime, end: datetime) -> float:
-    _res, rows = _series(gpu_id, start, end)
-    return sum(_increase(a[1], b[1]) for a, b in zip(rows, rows[1:], strict=False)) / J_PER_KWH
+    return apportion(start, end, gpus=[gpu_id]).gpu_kwh.get(gpu_id, 0.0)
+
+
+ORDER = (Resolution.RAW, Resolution.FIVE_MIN, Resolution.HOUR)
+
+
+def _window(res: str, start: datetime, end: datetime) -> tuple[datetime, datetime, datetime]:
+    """(lowest ts read, highest anchor ts, highest ts) of `res` rows: a row stands at ts + step."""
+    step = STEP[res]
+    return start - step - LOOKBACK[res], start - step, end - step
+
+
+def choose_resolutions(start: datetime, end: datetime, gpus=None) -> dict[int, str]:
+    """Each GPU's resolution (one grouped query): the finest one with a row at or before `start` (an
+    anchor); else the one whose first row is earliest."""
+    cond, anchors = Q(), []
+    for res in ORDER:
+        lo, anchor_hi, hi = _window(res, start, end)
+        cond |= Q(resolution=res, ts__gte=lo, ts__lte=hi)
+        anchors.append(When(resolution=res, ts__lte=anchor_hi, then="ts"))
+    qs = GpuSample.objects.filter(cond)
+    if gpus is not None:
+        qs = qs.filter(gpu_id__in=list(gpus))
+    found: dict[int, dict[str, tuple[datetime, datetime | None]]] = defaultdict(dict)
+    for gpu_id, res, first, anchor in (qs.values("gpu_id", "resolution")
+                                       .annotate(first=Min("ts"), anchor=Max(Case(*anchors)))
+                                       .values_list("gpu_id", "resolution", "first", "anchor")):
+        found[gpu_id][res] = (first + STEP[res], anchor)
+    out = {}
+    for gpu_id, by_res in found.items():
+        anchored = [r for r in ORDER if r in by_res and by_res[r][1] is not None]
+        out[gpu_id] = anchored[0] if anchored else min((r for r in ORDER if r in by_res),
+                                                       key=lambda r: (by_res[r][0], ORDER.index(r)))
+    return out
+
+
+def _increments_sql(res: str, gpu_ids: list[int], start: datetime, end: datetime) -> tuple[str, list]:
+    """A WITH clause `inc(gpu_id, ts, j)`: each stored counter increase of the GPUs at `res`, from the
+    anchor (the last row standing at or before start) to end; a decrease (driver reload) counts the new
+    value."""
+    ops = connection.ops
+    lo, anchor_hi, hi = (ops.adapt_datetimefield_value(x) for x in _window(res, start, end))
+    t = GpuSample._meta.db_table
+    ids = ", ".join(["%s"] * len(gpu_ids))
+    sql = f"""WITH a AS (
+        SELECT gpu_id, MAX(ts) AS anchor FROM {t}
+        WHERE resolution = %s AND gpu_id IN ({ids}) AND ts >= %s AND ts <= %s GROUP BY gpu_id),
+      s AS (
+        SELECT g.gpu_id, g.ts, g.energy_j,
+               LAG(g.energy_j) OVER (PARTITION BY g.gpu_id ORDER BY g.ts) AS prev
+        FROM {t} g LEFT JOIN a ON a.gpu_id = g.gpu_id
+        WHERE g.resolution = %s AND g.gpu_id IN ({ids}) AND g.ts >= COALESCE(a.anchor, %s) AND g.ts <= %s),
+      inc AS (
+        SELECT gpu_id, ts, CASE WHEN energy_j >= prev THEN energy_j - prev ELSE energy_j END AS j
+        FROM s WHERE prev IS NOT NULL),
+      held AS (
+        SELECT inc.gpu_id, inc.ts, inc.j, m.allocation_id, m.tenant_id,
+               CASE WHEN m.compute_slices >= COALESCE(NULLIF(gm.compute_slices, 0), 7) THEN 1.0
+                    ELSE m.compute_slices * 1.0 / COALESCE(NULLIF(gm.compute_slices, 0), 7) END AS share
+        FROM inc
+        JOIN {MigSample._meta.db_table} m ON m.gpu_id = inc.gpu_id AND m.resolution = %s AND m.ts = inc.ts
+        JOIN {Gpu._meta.db_table} gpu ON gpu.id = inc.gpu_id
+        JOIN {GpuModel._meta.db_table} gm ON gm.id = gpu.gpu_model_id
+        WHERE m.allocation_id IS NOT NULL OR m.tenant_id IS NOT NULL)"""
+    return sql, [res, *gpu_ids, lo, anchor_hi, res, *gpu_ids, lo, hi, res]
 
 
 def apportion(start: datetime, end: datetime, gpus=None) -> EnergyReport:
-    """kWh per GPU, per allocation, per tenant and unallocated over [start, end]."""
+    """kWh per GPU, per allocation, per tenant and unallocated over [start, end]: the counter increases
+    and their compute-share split are summed by the database (two queries per resolution in use, plus
+    one to choose them), whatever the fleet's size. `gpus`: GPU ids (or a queryset of GPUs); all by
+    default."""
     report = EnergyReport(start, end)
-    qs = Gpu.objects.select_related("gpu_model") if gpus is None else gpus
-    for gpu in qs:
-        res, rows = _series(gpu.pk, start, end)
-        if len(rows) < 2:
-            report.gpu_kwh[gpu.pk] = 0.0
+    ids = None if gpus is None else [getattr(g, "pk", g) for g in gpus]
+    chosen = choose_resolutions(start, end, ids)
+    for gpu_id in (ids if ids is not None else Gpu.objects.values_list("pk", flat=True)):
+        report.gpu_kwh[gpu_id] = 0.0
+    for res in ORDER:
+        group = sorted(g for g, r in chosen.items() if r == res)
+        if not group:
             continue
-        slices = defaultdict(list)
-        for ts, cs, alloc, tenant in MigSample.objects.filter(
-                gpu_id=gpu.pk, resolution=res, ts__gte=rows[1][2], ts__lte=rows[-1][2]).values_list(
-                "ts", "compute_slices", "allocation_id", "tenant_id"):
-            slices[ts].append((cs, alloc, tenant))
-        total_cs = gpu.gpu_model.compute_slices or 7
-        kwh_total = 0.0
-        for prev, cur in zip(rows, rows[1:], strict=False):
-            kwh = _increase(prev[1], cur[1]) / J_PER_KWH
-            kwh_total += kwh
-            held = 0.0
-            for cs, alloc, tenant in slices.get(cur[2], ()):
-                share = min(1.0, cs / total_cs)
-                if alloc is None and tenant is None:
-                    continue
-                held += share
+        with_sql, params = _increments_sql(res, group, start, end)
+        with connection.cursor() as cur:
+            cur.execute(with_sql + """
+                SELECT inc.gpu_id, SUM(inc.j),
+                       SUM(inc.j * CASE WHEN COALESCE(h.s, 0) >= 1 THEN 0 ELSE 1 - COALESCE(h.s, 0) END)
+                FROM inc LEFT JOIN (SELECT gpu_id, ts, SUM(share) AS s FROM held GROUP BY gpu_id, ts) h
+                  ON h.gpu_id = inc.gpu_id AND h.ts = inc.ts
+                GROUP BY inc.gpu_id""", params)
+            for gpu_id, joules, unheld in cur.fetchall():
+                report.gpu_kwh[gpu_id] = float(joules or 0) / J_PER_KWH
+                report.unallocated_kwh += float(unheld or 0) / J_PER_KWH
+            cur.execute(with_sql + """
+                SELECT allocation_id, tenant_id, SUM(j * share) FROM held GROUP BY allocation_id, tenant_id""",
+                        params)
+            for alloc, tenant, joules in cur.fetchall():
+                kwh = float(joules or 0) / J_PER_KWH
                 if alloc is not None:
-                    report.allocation_kwh[alloc] += kwh * share
+                    report.allocation_kwh[alloc] += kwh
                 if tenant is not None:
-                    report.tenant_kwh[tenant] += kwh * share
-            report.unallocated_kwh += kwh * max(0.0, 1.0 - held)
-        report.gpu_kwh[gpu.pk] = kwh_total
+                    report.tenant_kwh[tenant] += kwh
     return report
 
 

@@ -1,0 +1,33 @@
+"""Time buckets computed by the database (PostgreSQL and SQLite alike): a timestamp's UNIX epoch
+seconds rounded down to a multiple of ``step``. Charts GROUP BY it instead of reading every sample."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from django.db.models import BigIntegerField, Func
+
+
+class EpochBucket(Func):
+    """floor(epoch(expr) / step) * step, an integer (seconds since 1970-01-01 UTC)."""
+
+    output_field = BigIntegerField()
+
+    def __init__(self, expression, step: int):
+        if int(step) <= 0:
+            raise ValueError("step must be a positive number of seconds")
+        self.step = int(step)
+        super().__init__(expression)
+
+    def as_sql(self, compiler, connection, **extra):  # PostgreSQL (and the default)
+        sql, params = compiler.compile(self.source_expressions[0])
+        return f"(FLOOR(EXTRACT(EPOCH FROM {sql}) / {self.step}) * {self.step})::bigint", params
+
+    def as_sqlite(self, compiler, connection, **extra):
+        sql, params = compiler.compile(self.source_expressions[0])
+        # Django stores UTC text; strftime('%s') is its epoch ('%%' because the query is %-formatted)
+        return f"((CAST(strftime('%%s', {sql}) AS INTEGER) / {self.step}) * {self.step})", params
+
+
+def from_epoch(seconds: int) -> datetime:
+    return datetime.fromtimestamp(int(seconds), tz=UTC)
