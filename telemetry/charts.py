@@ -293,11 +293,14 @@ def tier_spend(per: Period) -> dict[int, dict]:
             part = amount_between(d, per.start, per.end)
             key = {L.SLICE_HOURS: "slice_amount", L.COMMITMENT_TOPUP: "commitment_amount"}.get(d.kind, "token_amount")
             out[d.tier.pk][key] += part
-    for r in (UsageHourly.objects.filter(hour__gte=per.start, hour__lt=per.end, tenant_id__in=priced)
-              .values_list("deployment__allocation__tier_id", "requests", "input_tokens", "output_tokens")):
-        d = out[r[0]]
-        d["requests"] += r[1]
-        d["tokens"] += r[2] + r[3]
+    for tier_id, requests, tokens in (
+            UsageHourly.objects.filter(hour__gte=per.start, hour__lt=per.end, tenant_id__in=priced)
+            .values("deployment__allocation__tier_id").order_by()
+            .annotate(rq=Sum("requests"), t=Sum(F("input_tokens") + F("output_tokens")))
+            .values_list("deployment__allocation__tier_id", "rq", "t")):
+        d = out[tier_id]
+        d["requests"] += int(requests or 0)
+        d["tokens"] += int(tokens or 0)
     for d in out.values():
         d["amount"] = _money(d["token_amount"] + d["slice_amount"] + d["commitment_amount"])
         for k in ("token_amount", "slice_amount", "commitment_amount"):
@@ -389,18 +392,21 @@ def tenant_usage(per: Period, principal: Principal, params: dict | None = None):
         tenants = tenants.filter(slug=params["tenant"])
         if not tenants.exists():
             raise ChartNotFound("No such tenant.")
-    slug = dict(tenants.values_list("pk", "slug"))
+    slug, own_currency = {}, {}
+    for pk, s, cur in tenants.values_list("pk", "slug", "currency"):
+        slug[pk], own_currency[pk] = s, cur
     tok = defaultdict(lambda: defaultdict(int))
     spend = defaultdict(lambda: defaultdict(Decimal))
-    for tid, hour, i, o in (UsageHourly.objects.filter(tenant_id__in=list(slug), hour__gte=per.start,
-                                                        hour__lt=per.end)
-                            .values_list("tenant_id", "hour", "input_tokens", "output_tokens")):
-        tok[tid][_trunc(hour, bucket)] += i + o
     step = timedelta(days=1) if bucket == "day" else timedelta(hours=1)
+    for r in (UsageHourly.objects.filter(tenant_id__in=list(slug), hour__gte=per.start, hour__lt=per.end)
+              .annotate(b=EpochBucket("hour", int(step.total_seconds()))).values("tenant_id", "b")
+              .annotate(t=Sum(F("input_tokens") + F("output_tokens"))).order_by()):
+        tok[r["tenant_id"]][from_epoch(r["b"])] += int(r["t"] or 0)
     currency: dict[int, str] = {}
     wanted = (params.get("currency") or "").upper() or None  # given: only the tenants billed in it
     for t in _tenants_used(per, slug):
-        for d, cur in rated_lines(t, per.start, per.end):  # the invoices' own rating, in each invoice's currency
+        # the invoices' own rating, in each invoice's currency, its token pieces cut at the buckets
+        for d, cur in rated_lines(t, per.start, per.end, step=int(step.total_seconds())):
             currency.setdefault(t.pk, cur)
             b, hi = _trunc(max(d.usage_from, per.start), bucket), min(d.usage_to, per.end)
             while True:
@@ -411,7 +417,7 @@ def tenant_usage(per: Period, principal: Principal, params: dict | None = None):
                 if b >= hi:
                     break
     if wanted:
-        slug = {tid: s for tid, s in slug.items() if currency.get(tid, tenants.get(pk=tid).currency) == wanted}
+        slug = {tid: s for tid, s in slug.items() if currency.get(tid, own_currency[tid]) == wanted}
     currencies = sorted({currency.get(tid) or "" for tid in slug} - {""})
     numbers = {}
     unit = currencies[0] if len(currencies) == 1 else "each tenant's billing currency"
@@ -421,7 +427,7 @@ def tenant_usage(per: Period, principal: Principal, params: dict | None = None):
         numbers[slug[tid]] = {"ts": [t.isoformat() for t in times], "tokens": [tok[tid].get(t, 0) for t in times],
                               "spend": [_money(spend[tid].get(t, Decimal(0)), "0.01") for t in times],
                               "total": _money(sum(spend[tid].values(), Decimal(0)), "0.01"),
-                              "currency": currency.get(tid) or Tenant.objects.get(pk=tid).currency}
+                              "currency": currency.get(tid) or own_currency[tid]}
         fig.add_trace(go.Bar(x=times, y=numbers[slug[tid]]["tokens"], name=slug[tid]), 1, 1)
         fig.add_trace(go.Scatter(x=times, y=[float(s) for s in numbers[slug[tid]]["spend"]], name=f"{slug[tid]} spend",
                                  mode="lines+markers"), 2, 1)

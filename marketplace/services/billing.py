@@ -54,7 +54,7 @@ from datetime import UTC, date, datetime, timedelta
 from decimal import ROUND_HALF_UP, Decimal
 
 from django.db import transaction
-from django.db.models import F, Q
+from django.db.models import BooleanField, Case, Count, F, IntegerField, Max, Min, Q, QuerySet, Sum, Value, When
 from django.db.models.functions import TruncMonth
 from django.utils import timezone
 
@@ -64,12 +64,14 @@ from marketplace.models import (
     Invoice,
     InvoiceLine,
     InvoiceSequence,
+    ModelDeployment,
     PricePlan,
     SpendNotice,
     Tier,
 )
 from marketplace.services.dbretry import retry_on_conflict
 from telemetry.models import UsageHourly
+from telemetry.sqlbuckets import EpochBucket
 from tenants import audit
 from tenants.errors import Conflict, Forbidden, ServiceError
 from tenants.models import Tenant
@@ -117,8 +119,25 @@ class PlanBook:
 
     def __init__(self, currency: str):
         self.by_key: dict[tuple[int, str], list[PricePlan]] = defaultdict(list)
-        for p in PricePlan.objects.filter(currency=currency).order_by("effective_from"):
+        self.by_pk: dict[int, PricePlan] = {}
+        for p in PricePlan.objects.filter(currency=currency).order_by("effective_from", "pk"):
             self.by_key[(p.tier_id, p.kind)].append(p)
+            self.by_pk[p.pk] = p
+
+    def plan(self, pk: int | None) -> PricePlan | None:
+        return self.by_pk.get(pk) if pk is not None else None
+
+    def case(self, tier: str, kind: str, at: str) -> Case:
+        """A SQL expression: the pk of the plan in force for the row's tier and plan kind at its time `at`
+        (null: no price in force). The same rule as `at`, for the database to group by."""
+        whens = []
+        for (tier_id, plan_kind), plans in self.by_key.items():
+            for i, p in enumerate(plans):
+                span = {f"{at}__gte": p.effective_from}
+                if i + 1 < len(plans):
+                    span[f"{at}__lt"] = plans[i + 1].effective_from
+                whens.append(When(Q(**{tier: tier_id, kind: plan_kind, **span}), then=Value(p.pk)))
+        return Case(*whens, default=Value(None), output_field=IntegerField())
 
     def at(self, tier_id: int, kind: str, t: datetime) -> PricePlan | None:
         found = None
@@ -194,13 +213,41 @@ class Draft:
 @dataclass
 class Rated:
     drafts: list[Draft]
-    usage_rows: list[int]  # UsageHourly rows charged (this month's and late ones)
+    usage_rows: QuerySet  # the UsageHourly rows rated (this month's and late ones); all charged when all priced
     currency: str = "USD"
     unpriced: list[str] = field(default_factory=list)  # usage or capacity with no plan in `currency`
 
     @property
     def total(self) -> Decimal:
         return sum((d.amount for d in self.drafts), Decimal(0))
+
+
+Pieces = tuple[int, datetime, datetime]
+
+
+def token_groups(rows: QuerySet, book: PlanBook, month_start: datetime, pieces: Pieces | None = None):
+    """UsageHourly `rows` summed by the database per (deployment, adapter, tier, plan kind, plan in force,
+    late: before `month_start`, month[, piece]): the rating's token input, however many hours there are.
+    pieces = (step, lo, hi): also per UTC time bucket of `step` seconds, with each hour outside [lo, hi)
+    its own piece (the hours a period's edges cut). Yields dicts with the sums, first/last hour and the
+    number of hours."""
+    tier, kind = "deployment__allocation__tier_id", "deployment__allocation__order__plan_kind"
+    qs = rows.annotate(
+        plan_id=book.case(tier, kind, "hour"),
+        late=Case(When(hour__lt=month_start, then=Value(True)), default=Value(False), output_field=BooleanField()),
+        month=TruncMonth("hour", tzinfo=UTC))
+    keys = ["deployment_id", "adapter", tier, kind, "plan_id", "late", "month"]
+    if pieces:
+        step, lo, hi = pieces
+        qs = qs.annotate(piece=Case(When(Q(hour__lt=lo) | Q(hour__gte=hi), then=EpochBucket("hour", 3600)),
+                                    default=EpochBucket("hour", step)))
+        keys.append("piece")
+    for g in (qs.values(*keys).annotate(
+            input_tokens=Sum("input_tokens"), output_tokens=Sum("output_tokens"),
+            billed_input_tokens=Sum("billed_input_tokens"), billed_output_tokens=Sum("billed_output_tokens"),
+            requests=Sum("requests"), first=Min("hour"), last=Max("hour"), hours=Count("pk")).order_by(*keys)):
+        g["tier_id"], g["plan_kind"] = g.pop(tier), g.pop(kind)
+        yield g
 
 
 def period_currency(tenant: Tenant, period_start: date) -> str:
@@ -210,9 +257,12 @@ def period_currency(tenant: Tenant, period_start: date) -> str:
 
 
 def rate(tenant: Tenant, period_start: date, now: datetime | None = None, currency: str | None = None,
-         invoice_id: int | None = None) -> Rated:
+         invoice_id: int | None = None, pieces: Pieces | None = None) -> Rated:
     """Price a tenant's month (pure: reads only). currency: the invoice's (default: the period's);
-    invoice_id: the invoice being rated (its own credits and corrections are not counted as given)."""
+    invoice_id: the invoice being rated (its own credits and corrections are not counted as given);
+    pieces: (step, lo, hi): token lines keep their quantity per UTC time bucket of `step` seconds, and per
+    hour outside [lo, hi), so that `amount_between` is exact for [lo, hi) and buckets of that step inside
+    it (the charts); default: one piece per line (invoices need none)."""
     now = now or timezone.now()
     start, end = bounds(period_start)
     currency = currency or period_currency(tenant, period_start)
@@ -251,40 +301,42 @@ def rate(tenant: Tenant, period_start: date, now: datetime | None = None, curren
     pending_late = Q(input_tokens__gt=F("billed_input_tokens")) | Q(output_tokens__gt=F("billed_output_tokens"))
     rows = UsageHourly.objects.filter(tenant=tenant).filter(this_month | (late & pending_late) if finalized
                                                              else this_month)
-    charged = []
     late_reserved: dict[tuple[date, int], Decimal] = defaultdict(Decimal)
-    for r in rows.select_related("deployment__allocation__tier", "deployment__allocation__order"):
-        alloc = r.deployment.allocation
-        plan = book.at(alloc.tier_id, alloc.order.plan_kind, r.hour)
+    groups = list(token_groups(rows, book, start, pieces))
+    tiers = Tier.objects.in_bulk({g["tier_id"] for g in groups})
+    names = dict(ModelDeployment.objects.filter(pk__in={g["deployment_id"] for g in groups})
+                 .values_list("pk", "name"))
+    for g in groups:
+        tier, plan = tiers[g["tier_id"]], book.plan(g["plan_id"])
         if plan is None:
-            log.warning("usage without a price in force", extra={"row": r.pk, "tier": alloc.tier_id})
-            unpriced[f"{alloc.tier.name}: {alloc.order.plan_kind} tokens with no {currency} price in force"] = None
+            log.warning("usage without a price in force", extra={"tier": g["tier_id"], "hours": g["hours"]})
+            unpriced[f"{tier.name}: {g['plan_kind']} tokens with no {currency} price in force"] = None
             continue
-        is_late = r.hour < start
-        ins = r.input_tokens - r.billed_input_tokens if is_late else r.input_tokens
-        outs = r.output_tokens - r.billed_output_tokens if is_late else r.output_tokens
+        is_late = g["late"]
+        ins, outs = (g["input_tokens"] - g["billed_input_tokens"], g["output_tokens"] - g["billed_output_tokens"]) \
+            if is_late else (g["input_tokens"], g["output_tokens"])
         if is_late and plan.kind == PricePlan.Kind.RESERVED:
-            late_reserved[(month_of(r.hour), plan.pk)] += (
+            late_reserved[(month_of(g["first"]), plan.pk)] += (
                 Decimal(max(ins, 0)) * plan.price_per_1m_input_tokens
                 + Decimal(max(outs, 0)) * plan.price_per_1m_output_tokens) / MILLION
         for kind, tokens in (((L.ADJUSTMENT_INPUT, ins), (L.ADJUSTMENT_OUTPUT, outs)) if is_late
                              else ((L.INPUT_TOKENS, ins), (L.OUTPUT_TOKENS, outs))):
             if tokens <= 0:
                 continue
-            key = (kind, alloc.tier_id, plan.pk, r.deployment_id, r.adapter)  # a LoRA adapter is its own line
+            key = (kind, tier.pk, plan.pk, g["deployment_id"], g["adapter"])  # a LoRA adapter is its own line
             what = "input" if kind in (L.INPUT_TOKENS, L.ADJUSTMENT_INPUT) else "output"
             prefix = "late usage from a finalized month: " if is_late else ""
-            served = f"LoRA adapter {r.adapter} of {r.deployment.name}" if r.adapter else r.deployment.name
+            name = names.get(g["deployment_id"], "")
+            served = f"LoRA adapter {g['adapter']} of {name}" if g["adapter"] else name
             d = drafts.get(key) or drafts.setdefault(key, Draft(
-                kind, alloc.tier, plan, f"{prefix}{served} on {alloc.tier.name}: {what} tokens (per 1M)",
-                "1M tokens", deployment_id=r.deployment_id))
-            d.add(Decimal(tokens) / MILLION, r.hour, r.hour + timedelta(hours=1))
-        charged.append(r.pk)
+                kind, tier, plan, f"{prefix}{served} on {tier.name}: {what} tokens (per 1M)",
+                "1M tokens", deployment_id=g["deployment_id"]))
+            d.add(Decimal(tokens) / MILLION, g["first"], g["last"] + timedelta(hours=1))
     out = list(drafts.values())
     out += commitment_topups(book, held, out, start, end)
     out += commitment_credits(tenant, late_reserved, invoice_id)
     out += corrections(tenant, period_start, invoice_id)
-    return Rated(out, charged, currency, list(unpriced))
+    return Rated(out, rows, currency, list(unpriced))
 
 
 def commitment_credits(tenant: Tenant, late_reserved: dict[tuple[date, int], Decimal],
@@ -345,16 +397,21 @@ ADJUSTMENT_KINDS = (L.ADJUSTMENT_INPUT, L.ADJUSTMENT_OUTPUT)
 NOT_THIS_MONTH = (*ADJUSTMENT_KINDS, L.COMMITMENT_CREDIT, L.CORRECTION)
 
 
-def rated_lines(tenant: Tenant, start: datetime, end: datetime, now: datetime | None = None) -> list[tuple[Draft, str]]:
+def rated_lines(tenant: Tenant, start: datetime, end: datetime, now: datetime | None = None,
+                step: int = 10**9) -> list[tuple[Draft, str]]:
     """The one rating, for anything that prices a tenant's use over [start, end) (the charts): each
     month it touches rated exactly as its invoice is (the invoice's currency, reserved commitments
     included), as (line, currency). Adjustment lines are left out: late usage is counted in the month it
-    happened (that month's own rating includes it). Spread a line over time with `amount_between`."""
+    happened (that month's own rating includes it). Spread a line over [start, end) or over UTC buckets
+    of `step` seconds inside it with `amount_between` (exact: token pieces are cut there)."""
     now = now or timezone.now()
+    lo = start.replace(minute=0, second=0, microsecond=0)
+    lo = lo if lo == start else lo + timedelta(hours=1)
+    hi = end.replace(minute=0, second=0, microsecond=0)
     out = []
     for m in _months(start, min(end, now)):
         _, m_end = bounds(m)
-        rated = rate(tenant, m, min(now, m_end))
+        rated = rate(tenant, m, min(now, m_end), pieces=(step, lo, hi))
         out.extend((d, rated.currency) for d in rated.drafts if d.kind not in NOT_THIS_MONTH)
     return out
 
@@ -527,7 +584,7 @@ def finalize(invoice: Invoice, *, now: datetime | None = None, force: bool = Fal
                                   f"{invoice.currency} from before that usage, then finalize")
         invoice.lines.all().delete()
         lines = InvoiceLine.objects.bulk_create([d.line(invoice) for d in rated.drafts])
-        UsageHourly.objects.filter(pk__in=rated.usage_rows).update(
+        rated.usage_rows.update(
             billed_input_tokens=F("input_tokens"), billed_output_tokens=F("output_tokens"),
             billed_requests=F("requests"))
         invoice.total = sum((line.amount for line in lines), Decimal(0))
