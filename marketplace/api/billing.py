@@ -9,10 +9,12 @@ from datetime import timedelta
 from decimal import Decimal
 
 import django_filters
+from django.utils import timezone
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
 from rest_framework import mixins, renderers, serializers, status, viewsets
 from rest_framework.decorators import action
+from rest_framework.generics import GenericAPIView
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
@@ -22,9 +24,9 @@ from marketplace.selectors import billing as selectors
 from marketplace.services import billing, webhooks
 from telemetry.selectors import usage_summary
 from tenants.api.serializers import ScopedTenantField
-from tenants.models import Tenant
 from tenants.scoping import principal_for
 
+from .pagination import Pagination
 from .viewsets import ScopedViewSetMixin, reject_unsettable_fields
 
 
@@ -100,10 +102,9 @@ class SpendRowSerializer(serializers.Serializer):
     warn = serializers.BooleanField()
     blocked = serializers.BooleanField()
     period_start = serializers.DateField()
-
-
-class SpendSerializer(serializers.Serializer):
-    results = SpendRowSerializer(many=True)
+    status = serializers.ChoiceField(choices=Invoice.Status.choices, allow_null=True,
+                                     help_text="the month's invoice; null: no usage this month")
+    rated_at = serializers.DateTimeField(allow_null=True, help_text="when the spend was rated (a draft's last rating)")
 
 
 class UsageRowSerializer(serializers.Serializer):
@@ -262,6 +263,11 @@ class InvoiceViewSet(JsonErrorsMixin, ScopedViewSetMixin, viewsets.ReadOnlyModel
     def get_serializer_class(self):
         return InvoiceListSerializer if self.action == "list" else InvoiceSerializer
 
+    def get_queryset(self):
+        if self.action == "list" and not getattr(self, "swagger_fake_view", False):
+            return selectors.invoice_list(self.principal)  # no lines: a list shows none, and they grow with usage
+        return super().get_queryset()
+
     @extend_schema(parameters=[OpenApiParameter("format", str, enum=["csv", "json"])],
                    responses={(200, "application/json"): InvoiceExportSerializer,
                               (200, "text/csv"): OpenApiResponse(
@@ -332,26 +338,42 @@ class CreditNoteViewSet(JsonErrorsMixin, ScopedViewSetMixin, viewsets.ReadOnlyMo
         return Response(billing.credit_note_payload(cn))
 
 
-class SpendView(APIView):
-    """Month-to-date spend against each visible tenant's limit: the month rated now, in memory (a read:
-    nothing is written; a month finalized early counts its final total)."""
+class SpendQuery(serializers.Serializer):
+    tenant = serializers.SlugField(required=False, help_text="one tenant (slug)")
+    warning = serializers.BooleanField(required=False, allow_null=True, default=None,
+                                       help_text="only tenants at (true) or below (false) their warning ratio")
+    over_limit = serializers.BooleanField(required=False, allow_null=True, default=None,
+                                          help_text="only tenants at (true) or below (false) their block ratio")
+
+
+class SpendView(GenericAPIView):
+    """Month-to-date spend against each visible tenant's limit, paginated (page, page_size): the month's
+    invoice as last rated (see rated_at; the rating beat re-rates drafts every TESSERA_RATING_INTERVAL_S)
+    or its final total. A read: nothing is rated or written, one query per page plus its count."""
 
     capabilities = {"get": "billing"}
+    pagination_class = Pagination
+    serializer_class = SpendRowSerializer
 
-    @extend_schema(parameters=[OpenApiParameter("tenant", str)], responses={200: SpendSerializer})
+    @extend_schema(parameters=[SpendQuery], responses={200: SpendRowSerializer(many=True)})
     def get(self, request):
-        principal = principal_for(request)
-        tenants = Tenant.objects.visible_to(principal, "billing")
-        if request.query_params.get("tenant"):
-            tenants = tenants.filter(slug=request.query_params["tenant"])
+        query = SpendQuery(data=request.query_params)
+        query.is_valid(raise_exception=True)
+        q = query.validated_data
+        period = billing.month_of(timezone.now())
+        rows = selectors.spend(principal_for(request), period, tenant=q.get("tenant"), warning=q.get("warning"),
+                               blocked=q.get("over_limit"))
+        page = self.paginate_queryset(rows)
         out = []
-        for t in tenants[:200]:
-            s = billing.spend_status(t)
-            out.append({"tenant": t.slug, "spend": str(s["spend"]), "currency": s["currency"],
-                        "limit": None if s["limit"] is None else str(s["limit"]),
-                        "ratio": None if s["ratio"] is None else float(round(s["ratio"], 4)),
-                        "warn": s["warn"], "blocked": s["blocked"], "period_start": s["period_start"]})
-        return Response({"results": out})
+        for t in page:
+            limit, amount = t.monthly_spend_limit, billing.money(Decimal(t.spend))
+            ratio = (amount / limit) if limit else None
+            out.append({"tenant": t.slug, "spend": str(amount), "currency": t.invoice_currency or t.currency,
+                        "limit": None if limit is None else str(limit),
+                        "ratio": None if ratio is None else float(round(ratio, 4)),
+                        "warn": t.warn, "blocked": t.is_blocked, "period_start": period,
+                        "status": t.invoice_status, "rated_at": t.rated_at})
+        return self.get_paginated_response(out)
 
 
 class UsageSummaryQuery(serializers.Serializer):

@@ -2,16 +2,76 @@
 
 from __future__ import annotations
 
-from django.db.models import Prefetch
+from datetime import date
+
+from django.db.models import (
+    BooleanField,
+    Case,
+    DecimalField,
+    ExpressionWrapper,
+    F,
+    OuterRef,
+    Prefetch,
+    Q,
+    QuerySet,
+    Subquery,
+    Value,
+    When,
+)
+from django.db.models.functions import Coalesce
 
 from marketplace.models import CreditNote, CreditNoteLine, Invoice, InvoiceLine, WebhookEndpoint
+from tenants.models import Tenant
 from tenants.scoping import Principal
 
 
 def invoices(principal: Principal):
+    """Invoices with their lines and credit notes (one invoice's page)."""
     return Invoice.objects.visible_to(principal, "billing").select_related("tenant").prefetch_related(
         Prefetch("lines", queryset=InvoiceLine.objects.select_related("tier").order_by("pk")),
         Prefetch("credit_notes", queryset=CreditNote.objects.order_by("pk")))
+
+
+def invoice_list(principal: Principal):
+    """Invoices for a list: no lines (a list shows none; they grow with usage), credit notes only."""
+    return Invoice.objects.visible_to(principal, "billing").select_related("tenant").prefetch_related(
+        Prefetch("credit_notes", queryset=CreditNote.objects.order_by("pk")))
+
+
+MONEY = DecimalField(max_digits=14, decimal_places=2)
+
+
+def spend(principal: Principal, period_start: date, *, tenant: str | None = None, warning: bool | None = None,
+          blocked: bool | None = None) -> QuerySet:
+    """Each visible tenant's spend in the month of `period_start` against its limit, as one query: the
+    month's invoice as last rated (a draft's total as of its rated_at, by the rating beat or a refresh;
+    a finalized one's final total); nothing is rated or written here. No invoice: nothing was used.
+    Filters: tenant (slug), warning (spend at or past the warning ratio), blocked (at or past the block
+    ratio). Rows: Tenant objects with spend, currency, rated_at, status, ratio, warn, is_blocked."""
+    month = Invoice.objects.filter(tenant=OuterRef("pk"), period_start=period_start)
+    qs = Tenant.objects.visible_to(principal, "billing").annotate(
+        spend=Coalesce(Subquery(month.values("total")[:1]), Value(0), output_field=MONEY),
+        invoice_currency=Subquery(month.values("currency")[:1]),
+        rated_at=Subquery(month.values("rated_at")[:1]),
+        finalized_at=Subquery(month.values("finalized_at")[:1]),
+        invoice_status=Subquery(month.values("status")[:1]),
+    )
+    limited = Q(monthly_spend_limit__isnull=False, monthly_spend_limit__gt=0)
+    warn_at = ExpressionWrapper(F("monthly_spend_limit") * F("spend_warn_ratio"), output_field=MONEY)
+    block_at = ExpressionWrapper(F("monthly_spend_limit") * F("spend_block_ratio"), output_field=MONEY)
+    qs = qs.annotate(
+        warn=Case(When(limited & Q(spend__gte=warn_at), then=Value(True)), default=Value(False),
+                  output_field=BooleanField()),
+        is_blocked=Case(When(limited & Q(spend__gte=block_at), then=Value(True)), default=Value(False),
+                        output_field=BooleanField()),
+    )
+    if tenant:
+        qs = qs.filter(slug=tenant)
+    if warning is not None:
+        qs = qs.filter(warn=warning)
+    if blocked is not None:
+        qs = qs.filter(is_blocked=blocked)
+    return qs.order_by("slug")
 
 
 def credit_notes(principal: Principal):
