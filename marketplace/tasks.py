@@ -62,11 +62,21 @@ def deliver_webhook(self, delivery_id: int) -> str:
     return webhooks.deliver(delivery_id, final_attempt=self.request.retries >= self.max_retries)
 
 
-@shared_task(name="tessera.rate_and_check_spend", acks_late=True, time_limit=600)
-def rate_and_check_spend() -> dict:
-    """Beat (control): open missing invoices, re-rate each tenant's current draft and send spend
-    notices (each tenant on its own; failures are alerted), then finalize the months that ended."""
-    return billing.rate_all()
+@shared_task(name="tessera.rate_and_check_spend", acks_late=True, time_limit=300)
+def rate_and_check_spend() -> int:
+    """Beat (control): open missing invoices and fan out one tessera.rate_tenant per tenant; the last
+    one finalizes the months that ended and records the run's summary. Returns the run's id."""
+    return billing.start_rating_run().pk
+
+
+@shared_task(bind=True, name="tessera.rate_tenant", acks_late=True, time_limit=300, max_retries=3)
+def rate_tenant(self, run_id: int, tenant_id: int) -> str:
+    """Rate one tenant of a rating run and check its spend; retried on its own (backoff), its last
+    failure alerted."""
+    try:
+        return billing.rate_run_tenant(run_id, tenant_id, final_attempt=self.request.retries >= self.max_retries)
+    except Exception as exc:
+        raise self.retry(exc=exc, countdown=min(300, 10 * 2 ** self.request.retries)) from exc
 
 
 @shared_task(name="tessera.demo_gateway_node", acks_late=True, time_limit=120)

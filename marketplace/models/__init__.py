@@ -6,6 +6,8 @@ from .billing import (
     Invoice,
     InvoiceLine,
     InvoiceSequence,
+    RatingRun,
+    RatingRunTenant,
     SpendNotice,
     WebhookDelivery,
     WebhookEndpoint,
@@ -22,4 +24,4 @@ __all__ = ["GpuModel", "MigProfile", "MigPlacement", "ServerPlatform", "Node", "
            "Tier", "PricePlan", "Order", "Allocation", "AllocationEvent", "DriftEvent",
            "ModelDeployment", "Invoice", "InvoiceLine", "InvoiceSequence", "SpendNotice", "WebhookEndpoint",
             "WebhookDelivery", "TritonServer", "LibraryModel", "ModelRepository", "LoraAdapter", "BillingAlert",
-            "CreditNote", "CreditNoteLine", "CreditNoteSequence"]
+            "CreditNote", "CreditNoteLine", "CreditNoteSequence", "RatingRun", "RatingRunTenant"]

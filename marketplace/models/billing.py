@@ -252,3 +252,40 @@ class CreditNoteSequence(models.Model):
 
     def __str__(self) -> str:
         return f"{self.year}: {self.last}"
+
+
+class RatingRun(models.Model):
+    """One run of the rating beat: each tenant rated by its own task (retried on its own); the task that
+    finishes the last tenant finalizes the months that ended and records the summary."""
+
+    period_start = models.DateField()
+    started_at = models.DateTimeField(default=timezone.now)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    summary = models.JSONField(default=dict, blank=True)
+
+    class Meta:
+        ordering = ["-started_at"]
+
+    def __str__(self) -> str:
+        return f"rating {self.period_start:%Y-%m} at {self.started_at:%Y-%m-%d %H:%M}"
+
+
+class RatingRunTenant(models.Model):
+    class Status(models.TextChoices):
+        PENDING = "pending", "Pending"
+        DONE = "done", "Rated"
+        FAILED = "failed", "Failed"
+
+    run = models.ForeignKey(RatingRun, on_delete=models.CASCADE, related_name="tenants")
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="+")
+    status = models.CharField(max_length=8, choices=Status.choices, default=Status.PENDING)
+    attempts = models.PositiveSmallIntegerField(default=0)
+    error = models.CharField(max_length=500, blank=True)
+    notices = models.JSONField(default=list, blank=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["run", "tenant"], name="rating_run_tenant_once")]
+        indexes = [models.Index(fields=["run", "status"])]
+
+    def __str__(self) -> str:
+        return f"{self.run_id}/{self.tenant_id}: {self.status}"

@@ -58,6 +58,7 @@ from django.db.models import BooleanField, Case, Count, F, IntegerField, Max, Mi
 from django.db.models.functions import TruncMonth
 from django.utils import timezone
 
+from marketplace import enqueue
 from marketplace.models import (
     Allocation,
     BillingAlert,
@@ -66,6 +67,8 @@ from marketplace.models import (
     InvoiceSequence,
     ModelDeployment,
     PricePlan,
+    RatingRun,
+    RatingRunTenant,
     SpendNotice,
     Tier,
 )
@@ -699,32 +702,104 @@ def finalize_due(now: datetime | None = None, *, ensure: bool = True) -> list[st
     return done
 
 
+def rate_tenant(tenant: Tenant, now: datetime | None = None) -> list[str]:
+    """Re-rate one tenant's current draft and check its spend, in one transaction; clears its rating
+    alert. Returns the spend notices that fired. Raises on failure (the caller alerts)."""
+    now = now or timezone.now()
+    period = month_of(now)
+    with transaction.atomic():
+        inv = Invoice.objects.filter(tenant=tenant, period_start=period).first()
+        if inv is not None and inv.status == Invoice.Status.DRAFT:
+            refresh(inv, now)
+        fired = evaluate_spend(tenant, now)
+    resolve_alerts(tenant, period, BillingAlert.Kind.RATING_FAILED)
+    return fired
+
+
+def rating_failed(tenant: Tenant, period: date, exc: BaseException) -> None:
+    log.error("rating failed", extra={"tenant": tenant.slug, "error": str(exc)})
+    alert(tenant, period, BillingAlert.Kind.RATING_FAILED, f"rating {period:%Y-%m} failed: {exc}")
+
+
 def rate_all(now: datetime | None = None) -> dict:
-    """Beat: re-rate each tenant's current draft and check its spend, each tenant in its own
-    transaction; a tenant that fails is recorded (BillingAlert) and the others go on. Then the
-    month-end finalization."""
+    """Re-rate every tenant's current draft and check its spend, in this process (the demo, tests and
+    `start_rating_run`'s small cousin): each tenant in its own transaction; a tenant that fails is
+    recorded (BillingAlert) and the others go on. Then the month-end finalization."""
     now = now or timezone.now()
     ensure_invoices(now, since=now - ENSURE_LOOKBACK)
     notices, failed = {}, []
     period = month_of(now)
-    drafts = {i.tenant_id: i for i in Invoice.objects.filter(period_start=period)}
-    for t in Tenant.objects.order_by("pk"):
-        inv = drafts.get(t.pk)
-        if inv is None:
-            continue  # nothing used this month (ensure_invoices opened a draft for every tenant that did)
+    for t in Tenant.objects.filter(invoices__period_start=period).order_by("pk"):
         try:
-            with transaction.atomic():
-                if inv is not None and inv.status == Invoice.Status.DRAFT:
-                    inv = refresh(inv, now)
-                fired = evaluate_spend(t, now)
-            resolve_alerts(t, period, BillingAlert.Kind.RATING_FAILED)
+            fired = rate_tenant(t, now)
             if fired:
                 notices[t.slug] = fired
         except Exception as exc:  # noqa: BLE001 - recorded and alerted; the other tenants go on
             log.exception("rating failed", extra={"tenant": t.slug})
-            alert(t, period, BillingAlert.Kind.RATING_FAILED, f"rating {period:%Y-%m} failed: {exc}")
+            rating_failed(t, period, exc)
             failed.append(t.slug)
     return {"finalized": finalize_due(now, ensure=False), "notices": notices, "failed": failed}
+
+
+def start_rating_run(now: datetime | None = None) -> RatingRun:
+    """The rating beat, fanned out: open missing invoices, then one task per tenant with a draft or an
+    invoice this month (queue "control", retried on its own); the last to finish runs
+    `finish_rating_run`. Its own work is a few queries whatever the number of tenants."""
+    now = now or timezone.now()
+    ensure_invoices(now, since=now - ENSURE_LOOKBACK)
+    period = month_of(now)
+    with transaction.atomic():
+        run = RatingRun.objects.create(period_start=period, started_at=now)
+        ids = list(Invoice.objects.filter(period_start=period).values_list("tenant_id", flat=True))
+        RatingRunTenant.objects.bulk_create([RatingRunTenant(run=run, tenant_id=t) for t in ids])
+        if ids:
+            transaction.on_commit(lambda: [enqueue.send(enqueue.RATE_TENANT, [run.pk, t], "control") for t in ids])
+    if not ids:
+        finish_rating_run(run.pk)
+    log.info("rating run started", extra={"run": run.pk, "tenants": len(ids)})
+    return run
+
+
+def rate_run_tenant(run_id: int, tenant_id: int, *, final_attempt: bool) -> str:
+    """One tenant of a rating run (its task): rate it; a failure is re-raised for the task to retry
+    until `final_attempt`, which records it. Counts once however often it is retried or redelivered."""
+    item = RatingRunTenant.objects.select_related("run", "tenant").get(run_id=run_id, tenant_id=tenant_id)
+    if item.status != RatingRunTenant.Status.PENDING:
+        return item.status
+    RatingRunTenant.objects.filter(pk=item.pk).update(attempts=F("attempts") + 1)
+    try:
+        fired = rate_tenant(item.tenant, timezone.now())
+    except Exception as exc:
+        if not final_attempt:
+            raise
+        rating_failed(item.tenant, item.run.period_start, exc)
+        status, fired, error = RatingRunTenant.Status.FAILED, [], str(exc)[:500]
+    else:
+        status, error = RatingRunTenant.Status.DONE, ""
+    marked = RatingRunTenant.objects.filter(pk=item.pk, status=RatingRunTenant.Status.PENDING).update(
+        status=status, error=error, notices=fired)
+    if marked and not RatingRunTenant.objects.filter(run_id=run_id, status=RatingRunTenant.Status.PENDING).exists():
+        finish_rating_run(run_id)
+    return status
+
+
+def finish_rating_run(run_id: int) -> dict | None:
+    """Once every tenant of the run is done: finalize the months that ended and record the summary (an
+    audit event). Runs once per run (the first caller to set finished_at)."""
+    now = timezone.now()
+    if not RatingRun.objects.filter(pk=run_id, finished_at__isnull=True).update(finished_at=now):
+        return None
+    run = RatingRun.objects.get(pk=run_id)
+    counts = dict(run.tenants.values_list("status").annotate(n=Count("pk")).values_list("status", "n"))
+    failed = list(run.tenants.filter(status=RatingRunTenant.Status.FAILED).values_list("tenant__slug", flat=True))
+    summary = {"period": f"{run.period_start:%Y-%m}", "rated": counts.get(RatingRunTenant.Status.DONE, 0),
+               "failed": failed, "finalized": finalize_due(now, ensure=False),
+               "seconds": round((now - run.started_at).total_seconds(), 3)}
+    RatingRun.objects.filter(pk=run_id).update(summary=summary)
+    audit.record("system:beat", "billing.rating_run", f"rating-run:{run_id}", None, **summary)
+    log.info("rating run finished", extra={"run": run_id, **{k: v for k, v in summary.items() if k != "failed"},
+                                           "failed": len(failed)})
+    return summary
 
 
 def invoice_payload(invoice: Invoice) -> dict:

@@ -1,0 +1,13 @@
+"""Services enqueue Celery tasks by name through here, so that no service imports marketplace.tasks
+(tasks import services, never the reverse)."""
+
+from __future__ import annotations
+
+from marketplace.celery import app
+
+RATE_TENANT = "tessera.rate_tenant"
+
+
+def send(task_name: str, args: list, queue: str) -> None:
+    """Queue `task_name` (a registered task's name) with positional `args` on `queue`."""
+    app.send_task(task_name, args=args, queue=queue)

@@ -1,0 +1,231 @@
+"""Charts and billing reads at MSP scale (issue 17): the rating beat fans out one task per tenant, each
+retried on its own and counted once, with a summary when all are done; the operator's spend list reads
+the rated invoices (paginated, filtered) without rating; fleet charts and billing reads make the same
+number of queries at two fleet sizes; charts cap their points."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+from unittest import mock
+
+import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
+
+from marketplace import tasks
+from marketplace.models import (
+    Allocation,
+    BillingAlert,
+    Gpu,
+    Invoice,
+    InvoiceLine,
+    ModelDeployment,
+    Order,
+    PricePlan,
+    RatingRun,
+    RatingRunTenant,
+)
+from marketplace.services import billing
+from telemetry import charts
+from telemetry.models import GpuSample, MigSample, Resolution, UsageHourly
+from tenants.models import AuditEvent
+from tenants.scoping import principal_for_user
+from tests.factories import TenantFactory
+from tests.fleet_fixtures import make_node
+
+pytestmark = pytest.mark.django_db
+D = Decimal
+
+
+def _tenant_with_usage(slug, tier, tokens=1_000_000, limit=None, hours=1):
+    tenant = TenantFactory(slug=slug, currency="USD", monthly_spend_limit=limit)
+    order = Order.objects.create(tenant=tenant, tier=tier)
+    start = timezone.now().replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+    alloc = Allocation.objects.create(order=order, tenant=tenant, tier=tier, state="active", activated_at=start,
+                                      released_at=start + timedelta(hours=1))
+    dep = ModelDeployment.objects.create(allocation=alloc, tenant=tenant, name="llm", backend="python", spec={},
+                                         memory_mb=10, state="ready")
+    for h in range(hours):
+        UsageHourly.objects.create(tenant=tenant, deployment=dep, hour=start + timedelta(hours=h),
+                                   input_tokens=tokens, output_tokens=0, requests=1)
+    return tenant
+
+
+@pytest.fixture
+def priced(catalog, tiers):
+    tier = tiers["3g"]
+    PricePlan.objects.filter(tier=tier).update(effective_from=timezone.now() - timedelta(days=400),
+                                               price_per_slice_hour=D("2.0000"),
+                                               price_per_1m_input_tokens=D("0.5000"))
+    return tier
+
+
+def test_rating_beat_fans_out_one_task_per_tenant_and_summarizes_once(priced, django_capture_on_commit_callbacks):
+    for slug in ("t1", "t2", "t3"):
+        _tenant_with_usage(slug, priced)
+    sent = []
+    with mock.patch("marketplace.enqueue.app.send_task", lambda name, args, queue: sent.append((name, args, queue))):
+        with django_capture_on_commit_callbacks(execute=True):
+            run_id = tasks.rate_and_check_spend()
+    run = RatingRun.objects.get(pk=run_id)
+    assert sorted(a[1] for _n, a, _q in sent) == sorted(run.tenants.values_list("tenant_id", flat=True))
+    assert {(n, q) for n, _a, q in sent} == {("tessera.rate_tenant", "control")} and len(sent) == 3
+    for i, (_n, args, _q) in enumerate(sent):
+        assert tasks.rate_tenant.apply(args=args).get() == "done"
+        run.refresh_from_db()
+        assert (run.finished_at is None) == (i < 2)  # the last tenant's task finishes the run
+    assert run.summary["rated"] == 3 and run.summary["failed"] == []
+    assert AuditEvent.objects.filter(action="billing.rating_run", target=f"rating-run:{run.pk}").count() == 1
+    # every draft rated: 1M input tokens at 0.50 + 1 slice-hour at 2.00
+    assert set(Invoice.objects.values_list("total", flat=True)) == {D("2.50")}
+    # a redelivered task counts once and rates nothing again
+    before = InvoiceLine.objects.count()
+    assert billing.rate_run_tenant(run.pk, sent[0][1][1], final_attempt=False) == "done"
+    assert InvoiceLine.objects.count() == before
+    assert AuditEvent.objects.filter(action="billing.rating_run").count() == 1
+
+
+def test_a_failing_tenant_is_retried_on_its_own_then_alerted(priced):
+    good, bad = _tenant_with_usage("good", priced), _tenant_with_usage("bad", priced)
+    with mock.patch("marketplace.enqueue.send"):
+        run = billing.start_rating_run()
+    real = billing.rate_tenant
+
+    def flaky(t, now=None):
+        if t.slug == "bad":
+            raise RuntimeError("price book unavailable")
+        return real(t, now)
+
+    with mock.patch.object(billing, "rate_tenant", flaky):
+        with pytest.raises(RuntimeError):  # not the last attempt: the task retries it
+            billing.rate_run_tenant(run.pk, bad.pk, final_attempt=False)
+        item = RatingRunTenant.objects.get(run=run, tenant=bad)
+        assert item.status == "pending" and item.attempts == 1
+        assert billing.rate_run_tenant(run.pk, good.pk, final_attempt=False) == "done"
+        run.refresh_from_db()
+        assert run.finished_at is None  # still waiting for the failing tenant
+        assert billing.rate_run_tenant(run.pk, bad.pk, final_attempt=True) == "failed"
+    run.refresh_from_db()
+    assert run.finished_at is not None and run.summary["failed"] == ["bad"] and run.summary["rated"] == 1
+    assert BillingAlert.objects.get(tenant=bad, kind="rating_failed").message.endswith("price book unavailable")
+    assert Invoice.objects.get(tenant=good).total == D("2.50")
+    assert Invoice.objects.get(tenant=bad).rated_at is None  # its draft was not touched
+
+
+def test_rating_twice_never_bills_twice(priced):
+    t = _tenant_with_usage("twice", priced)
+    billing.rate_all()
+    billing.rate_all()
+    inv = Invoice.objects.get(tenant=t)
+    assert inv.total == D("2.50") and inv.lines.count() == 2
+
+
+def test_spend_list_is_paginated_filtered_and_does_not_rate(priced, as_user, operator):
+    # 1M tokens (0.50) + 1 slice-hour (2.00) = 2.50 each; limits make one blocked, one warned, one fine
+    _tenant_with_usage("blocked", priced, limit=D("2.00"))
+    _tenant_with_usage("warned", priced, limit=D("3.00"))
+    _tenant_with_usage("fine", priced, limit=D("100.00"))
+    _tenant_with_usage("nolimit", priced)
+    billing.rate_all()
+    rated_at = dict(Invoice.objects.values_list("tenant__slug", "rated_at"))
+    api = as_user(operator)
+    r = api.get("/api/v1/billing/spend/?page_size=2")
+    assert r.status_code == 200, r.content
+    body = r.json()
+    assert body["count"] == 4 and body["next"] and [x["tenant"] for x in body["results"]] == ["blocked", "fine"]
+    assert body["results"][0] | {"rated_at": None} == {
+        "tenant": "blocked", "spend": "2.50", "currency": "USD", "limit": "2.00", "ratio": 1.25, "warn": True,
+        "blocked": True, "period_start": billing.month_of(datetime.now(UTC)).isoformat(), "status": "draft",
+        "rated_at": None}
+    assert [x["tenant"] for x in api.get(body["next"]).json()["results"]] == ["nolimit", "warned"]
+    assert [x["tenant"] for x in api.get("/api/v1/billing/spend/?over_limit=true").json()["results"]] == ["blocked"]
+    assert [x["tenant"] for x in api.get("/api/v1/billing/spend/?warning=true").json()["results"]] == [
+        "blocked", "warned"]
+    assert [x["tenant"] for x in api.get("/api/v1/billing/spend/?warning=false").json()["results"]] == [
+        "fine", "nolimit"]
+    assert api.get("/api/v1/billing/spend/?warning=maybe").status_code == 400
+    # more usage after the rating: the list shows the rated figure (a read never rates)
+    UsageHourly.objects.filter(tenant__slug="fine").update(input_tokens=9_000_000)
+    fine = api.get("/api/v1/billing/spend/?tenant=fine").json()["results"]
+    assert fine[0]["spend"] == "2.50"
+    assert dict(Invoice.objects.values_list("tenant__slug", "rated_at")) == rated_at
+
+
+def _queries(fn) -> int:
+    with CaptureQueriesContext(connection) as q:
+        fn()
+    return len(q.captured_queries)
+
+
+def test_billing_reads_make_the_same_queries_for_more_tenants(priced, as_user, operator):
+    api = as_user(operator)
+    reads = ("/api/v1/billing/spend/", "/api/v1/invoices/?page_size=500", "/api/v1/billing/usage/?group_by=tenant")
+    for slug in ("a1", "a2"):
+        _tenant_with_usage(slug, priced, hours=3)
+    billing.rate_all()
+    small = {u: _queries(lambda u=u: api.get(u)) for u in reads}
+    for i in range(6):
+        _tenant_with_usage(f"b{i}", priced, hours=6)
+    billing.rate_all()
+    assert Invoice.objects.count() == 8
+    big = {u: _queries(lambda u=u: api.get(u)) for u in reads}
+    assert big == small
+
+
+def _samples(start, hours=2):
+    rows, mig = [], []
+    for g in Gpu.objects.all():
+        for m in range(0, hours * 60, 5):
+            ts = start + timedelta(minutes=m)
+            rows.append(GpuSample(gpu=g, resolution=Resolution.RAW, ts=ts, activity=0.5, memory_used_mb=1,
+                                  memory_total_mb=2, power_w=500, energy_j=1e6 + m * 150_000, temperature_c=50,
+                                  sm_clock_mhz=1900))
+            mig.append(MigSample(gpu=g, mig_uuid=f"MIG-{g.pk}", gi_id=1, compute_slices=3, resolution=Resolution.RAW,
+                                 ts=ts, memory_used_mb=1, memory_total_mb=2))
+    GpuSample.objects.bulk_create(rows, ignore_conflicts=True)
+    MigSample.objects.bulk_create(mig, ignore_conflicts=True)
+
+
+FLEET_CHARTS = ("fleet-utilization", "gpu-heatmap", "mig-slots", "power-cost")
+
+
+def test_fleet_charts_make_the_same_queries_at_two_fleet_sizes(h100_node, operator):
+    op = principal_for_user(operator)
+    params = {"hours": "3"}
+    start = (timezone.now() - timedelta(hours=2)).replace(second=0, microsecond=0)
+    _samples(start)
+    small = {n: _queries(lambda n=n: charts.figure_json(n, op, params)) for n in FLEET_CHARTS}
+    for i in range(2):
+        make_node(f"node-b{i}")
+    _samples(start)
+    assert Gpu.objects.count() == 24
+    big = {n: _queries(lambda n=n: charts.figure_json(n, op, params)) for n in FLEET_CHARTS}
+    assert big == small
+    util = charts.figure_json("fleet-utilization", op, params)["data"]
+    assert util["fleet"] and set(util["fleet"]) == {50.0}
+    power = charts.figure_json("power-cost", op, params)["data"]
+    # 24 GPUs x 23 increments of 750 kJ (5 minutes apart) each over the window; 3 of 7 compute slices held
+    assert power["total_kwh"] == pytest.approx(24 * 23 * 750_000 / 3_600_000)
+    assert power["unallocated_kwh"] == pytest.approx(power["total_kwh"])  # the samples name no allocation
+
+
+def test_charts_cap_their_points_and_bucket_the_heatmap(h100_node, operator, settings):
+    op = principal_for_user(operator)
+    _samples((timezone.now() - timedelta(hours=6)).replace(second=0, microsecond=0) + timedelta(minutes=1), hours=6)
+    util = charts.figure_json("fleet-utilization", op, {"hours": "6", "resolution": "raw"})["data"]
+    assert util["step_s"] == 60 and len(util["ts"]) == 6 * 12  # one sample every 5 minutes, each its own minute
+    wide = charts.figure_json("fleet-utilization", op, {"hours": str(24 * 30), "resolution": "raw"})["data"]
+    assert len(wide["ts"]) <= charts.MAX_POINTS and wide["step_s"] >= 7200
+    heat = charts.figure_json("gpu-heatmap", op, {"hours": "6"})["data"]
+    assert len(heat["ts"]) <= charts.HEATMAP_COLUMNS and len(heat["gpus"]) == 8 and not heat["per_node"]
+    with mock.patch.object(charts, "HEATMAP_ROWS", 4):
+        per_node = charts.figure_json("gpu-heatmap", op, {"hours": "6"})["data"]
+    assert per_node["per_node"] and per_node["gpus"] == ["node-a (8 GPUs)"]
+    assert {v for row in per_node["z"] for v in row if v is not None} == {50.0}
+
+
+def test_an_empty_chart_says_no_data(h100_node, operator):
+    fig = charts.figure_json("fleet-utilization", principal_for_user(operator), {"hours": "1"})["figure"]
+    assert [a["text"] for a in fig["layout"]["annotations"]] == ["no data yet"]
