@@ -28,7 +28,7 @@ from django.utils.dateparse import parse_datetime
 from plotly.subplots import make_subplots
 
 from marketplace.models import Allocation, Gpu, GpuSlot, InvoiceLine, Node, Tier
-from marketplace.services.billing import amount_between, rated_lines
+from marketplace.services.billing import amount_between, amount_by_bucket, rated_lines_many
 from telemetry.models import GpuSample, Resolution, UsageHourly
 from telemetry.services import energy
 from telemetry.sqlbuckets import EpochBucket, from_epoch
@@ -285,11 +285,11 @@ def tier_spend(per: Period) -> dict[int, dict]:
     out: dict[int, dict] = defaultdict(lambda: {"requests": 0, "tokens": 0, "token_amount": Decimal(0),
                                                  "slice_amount": Decimal(0), "commitment_amount": Decimal(0)})
     priced = set()
-    for t in _tenants_used(per):
-        for d, currency in rated_lines(t, per.start, per.end):
+    for tid, lines in rated_lines_many(_tenants_used(per), per.start, per.end).items():
+        for d, currency in lines:
             if currency != per.currency:
                 continue
-            priced.add(t.pk)
+            priced.add(tid)
             part = amount_between(d, per.start, per.end)
             key = {L.SLICE_HOURS: "slice_amount", L.COMMITMENT_TOPUP: "commitment_amount"}.get(d.kind, "token_amount")
             out[d.tier.pk][key] += part
@@ -372,11 +372,6 @@ def h100_vs_h200(per: Period, principal: Principal):
 
 # --- tenant figure ---------------------------------------------------------------------------------
 
-def _trunc(ts: datetime, bucket: str) -> datetime:
-    ts = ts.astimezone(UTC).replace(minute=0, second=0, microsecond=0)
-    return ts.replace(hour=0) if bucket == "day" else ts
-
-
 def tenant_usage(per: Period, principal: Principal, params: dict | None = None):
     """Tokens and spend (token charges + slice-hours) per tenant over time, for the tenants the
     principal may see billing of."""
@@ -404,18 +399,14 @@ def tenant_usage(per: Period, principal: Principal, params: dict | None = None):
         tok[r["tenant_id"]][from_epoch(r["b"])] += int(r["t"] or 0)
     currency: dict[int, str] = {}
     wanted = (params.get("currency") or "").upper() or None  # given: only the tenants billed in it
-    for t in _tenants_used(per, slug):
-        # the invoices' own rating, in each invoice's currency, its token pieces cut at the buckets
-        for d, cur in rated_lines(t, per.start, per.end, step=int(step.total_seconds())):
-            currency.setdefault(t.pk, cur)
-            b, hi = _trunc(max(d.usage_from, per.start), bucket), min(d.usage_to, per.end)
-            while True:
-                part = amount_between(d, max(b, per.start), min(b + step, per.end))
+    # the invoices' own rating, in each invoice's currency, its token pieces cut at the buckets
+    rated = rated_lines_many(_tenants_used(per, slug), per.start, per.end, step=int(step.total_seconds()))
+    for tid, lines in rated.items():
+        for d, cur in lines:
+            currency.setdefault(tid, cur)
+            for b, part in amount_by_bucket(d, per.start, per.end, step).items():
                 if part:
-                    spend[t.pk][b] += part
-                b += step
-                if b >= hi:
-                    break
+                    spend[tid][b] += part
     if wanted:
         slug = {tid: s for tid, s in slug.items() if currency.get(tid, own_currency[tid]) == wanted}
     currencies = sorted({currency.get(tid) or "" for tid in slug} - {""})

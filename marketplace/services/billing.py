@@ -120,12 +120,22 @@ class PlanBook:
     """The plans of one currency, loaded once per rating run; answers 'which plan at time t' and
     'which plans over [a, b)'."""
 
-    def __init__(self, currency: str):
+    def __init__(self, currency: str, plans: list[PricePlan] | None = None):
         self.by_key: dict[tuple[int, str], list[PricePlan]] = defaultdict(list)
         self.by_pk: dict[int, PricePlan] = {}
-        for p in PricePlan.objects.filter(currency=currency).order_by("effective_from", "pk"):
+        if plans is None:
+            plans = list(PricePlan.objects.filter(currency=currency).order_by("effective_from", "pk"))
+        for p in plans:
             self.by_key[(p.tier_id, p.kind)].append(p)
             self.by_pk[p.pk] = p
+
+    @classmethod
+    def many(cls, currencies: set[str]) -> dict[str, PlanBook]:
+        """A book per currency, from one query."""
+        plans: dict[str, list[PricePlan]] = {c: [] for c in currencies}
+        for p in PricePlan.objects.filter(currency__in=currencies).order_by("effective_from", "pk"):
+            plans[p.currency].append(p)
+        return {c: cls(c, ps) for c, ps in plans.items()}
 
     def plan(self, pk: int | None) -> PricePlan | None:
         return self.by_pk.get(pk) if pk is not None else None
@@ -228,7 +238,8 @@ class Rated:
 Pieces = tuple[int, datetime, datetime]
 
 
-def token_groups(rows: QuerySet, book: PlanBook, month_start: datetime, pieces: Pieces | None = None):
+def token_groups(rows: QuerySet, book: PlanBook, month_start: datetime, pieces: Pieces | None = None, *,
+                 by_tenant: bool = False):
     """UsageHourly `rows` summed by the database per (deployment, adapter, tier, plan kind, plan in force,
     late: before `month_start`, month[, piece]): the rating's token input, however many hours there are.
     pieces = (step, lo, hi): also per UTC time bucket of `step` seconds, with each hour outside [lo, hi)
@@ -239,7 +250,7 @@ def token_groups(rows: QuerySet, book: PlanBook, month_start: datetime, pieces: 
         plan_id=book.case(tier, kind, "hour"),
         late=Case(When(hour__lt=month_start, then=Value(True)), default=Value(False), output_field=BooleanField()),
         month=TruncMonth("hour", tzinfo=UTC))
-    keys = ["deployment_id", "adapter", tier, kind, "plan_id", "late", "month"]
+    keys = ["deployment_id", "adapter", tier, kind, "plan_id", "late", "month"] + (["tenant_id"] if by_tenant else [])
     if pieces:
         step, lo, hi = pieces
         qs = qs.annotate(piece=Case(When(Q(hour__lt=lo) | Q(hour__gte=hi), then=EpochBucket("hour", 3600)),
@@ -259,6 +270,24 @@ def period_currency(tenant: Tenant, period_start: date) -> str:
     return found or tenant.currency
 
 
+@dataclass
+class MonthInputs:
+    """What rating one tenant-month reads: its currency's plan book, the allocations active in the month,
+    and its hourly usage summed per line key (token_groups) with the tiers and model names they name."""
+
+    currency: str
+    book: PlanBook
+    allocs: list[Allocation]
+    groups: list[dict]
+    tiers: dict[int, Tier]
+    names: dict[int, str]
+
+
+def _active_allocations(start: datetime, end: datetime, now: datetime) -> QuerySet:
+    return (Allocation.objects.filter(activated_at__isnull=False, activated_at__lt=min(end, now))
+            .filter(Q(released_at__isnull=True) | Q(released_at__gt=start)).select_related("tier", "order"))
+
+
 def rate(tenant: Tenant, period_start: date, now: datetime | None = None, currency: str | None = None,
          invoice_id: int | None = None, pieces: Pieces | None = None) -> Rated:
     """Price a tenant's month (pure: reads only). currency: the invoice's (default: the period's);
@@ -270,15 +299,40 @@ def rate(tenant: Tenant, period_start: date, now: datetime | None = None, curren
     start, end = bounds(period_start)
     currency = currency or period_currency(tenant, period_start)
     book = PlanBook(currency)
+    allocs = list(_active_allocations(start, end, now).filter(tenant=tenant))
+    # tokens: this month's hourly rollups, plus late usage of finalized months (adjustments)
+    finalized = list(Invoice.objects.filter(tenant=tenant, status=Invoice.Status.FINALIZED,
+                                            period_start__lt=period_start).values_list("period_start", flat=True))
+    late = Q()
+    for p in finalized:
+        p_start, p_end = bounds(p)
+        late |= Q(hour__gte=p_start, hour__lt=p_end)
+    this_month = Q(hour__gte=start, hour__lt=end)
+    pending_late = Q(input_tokens__gt=F("billed_input_tokens")) | Q(output_tokens__gt=F("billed_output_tokens"))
+    rows = UsageHourly.objects.filter(tenant=tenant).filter(this_month | (late & pending_late) if finalized
+                                                             else this_month)
+    groups = list(token_groups(rows, book, start, pieces))
+    tiers = Tier.objects.in_bulk({g["tier_id"] for g in groups})
+    names = dict(ModelDeployment.objects.filter(pk__in={g["deployment_id"] for g in groups})
+                 .values_list("pk", "name"))
+    drafts, unpriced, late_reserved = rate_month(MonthInputs(currency, book, allocs, groups, tiers, names),
+                                                 start, end, now)
+    drafts += commitment_credits(tenant, late_reserved, invoice_id)
+    drafts += corrections(tenant, period_start, invoice_id)
+    return Rated(drafts, rows, currency, unpriced)
+
+
+def rate_month(inp: MonthInputs, start: datetime, end: datetime, now: datetime
+               ) -> tuple[list[Draft], list[str], dict[tuple[date, int], Decimal]]:
+    """The rating rule itself (no queries): slice-hours of every allocation while active, per second,
+    each plan span at its own price; tokens at the plan in force at their hour (late usage of finalized
+    months as adjustments); reserved commitments topped up. Returns the month's drafts, what had no
+    price, and late usage at reserved plans per (month, plan) for the commitment credits."""
+    book, currency = inp.book, inp.currency
     unpriced: dict[str, None] = {}
     drafts: dict[tuple, Draft] = {}
     held: dict[int, list[tuple[datetime, datetime]]] = defaultdict(list)  # reserved capacity held, per tier
-
-    # slice-hours: every allocation while active, per second, each span at its own price
-    allocs = (Allocation.objects.filter(tenant=tenant, activated_at__isnull=False, activated_at__lt=min(end, now))
-              .filter(Q(released_at__isnull=True) | Q(released_at__gt=start))
-              .select_related("tier", "order"))
-    for a in allocs:
+    for a in inp.allocs:
         stopped = a.released_at or (a.updated_at if a.state == Allocation.State.FAILED else None)
         a_from, a_to = max(a.activated_at, start), min(stopped or now, end, now)
         if a.order.plan_kind == PricePlan.Kind.RESERVED and a_from < a_to:
@@ -292,25 +346,9 @@ def rate(tenant: Tenant, period_start: date, now: datetime | None = None, curren
                 L.SLICE_HOURS, a.tier, plan, f"{a.tier.name}: slice-hours at {plan.price_per_slice_hour}/h "
                 f"({plan.get_kind_display().lower()})", "hour"))
             d.add(Decimal((hi - lo).total_seconds()) / 3600, lo, hi)
-
-    # tokens: this month's hourly rollups, plus late usage of finalized months (adjustments)
-    finalized = list(Invoice.objects.filter(tenant=tenant, status=Invoice.Status.FINALIZED,
-                                            period_start__lt=period_start).values_list("period_start", flat=True))
-    late = Q()
-    for p in finalized:
-        p_start, p_end = bounds(p)
-        late |= Q(hour__gte=p_start, hour__lt=p_end)
-    this_month = Q(hour__gte=start, hour__lt=end)
-    pending_late = Q(input_tokens__gt=F("billed_input_tokens")) | Q(output_tokens__gt=F("billed_output_tokens"))
-    rows = UsageHourly.objects.filter(tenant=tenant).filter(this_month | (late & pending_late) if finalized
-                                                             else this_month)
     late_reserved: dict[tuple[date, int], Decimal] = defaultdict(Decimal)
-    groups = list(token_groups(rows, book, start, pieces))
-    tiers = Tier.objects.in_bulk({g["tier_id"] for g in groups})
-    names = dict(ModelDeployment.objects.filter(pk__in={g["deployment_id"] for g in groups})
-                 .values_list("pk", "name"))
-    for g in groups:
-        tier, plan = tiers[g["tier_id"]], book.plan(g["plan_id"])
+    for g in inp.groups:
+        tier, plan = inp.tiers[g["tier_id"]], book.plan(g["plan_id"])
         if plan is None:
             log.warning("usage without a price in force", extra={"tier": g["tier_id"], "hours": g["hours"]})
             unpriced[f"{tier.name}: {g['plan_kind']} tokens with no {currency} price in force"] = None
@@ -329,7 +367,7 @@ def rate(tenant: Tenant, period_start: date, now: datetime | None = None, curren
             key = (kind, tier.pk, plan.pk, g["deployment_id"], g["adapter"])  # a LoRA adapter is its own line
             what = "input" if kind in (L.INPUT_TOKENS, L.ADJUSTMENT_INPUT) else "output"
             prefix = "late usage from a finalized month: " if is_late else ""
-            name = names.get(g["deployment_id"], "")
+            name = inp.names.get(g["deployment_id"], "")
             served = f"LoRA adapter {g['adapter']} of {name}" if g["adapter"] else name
             d = drafts.get(key) or drafts.setdefault(key, Draft(
                 kind, tier, plan, f"{prefix}{served} on {tier.name}: {what} tokens (per 1M)",
@@ -337,9 +375,40 @@ def rate(tenant: Tenant, period_start: date, now: datetime | None = None, curren
             d.add(Decimal(tokens) / MILLION, g["first"], g["last"] + timedelta(hours=1))
     out = list(drafts.values())
     out += commitment_topups(book, held, out, start, end)
-    out += commitment_credits(tenant, late_reserved, invoice_id)
-    out += corrections(tenant, period_start, invoice_id)
-    return Rated(out, rows, currency, list(unpriced))
+    return out, list(unpriced), late_reserved
+
+
+def rate_months_many(tenants: list[Tenant], period_start: date, now: datetime,
+                     pieces: Pieces | None = None) -> dict[int, tuple[list[Draft], str]]:
+    """The month's own lines (no adjustments, credits or corrections: what the charts count) of many
+    tenants, each rated by `rate_month` exactly as its invoice is, in its invoice's currency, with a
+    fixed number of queries: one per currency in use for the usage, plus a handful."""
+    start, end = bounds(period_start)
+    ids = [t.pk for t in tenants]
+    invoiced = dict(Invoice.objects.filter(tenant_id__in=ids, period_start=period_start)
+                    .values_list("tenant_id", "currency"))
+    currency = {t.pk: invoiced.get(t.pk) or t.currency for t in tenants}
+    books = PlanBook.many(set(currency.values()))
+    allocs: dict[int, list[Allocation]] = defaultdict(list)
+    for a in _active_allocations(start, end, now).filter(tenant_id__in=ids):
+        allocs[a.tenant_id].append(a)
+    groups: dict[int, list[dict]] = defaultdict(list)
+    for cur, book in books.items():
+        mine = [t for t in ids if currency[t] == cur]
+        rows = UsageHourly.objects.filter(tenant_id__in=mine, hour__gte=start, hour__lt=end)
+        for g in token_groups(rows, book, start, pieces, by_tenant=True):
+            groups[g.pop("tenant_id")].append(g)
+    every = [g for gs in groups.values() for g in gs]
+    tiers = Tier.objects.in_bulk({g["tier_id"] for g in every})
+    names = dict(ModelDeployment.objects.filter(pk__in={g["deployment_id"] for g in every})
+                 .values_list("pk", "name"))
+    out = {}
+    for t in ids:
+        cur = currency[t]
+        drafts, _unpriced, _late = rate_month(MonthInputs(cur, books[cur], allocs[t], groups[t], tiers, names),
+                                              start, end, now)
+        out[t] = (drafts, cur)
+    return out
 
 
 def commitment_credits(tenant: Tenant, late_reserved: dict[tuple[date, int], Decimal],
@@ -402,20 +471,29 @@ NOT_THIS_MONTH = (*ADJUSTMENT_KINDS, L.COMMITMENT_CREDIT, L.CORRECTION)
 
 def rated_lines(tenant: Tenant, start: datetime, end: datetime, now: datetime | None = None,
                 step: int = 10**9) -> list[tuple[Draft, str]]:
-    """The one rating, for anything that prices a tenant's use over [start, end) (the charts): each
-    month it touches rated exactly as its invoice is (the invoice's currency, reserved commitments
-    included), as (line, currency). Adjustment lines are left out: late usage is counted in the month it
-    happened (that month's own rating includes it). Spread a line over [start, end) or over UTC buckets
-    of `step` seconds inside it with `amount_between` (exact: token pieces are cut there)."""
+    """One tenant's `rated_lines_many`."""
+    return rated_lines_many([tenant], start, end, now, step).get(tenant.pk, [])
+
+
+def rated_lines_many(tenants: list[Tenant], start: datetime, end: datetime, now: datetime | None = None,
+                     step: int = 10**9) -> dict[int, list[tuple[Draft, str]]]:
+    """The one rating, for anything that prices use over [start, end) (the charts): each month it
+    touches rated for each tenant exactly as its invoice is (the invoice's currency, reserved commitments
+    included), as tenant id -> [(line, currency)], in a fixed number of queries per month. Adjustment
+    lines are left out: late usage is counted in the month it happened (that month's own rating includes
+    it). Spread a line over [start, end) or over UTC buckets of `step` seconds inside it with
+    `amount_between` (exact: token pieces are cut there)."""
     now = now or timezone.now()
     lo = start.replace(minute=0, second=0, microsecond=0)
     lo = lo if lo == start else lo + timedelta(hours=1)
     hi = end.replace(minute=0, second=0, microsecond=0)
-    out = []
+    out: dict[int, list[tuple[Draft, str]]] = defaultdict(list)
+    if not tenants:
+        return out
     for m in _months(start, min(end, now)):
         _, m_end = bounds(m)
-        rated = rate(tenant, m, min(now, m_end), pieces=(step, lo, hi))
-        out.extend((d, rated.currency) for d in rated.drafts if d.kind not in NOT_THIS_MONTH)
+        for tid, (drafts, currency) in rate_months_many(tenants, m, min(now, m_end), (step, lo, hi)).items():
+            out[tid].extend((d, currency) for d in drafts if d.kind not in NOT_THIS_MONTH)
     return out
 
 
@@ -431,6 +509,31 @@ def amount_between(d: Draft, lo: datetime, hi: datetime) -> Decimal:
         if ov > timedelta(0):
             q += qty * seconds(ov) / seconds(b - a)
     return q * price
+
+
+def amount_by_bucket(d: Draft, lo: datetime, hi: datetime, step: timedelta) -> dict[datetime, Decimal]:
+    """`amount_between` of each UTC bucket of `step` (epoch-aligned: hours, days) inside [lo, hi), keyed by
+    the bucket's start, going through the line's pieces once."""
+    price, out = d.unit_price, defaultdict(Decimal)
+    step_s = int(step.total_seconds())
+
+    def start_of(t: datetime) -> datetime:
+        e = int(t.timestamp())
+        return datetime.fromtimestamp(e - e % step_s, tz=UTC)
+
+    for a, b, qty in d.pieces:
+        if b <= a:
+            if lo <= a < hi:
+                out[start_of(a)] += qty * price
+            continue
+        length = seconds(b - a)
+        t = start_of(max(a, lo))
+        while t < min(b, hi):
+            ov = min(b, hi, t + step) - max(a, lo, t)
+            if ov > timedelta(0):
+                out[t] += qty * seconds(ov) / length * price
+            t += step
+    return out
 
 
 def list_price_per_hour(plan: PricePlan, slices: float, tokens_per_hour: float, input_share: float) -> float:

@@ -229,3 +229,24 @@ def test_charts_cap_their_points_and_bucket_the_heatmap(h100_node, operator, set
 def test_an_empty_chart_says_no_data(h100_node, operator):
     fig = charts.figure_json("fleet-utilization", principal_for_user(operator), {"hours": "1"})["figure"]
     assert [a["text"] for a in fig["layout"]["annotations"]] == ["no data yet"]
+
+
+MONEY_CHARTS = ("cost-per-tier", "h100-vs-h200", "tenant-usage")
+
+
+def test_money_charts_make_the_same_queries_for_more_tenants(priced, operator):
+    op = principal_for_user(operator)
+    start = timezone.now().replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+    params = {"start": start.isoformat(), "end": (start + timedelta(days=1)).isoformat()}
+    for slug in ("a1", "a2"):
+        _tenant_with_usage(slug, priced, hours=2)
+    small = {n: _queries(lambda n=n: charts.figure_json(n, op, params)) for n in MONEY_CHARTS}
+    for i in range(5):
+        _tenant_with_usage(f"b{i}", priced, hours=4)
+    big = {n: _queries(lambda n=n: charts.figure_json(n, op, params)) for n in MONEY_CHARTS}
+    assert big == small
+    tiers = charts.figure_json("cost-per-tier", op, params)["data"]["tiers"]
+    # 7 tenants: 2 x 2 h + 5 x 4 h of 1M tokens at 0.50, and 7 slice-hours at 2.00
+    assert tiers[priced.key]["amount"] == str(D(24 * 0.5 + 7 * 2).quantize(D("0.000001")))
+    usage = charts.figure_json("tenant-usage", op, params)["data"]["tenants"]
+    assert usage["b0"]["tokens"][:4] == [1_000_000] * 4 and usage["b0"]["total"] == "4.00"
