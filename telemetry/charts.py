@@ -331,7 +331,7 @@ def cost_per_tier(per: Period, principal: Principal):
 
 def power_cost(per: Period, principal: Principal):
     """Energy cost per 1K tokens by tier: apportioned kWh (compute share) x price per kWh."""
-    report = energy.apportion(per.start, per.end)
+    report = energy.apportion(per.start, per.end, coarsest=per.resolution)
     rows = energy.power_cost_per_tier(per.start, per.end, report)
     keys = sorted(rows)
     fig = go.Figure(go.Bar(x=keys, y=[_f(rows[k]["cost_per_1k_tokens"]) for k in keys],

@@ -179,7 +179,8 @@ class MigSample(models.Model):
     class Meta:
         constraints = [models.UniqueConstraint(fields=["gpu", "mig_uuid", "resolution", "ts"],
                                                name="mig_sample_unique")]
-        indexes = [models.Index(fields=["resolution", "ts"]), models.Index(fields=["tenant", "resolution", "ts"])]
+        indexes = [models.Index(fields=["resolution", "ts"]), models.Index(fields=["tenant", "resolution", "ts"]),
+                   models.Index(fields=["gpu", "resolution", "ts"], name="mig_sample_gpu_time")]
 
     def __str__(self) -> str:
         return f"{self.mig_uuid}/{self.resolution}@{self.ts:%Y-%m-%d %H:%M}"

@@ -69,9 +69,11 @@ def _window(res: str, start: datetime, end: datetime) -> tuple[datetime, datetim
     return start - step - LOOKBACK[res], start - step, end - step
 
 
-def choose_resolutions(start: datetime, end: datetime, gpus=None) -> dict[int, str]:
-    """Each GPU's resolution (one grouped query): the finest one with a row at or before `start` (an
-    anchor); else the one whose first row is earliest."""
+def choose_resolutions(start: datetime, end: datetime, gpus=None, coarsest: str = Resolution.RAW) -> dict[int, str]:
+    """Each GPU's resolution (one grouped query): the first with a row at or before `start` (an anchor),
+    from `coarsest` down to raw (a long range reads rollups: the counter is exact at their bucket ends);
+    else the one whose first row is earliest."""
+    order = ORDER[:ORDER.index(coarsest) + 1][::-1]
     cond, anchors = Q(), []
     for res in ORDER:
         lo, anchor_hi, hi = _window(res, start, end)
@@ -87,7 +89,7 @@ def choose_resolutions(start: datetime, end: datetime, gpus=None) -> dict[int, s
         found[gpu_id][res] = (first + STEP[res], anchor)
     out = {}
     for gpu_id, by_res in found.items():
-        anchored = [r for r in ORDER if r in by_res and by_res[r][1] is not None]
+        anchored = [r for r in order if r in by_res and by_res[r][1] is not None]
         out[gpu_id] = anchored[0] if anchored else min((r for r in ORDER if r in by_res),
                                                        key=lambda r: (by_res[r][0], ORDER.index(r)))
     return out
@@ -124,14 +126,14 @@ def _increments_sql(res: str, gpu_ids: list[int], start: datetime, end: datetime
     return sql, [res, *gpu_ids, lo, anchor_hi, res, *gpu_ids, lo, hi, res]
 
 
-def apportion(start: datetime, end: datetime, gpus=None) -> EnergyReport:
+def apportion(start: datetime, end: datetime, gpus=None, coarsest: str = Resolution.RAW) -> EnergyReport:
     """kWh per GPU, per allocation, per tenant and unallocated over [start, end]: the counter increases
     and their compute-share split are summed by the database (two queries per resolution in use, plus
     one to choose them), whatever the fleet's size. `gpus`: GPU ids (or a queryset of GPUs); all by
-    default."""
+    default. `coarsest`: the coarsest resolution to read (see choose_resolutions); raw by default."""
     report = EnergyReport(start, end)
     ids = None if gpus is None else [getattr(g, "pk", g) for g in gpus]
-    chosen = choose_resolutions(start, end, ids)
+    chosen = choose_resolutions(start, end, ids, coarsest)
     for gpu_id in (ids if ids is not None else Gpu.objects.values_list("pk", flat=True)):
         report.gpu_kwh[gpu_id] = 0.0
     for res in ORDER:

@@ -1,0 +1,276 @@
+"""Benchmark: every chart and billing read at MSP scale, each next to hand-written SQL for the same answer
+measured in the same run.
+
+    DATABASE_URL=postgres://... .venv/bin/python tests/bench/scale.py [--nodes 125] [--tenants 200]
+        [--events 1000000] [--requests 5]
+
+PostgreSQL only (the seeding uses generate_series). Seeds, in a scratch database next to DATABASE_URL's:
+the console bench's fleet (tests/bench/pages.py: 125 nodes, 1,000 H100/H200 GPUs, 200 tenants, ~2,200
+active allocations, their deployments and invoices), then `--events` usage events spread over the last
+30 days and their hourly rollups (grouped by the database, as ingest keeps them), 24 h of per-minute GPU
+samples (1,000 GPUs: 1.44M rows) with their 5-minute rollups and 30 days of hourly ones, and each
+slice's samples at the same resolutions (the energy apportioning joins them).
+
+Then, as an operator through Django's test client: every chart over 24 h and 30 days
+(/api/v1/charts/<name>/), the spend list, the invoice list (page_size=500), an invoice, the usage
+summary, and the month-end beat (fan-out) plus one tenant's rating task. Prints per read p50/p95,
+queries and response bytes, and the ratio to the hand-written SQL's p50. Goals: p95 < 300 ms at 24 h,
+< 1 s at 30 days, within 2x of the SQL, no response over 2 MB, the query count independent of size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import sys
+import time
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from tests.bench.pages import build, pct  # noqa: E402
+from tests.bench.scratch import setup_django  # noqa: E402
+
+GOAL_24H_MS, GOAL_30D_MS, MAX_BYTES = 300.0, 1000.0, 2_000_000
+
+
+def seed_usage(n_events: int) -> None:
+    """Usage events over the last 30 days on every deployment, and their hourly rollups."""
+    from django.db import connection
+
+    with connection.cursor() as c:
+        c.execute("""
+            WITH d AS (SELECT id, tenant_id, row_number() OVER (ORDER BY id) - 1 AS k, count(*) OVER () AS n
+                       FROM marketplace_modeldeployment)
+            INSERT INTO telemetry_usageevent (tenant_id, deployment_id, event_id, ts, input_tokens, output_tokens,
+                                              requests, received_at, latency_ms, adapter)
+            SELECT d.tenant_id, d.id, 'bench-' || g, now() - (g %% 2592000) * interval '1 second',
+                   200 + g %% 800, 50 + g %% 300, 1, now(), 20 + g %% 200, ''
+            FROM generate_series(1, %s) g JOIN d ON d.k = g %% d.n""", [n_events])
+        c.execute("""
+            INSERT INTO telemetry_usagehourly (tenant_id, deployment_id, hour, adapter, input_tokens, output_tokens,
+                                               requests, events, billed_input_tokens, billed_output_tokens,
+                                               billed_requests, updated_at)
+            SELECT tenant_id, deployment_id, date_trunc('hour', ts), '', sum(input_tokens), sum(output_tokens),
+                   sum(requests), count(*), 0, 0, 0, now()
+            FROM telemetry_usageevent GROUP BY 1, 2, 3""")
+
+
+def seed_samples() -> None:
+    """24 h of per-minute samples per GPU and per slice, 5-minute rollups of them, 30 days of hourly ones."""
+    from django.db import connection
+
+    gpu = """
+        INSERT INTO telemetry_gpusample (gpu_id, resolution, ts, samples, utilization, utilization_samples,
+                                         activity, memory_used_mb, memory_total_mb, power_w, energy_j,
+                                         temperature_c, sm_clock_mhz, mig)
+        SELECT g.id, %s, t, %s, NULL, 0, (0.2 + 0.6 * ((g.id * 7 + extract(epoch FROM t)::bigint / 60) %% 97) / 97.0),
+               20000, 80000, 350 + (g.id %% 200), 1e9 + extract(epoch FROM t - (now() - interval '31 days')) * 500,
+               55, 1800, true
+        FROM marketplace_gpu g,
+             generate_series(date_trunc('minute', now()) - %s::interval, date_trunc('minute', now()), %s::interval) t"""
+    mig = """
+        INSERT INTO telemetry_migsample (gpu_id, mig_uuid, gi_id, compute_slices, allocation_id, tenant_id,
+                                         resolution, ts, samples, memory_used_mb, memory_total_mb, activity)
+        SELECT a.gpu_id, a.mig_uuid, a.start, a.cs, a.id, a.tenant_id, %s, t, %s, 9000, 20000, 0.5
+        FROM (SELECT al.id, al.tenant_id, i.gpu_id, i.mig_uuid, i.start, p.compute_slices AS cs
+              FROM marketplace_allocation al JOIN marketplace_gpuinstance i ON i.id = al.instance_id
+              JOIN marketplace_migplacement pl ON pl.id = i.placement_id
+              JOIN marketplace_migprofile p ON p.id = pl.profile_id) a,
+             generate_series(date_trunc('minute', now()) - %s::interval, date_trunc('minute', now()), %s::interval) t"""
+    with connection.cursor() as c:
+        for res, n, span, step in (("raw", 1, "24 hours", "1 minute"), ("5m", 5, "24 hours", "5 minutes"),
+                                   ("1h", 60, "30 days", "1 hour")):
+            c.execute(gpu, [res, n, span, step])
+            c.execute(mig, [res, n, span, step])
+        c.execute("ANALYZE")
+
+
+HAND_SQL = {
+    "fleet-utilization": """
+        SELECT (floor(extract(epoch FROM s.ts) / %(step)s) * %(step)s)::bigint b, m.key,
+               sum(s.activity * s.samples) / sum(s.samples)
+        FROM telemetry_gpusample s JOIN marketplace_gpu g ON g.id = s.gpu_id
+        JOIN marketplace_gpumodel m ON m.id = g.gpu_model_id
+        WHERE s.resolution = %(res)s AND s.ts >= %(start)s AND s.ts < %(end)s GROUP BY 1, 2""",
+    "gpu-heatmap": """
+        SELECT (floor(extract(epoch FROM s.ts) / %(hstep)s) * %(hstep)s)::bigint b, g.node_id,
+               sum(s.activity * s.samples) / sum(s.samples)
+        FROM telemetry_gpusample s JOIN marketplace_gpu g ON g.id = s.gpu_id
+        WHERE s.resolution = %(res)s AND s.ts >= %(start)s AND s.ts < %(end)s GROUP BY 1, 2""",
+    "mig-slots": """
+        SELECT s.gpu_id, s.slot, t.slug FROM marketplace_gpuslot s
+        JOIN marketplace_gpuinstance i ON i.id = s.instance_id JOIN tenants_tenant t ON t.id = i.tenant_id""",
+    "power-cost": """
+        WITH s AS (SELECT gpu_id, ts, energy_j - lag(energy_j) OVER (PARTITION BY gpu_id ORDER BY ts) j
+                   FROM telemetry_gpusample WHERE resolution = %(res)s AND ts >= %(start)s AND ts <= %(end)s)
+        SELECT m.allocation_id, sum(s.j * m.compute_slices / 7.0) FROM s
+        JOIN telemetry_migsample m ON m.gpu_id = s.gpu_id AND m.resolution = %(res)s AND m.ts = s.ts
+        WHERE s.j IS NOT NULL GROUP BY 1""",
+    "cost-per-tier": """
+        SELECT a.tier_id, sum(u.requests), sum(u.input_tokens * p.price_per_1m_input_tokens
+                                              + u.output_tokens * p.price_per_1m_output_tokens) / 1e6
+        FROM telemetry_usagehourly u JOIN marketplace_modeldeployment d ON d.id = u.deployment_id
+        JOIN marketplace_allocation a ON a.id = d.allocation_id
+        JOIN marketplace_priceplan p ON p.tier_id = a.tier_id AND p.currency = 'USD'
+        WHERE u.hour >= %(start)s AND u.hour < %(end)s GROUP BY 1""",
+    "tenant-usage": """
+        SELECT u.tenant_id, date_trunc(%(bucket)s, u.hour), sum(u.input_tokens + u.output_tokens),
+               sum(u.input_tokens * p.price_per_1m_input_tokens + u.output_tokens * p.price_per_1m_output_tokens)
+        FROM telemetry_usagehourly u JOIN marketplace_modeldeployment d ON d.id = u.deployment_id
+        JOIN marketplace_allocation a ON a.id = d.allocation_id
+        JOIN marketplace_priceplan p ON p.tier_id = a.tier_id AND p.currency = 'USD'
+        WHERE u.hour >= %(start)s AND u.hour < %(end)s GROUP BY 1, 2""",
+    "h100-vs-h200": """
+        SELECT m.key, avg(s.activity) FROM telemetry_gpusample s JOIN marketplace_gpu g ON g.id = s.gpu_id
+        JOIN marketplace_gpumodel m ON m.id = g.gpu_model_id
+        WHERE s.resolution = %(res)s AND s.ts >= %(start)s AND s.ts < %(end)s GROUP BY 1""",
+    "spend": """
+        SELECT t.slug, coalesce(i.total, 0), t.monthly_spend_limit FROM tenants_tenant t
+        LEFT JOIN marketplace_invoice i ON i.tenant_id = t.id AND i.period_start = %(month)s
+        ORDER BY t.slug LIMIT 50""",
+    "invoices": """
+        SELECT i.*, t.slug FROM marketplace_invoice i JOIN tenants_tenant t ON t.id = i.tenant_id
+        ORDER BY i.period_start DESC, t.slug LIMIT 500""",
+    "invoice": """SELECT * FROM marketplace_invoiceline WHERE invoice_id = %(invoice)s ORDER BY id""",
+    "usage-summary": """
+        SELECT tenant_id, deployment_id, sum(input_tokens), sum(output_tokens), sum(requests)
+        FROM telemetry_usagehourly WHERE hour >= %(month_start)s AND hour < %(end)s GROUP BY 1, 2""",
+}
+
+
+def time_sql(sql: str, params: dict, n: int) -> float:
+    from django.db import connection
+
+    out = []
+    with connection.cursor() as c:
+        for _ in range(n + 1):
+            t0 = time.perf_counter()
+            c.execute(sql, params)
+            c.fetchall()
+            out.append((time.perf_counter() - t0) * 1000)
+    return pct(out[1:], 50)
+
+
+def time_get(client, url: str, n: int) -> tuple[list[float], int, int, int]:
+    from django.db import connection
+
+    resp = client.get(url)  # warm-up
+    seen = []
+
+    def count(execute, sql, params, many, context):
+        seen.append(sql)
+        return execute(sql, params, many, context)
+
+    with connection.execute_wrapper(count):
+        resp = client.get(url)
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        client.get(url)
+        out.append((time.perf_counter() - t0) * 1000)
+    return out, resp.status_code, len(seen), len(resp.content)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--nodes", type=int, default=125)
+    ap.add_argument("--tenants", type=int, default=200)
+    ap.add_argument("--events", type=int, default=1_000_000)
+    ap.add_argument("--requests", type=int, default=5)
+    args = ap.parse_args()
+    if not os.environ.get("DATABASE_URL", "").startswith("postgres"):
+        sys.exit("scale.py needs PostgreSQL: set DATABASE_URL=postgres://...")
+    t0 = time.perf_counter()
+    scratch = setup_django("tessera_bench_scale", "tessera-bench-scale-")
+    from django.conf import settings
+    from django.db import connection
+    from django.test import Client
+    from django.utils import timezone
+
+    from marketplace.models import Allocation, Invoice, PricePlan
+    from marketplace.services import billing
+    from telemetry.models import GpuSample, MigSample, UsageEvent, UsageHourly
+
+    settings.ALLOWED_HOSTS = [*settings.ALLOWED_HOSTS, "testserver"]
+    data = build(args.nodes, args.tenants)
+    # the allocations were active for the whole month (pages.py activates them now)
+    now = timezone.now()
+    Allocation.objects.update(activated_at=now - timedelta(days=31))
+    PricePlan.objects.update(effective_from=now - timedelta(days=400))
+    seed_usage(args.events)
+    seed_samples()
+    Invoice.objects.filter(status="draft").delete()  # the beat opens and rates this month's drafts
+    built_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    billing.rate_all()  # in-process: every tenant rated, as the beat's tasks would
+    rate_all_s = time.perf_counter() - t1
+    gc.collect()
+    gc.freeze()
+    counts = {"GPUs": data["counts"]["gpus"], "tenants": data["counts"]["tenants"],
+              "allocations": data["counts"]["allocations"], "usage events": UsageEvent.objects.count(),
+              "hourly rollups": UsageHourly.objects.count(), "GPU samples": GpuSample.objects.count(),
+              "slice samples": MigSample.objects.count()}
+    print(f"database {connection.vendor}; seeded in {built_s:.0f} s: " + ", ".join(f"{v:,} {k}"
+                                                                                 for k, v in counts.items()))
+    client = Client()
+    client.force_login(data["op"])
+    month = billing.month_of(now)
+    invoice = Invoice.objects.filter(period_start=month).order_by("-total").first()
+    reads = []
+    for hours, label in ((24, "24 h"), (720, "30 d")):
+        start, end = now - timedelta(hours=hours), now
+        res = "5m" if hours <= 72 else "1h"
+        step = 300 if hours <= 24 else 7200
+        hstep = 900 if hours <= 24 else 21600
+        for name in ("fleet-utilization", "gpu-heatmap", "mig-slots", "power-cost", "cost-per-tier",
+                     "h100-vs-h200", "tenant-usage"):
+            reads.append((f"chart {name} {label}", f"/api/v1/charts/{name}/?hours={hours}", name,
+                          {"start": start, "end": end, "res": res, "step": step, "hstep": hstep,
+                           "bucket": "hour" if hours <= 48 else "day"}, hours <= 24))
+    month_start = datetime(month.year, month.month, 1, tzinfo=UTC)
+    common = {"month": month, "invoice": invoice.pk, "month_start": month_start, "end": now}
+    reads += [("spend list", "/api/v1/billing/spend/", "spend", common, True),
+              ("invoices page_size=500", "/api/v1/invoices/?page_size=500", "invoices", common, True),
+              ("invoice detail", f"/api/v1/invoices/{invoice.pk}/", "invoice", common, True),
+              ("usage summary (month, by deployment)", "/api/v1/billing/usage/", "usage-summary", common, True)]
+    print(f"{'read':42} {'status':>6} {'queries':>7} {'bytes':>10} {'p50 ms':>8} {'p95 ms':>8} {'SQL p50':>8} "
+          f"{'ratio':>6}")
+    misses = []
+    for label, url, sql_name, params, short in reads:
+        xs, status, queries, size = time_get(client, url, args.requests)
+        sql_ms = time_sql(HAND_SQL[sql_name], params, args.requests)
+        p50, p95 = pct(xs, 50), pct(xs, 95)
+        goal = GOAL_24H_MS if short else GOAL_30D_MS
+        if p95 >= goal or size > MAX_BYTES or status != 200:
+            misses.append(label)
+        print(f"{label:42} {status:>6} {queries:>7} {size:>10,} {p50:>8.1f} {p95:>8.1f} {sql_ms:>8.1f} "
+              f"{p50 / max(sql_ms, 0.01):>5.1f}x")
+    # the month-end beat: fan-out (the beat's own work) and one tenant's task
+    from unittest import mock
+
+    sent = []
+    with mock.patch("marketplace.enqueue.app.send_task", lambda name, args, queue: sent.append(args)):
+        t1 = time.perf_counter()
+        run = billing.start_rating_run()
+        beat_ms = (time.perf_counter() - t1) * 1000
+    per_tenant = []
+    for run_id, tenant_id in sent[: min(len(sent), 20)]:
+        t1 = time.perf_counter()
+        billing.rate_run_tenant(run_id, tenant_id, final_attempt=True)
+        per_tenant.append((time.perf_counter() - t1) * 1000)
+    print(f"month-end beat: fan-out of {len(sent)} tenant tasks in {beat_ms:.0f} ms (run {run.pk}); one tenant's "
+          f"task p50 {pct(per_tenant, 50):.0f} ms, max {max(per_tenant):.0f} ms (time limit 300 s); all tenants "
+          f"in one process (rate_all) {rate_all_s:.1f} s")
+    print(json.dumps({"goals_missed": misses}))
+    print(f"total {time.perf_counter() - t0:.0f} s")
+    shutil.rmtree(scratch, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
