@@ -5,6 +5,12 @@ from __future__ import annotations
 
 from marketplace.celery import app
 
+PROVISION_ALLOCATION = "tessera.provision_allocation"
+RELEASE_ALLOCATION = "tessera.release_allocation"
+RECONCILE_NODE = "tessera.reconcile_node"
+DEPLOY_MODEL = "tessera.deploy_model"
+UNDEPLOY_MODEL = "tessera.undeploy_model"
+DELIVER_WEBHOOK = "tessera.deliver_webhook"
 RATE_TENANT = "tessera.rate_tenant"
 
 

@@ -13,7 +13,7 @@ from django.db.models import Sum
 from django.utils import timezone
 from tritonclient.utils import InferenceServerException
 
-from marketplace import fit
+from marketplace import enqueue, fit
 from marketplace.hardware import model_repo, triton
 from marketplace.models import Allocation, ModelDeployment, TritonServer
 from marketplace.models.deployments import LIVE_DEPLOYMENT_STATES
@@ -182,7 +182,7 @@ def deploy(principal: Principal, allocation: Allocation, name: str, *, template:
         )
         if adapters:
             dep.adapters.set(adapters)
-        transaction.on_commit(lambda: _enqueue("deploy_model", dep, allocation))
+        transaction.on_commit(lambda: _enqueue(enqueue.DEPLOY_MODEL, dep, allocation))
     return dep
 
 
@@ -194,14 +194,13 @@ def remove(principal: Principal, dep: ModelDeployment) -> ModelDeployment:
         if dep.state in (D.REMOVED, D.UNLOADING):
             raise Conflict(f"this model is already {dep.state}")
         _set(dep, D.UNLOADING)
-        transaction.on_commit(lambda: _enqueue("undeploy_model", dep, dep.allocation))
+        transaction.on_commit(lambda: _enqueue(enqueue.UNDEPLOY_MODEL, dep, dep.allocation))
     return dep
 
 
 def _enqueue(task_name: str, dep: ModelDeployment, allocation: Allocation) -> None:
-    from marketplace import tasks  # noqa: PLC0415
-
-    getattr(tasks, task_name).apply_async(args=[dep.pk], queue=allocation.node.queue)
+    """Queue a deployment task (an enqueue.* task name) on the allocation's node."""
+    enqueue.send(task_name, [dep.pk], allocation.node.queue)
 
 
 def _set(dep: ModelDeployment, state: str, reason: str = "") -> None:
@@ -317,7 +316,7 @@ def retry(principal: Principal, dep: ModelDeployment) -> ModelDeployment:
         ModelDeployment.objects.filter(pk=dep.pk).update(waiting_since=None, waiting_reason="")
         _set(dep, D.PENDING)
         dep.waiting_since, dep.waiting_reason = None, ""
-        transaction.on_commit(lambda: _enqueue("deploy_model", dep, dep.allocation))
+        transaction.on_commit(lambda: _enqueue(enqueue.DEPLOY_MODEL, dep, dep.allocation))
     return dep
 
 

@@ -9,6 +9,7 @@ from django.db import transaction
 from django.db.models import Sum
 from django.utils import timezone
 
+from marketplace import enqueue
 from marketplace.models import Allocation, Order, PricePlan, Tier
 from marketplace.models.orders import LIVE_STATES
 from marketplace.services import allocations, billing, fleet
@@ -98,15 +99,11 @@ def create_order(principal: Principal, *, tenant: Tenant, tier: Tier, quantity: 
 
 
 def enqueue_provision(allocation: Allocation) -> None:
-    from marketplace import tasks  # noqa: PLC0415
-
-    tasks.provision_allocation.apply_async(args=[allocation.pk], queue=allocation.node.queue)
+    enqueue.send(enqueue.PROVISION_ALLOCATION, [allocation.pk], allocation.node.queue)
 
 
 def enqueue_release(allocation: Allocation) -> None:
-    from marketplace import tasks  # noqa: PLC0415
-
-    tasks.release_allocation.apply_async(args=[allocation.pk], queue=allocation.node.queue)
+    enqueue.send(enqueue.RELEASE_ALLOCATION, [allocation.pk], allocation.node.queue)
 
 
 def release(principal: Principal, allocation: Allocation, reason: str = "released by the tenant") -> Allocation:

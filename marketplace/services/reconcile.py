@@ -20,6 +20,7 @@ from django.conf import settings
 from django.utils import timezone
 from pynvml import NVMLError
 
+from marketplace import enqueue
 from marketplace.models import Allocation, DriftEvent, GpuInstance, ModelDeployment, Node, TritonServer
 from marketplace.services import deployments, nodes, serving
 
@@ -29,11 +30,9 @@ MAX_REQUEUES = 3
 
 
 def fan_out() -> int:
-    from marketplace import tasks  # noqa: PLC0415
-
     n = 0
     for node in Node.objects.filter(state__in=[Node.State.READY, Node.State.DRAINING]):
-        tasks.reconcile_node.apply_async(args=[node.pk], queue=node.queue)
+        enqueue.send(enqueue.RECONCILE_NODE, [node.pk], node.queue)
         n += 1
     return n
 

@@ -28,6 +28,7 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from marketplace import enqueue
 from marketplace.models import WebhookDelivery, WebhookEndpoint
 from marketplace.services import netguard
 from tenants.errors import Forbidden, ServiceError
@@ -90,9 +91,7 @@ def emit(tenant: Tenant, event: str, key: str, data: dict) -> list[WebhookDelive
 
 
 def _enqueue(delivery: WebhookDelivery) -> None:
-    from marketplace import tasks  # noqa: PLC0415
-
-    tasks.deliver_webhook.apply_async(args=[delivery.pk], queue="control")
+    enqueue.send(enqueue.DELIVER_WEBHOOK, [delivery.pk], "control")
 
 
 class _PinnedHTTPConnection(http.client.HTTPConnection):

@@ -1,0 +1,39 @@
+"""Layering (issue 16): tasks import services, never the reverse; services queue work by task name
+through marketplace.enqueue, and every name there is a registered task."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import marketplace
+from marketplace import enqueue
+from marketplace.celery import app
+
+SERVICES = Path(marketplace.__file__).parent / "services"
+
+
+def imported_modules(path: Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out.add(node.module)
+            out |= {f"{node.module}.{a.name}" for a in node.names}
+    return out
+
+
+def test_no_service_imports_the_tasks_module():
+    offenders = {p.name: sorted(m for m in imported_modules(p) if m == "marketplace.tasks" or m.endswith(".tasks"))
+                 for p in SERVICES.glob("*.py")}
+    assert {k: v for k, v in offenders.items() if v} == {}
+    assert "getattr(tasks" not in "".join(p.read_text() for p in SERVICES.glob("*.py"))
+
+
+def test_every_enqueued_name_is_a_registered_task():
+    import marketplace.tasks  # noqa: F401 - registers the tasks
+
+    names = {v for k, v in vars(enqueue).items() if k.isupper() and isinstance(v, str)}
+    assert len(names) >= 7
+    assert names - set(app.tasks) == set()
