@@ -24,8 +24,9 @@ DEMO_NODES = [
     ("gpu-h200-02", "hgx-h200-8"),
 ]
 
-# H100 on-demand $2.49/GPU-h, H200 $3.59/GPU-h (specialty-cloud prices, 2025; shared/reference/gpu.md
-# section 5); a slice is priced pro rata by its compute slices (g/7), tokens per 1M.
+# H100 on-demand $2.49/GPU-h, H200 $3.59/GPU-h (specialty-cloud on-demand prices, 2025: Lambda's and RunPod's
+# public price lists, https://lambda.ai/pricing , https://www.runpod.io/pricing ); a slice is priced pro rata by
+# its compute slices (g/7), tokens per 1M.
 GPU_HOUR = {"h100-sxm-80gb": Decimal("2.49"), "h200-sxm-141gb": Decimal("3.59")}
 TOKENS = {"h100-sxm-80gb": (Decimal("0.10"), Decimal("0.40")), "h200-sxm-141gb": (Decimal("0.08"), Decimal("0.32"))}
 # key, name, gpu model, profile (None = whole GPU), dedicated

@@ -6,7 +6,10 @@ it from ``import pynvml as nv``. Constants and ctypes struct classes are pynvml'
 access falls through to the real module); pynvml functions the simulator does not implement raise
 ``NVMLError_FunctionNotFound``, as a driver lacking the symbol would.
 
-Rules simulated (see /work/shared/reference/gpu.md, sections 1.6, 1.7, 2, 3, 6):
+Rules simulated (sources: NVIDIA's MIG User Guide, https://docs.nvidia.com/datacenter/tesla/mig-user-guide/ ,
+for profiles, placements and GI numbering; the NVML API reference and nvml.h comments,
+https://docs.nvidia.com/deploy/nvml-api/ , for calls, return codes and what MIG device handles support;
+``nvidia-smi mig -lgip`` / ``-lgipp`` captures on H100 and H200 boards for profile ids and placements):
 
 * profile info is asked for with ``NVML_GPU_INSTANCE_PROFILE_*`` constants and returns the real
   profile id (19/20/15/14/9/5/0); every later call takes that id;

@@ -37,3 +37,15 @@ def test_every_enqueued_name_is_a_registered_task():
     names = {v for k, v in vars(enqueue).items() if k.isupper() and isinstance(v, str)}
     assert len(names) >= 7
     assert names - set(app.tasks) == set()
+
+
+def test_the_repository_cites_no_file_outside_it():
+    """Sources are public (NVIDIA's guides, vendor pages), never a file of a developer's machine."""
+    import subprocess
+
+    root = Path(marketplace.__file__).resolve().parents[1]
+    files = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True, check=True).stdout.split()
+    bad = ("/" + "work/", "shared/" + "reference", "/" + "home/", "/" + "Users/")
+    hits = [f for f in files if (root / f).is_file() and f.endswith((".py", ".md", ".html", ".toml", ".json", ".txt"))
+            and any(b in (root / f).read_text(errors="replace") for b in bad)]
+    assert hits == []

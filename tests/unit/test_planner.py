@@ -26,7 +26,8 @@ H100, H200 = "h100-sxm-80gb", "h200-sxm-141gb"
 # Layouts
 # --------------------------------------------------------------------------------------------------
 
-# The 38 placement-maximal H100 layouts of shared/reference/gpu.md 1.6 (an independent enumeration):
+# The 38 placement-maximal H100 layouts (an independent enumeration from the MIG User Guide's H100 placement
+# table, https://docs.nvidia.com/datacenter/tesla/mig-user-guide/ ):
 # every one must be inside one of ours (ours are the multiset-maximal ones, which suffice for planning).
 REFERENCE_H100 = """7x1g.10gb; 6x1g.10gb+1x1g.20gb; 5x1g.10gb+1x2g.20gb; 4x1g.10gb+1x1g.20gb+1x2g.20gb;
 4x1g.10gb+1x3g.40gb; 3x1g.10gb+2x2g.20gb; 2x1g.10gb+1x1g.20gb+2x2g.20gb; 3x1g.10gb+1x4g.40gb;
