@@ -90,7 +90,7 @@ def seed_tiers() -> None:
 def seed_fleet() -> dict[str, int]:
     with transaction.atomic():
         sync_catalog()
-        from marketplace.services.models import sync_library  # noqa: PLC0415
+        from marketplace.services.models import sync_library
 
         sync_library()
         for hostname, platform_key in DEMO_NODES:

@@ -87,7 +87,7 @@ def usage_summary(principal: Principal, start: datetime, end: datetime, group_by
                 .values("pk", "name", "allocation_id", "allocation__tier__key")}
     tiers = {}
     if group_by == "tier":
-        from marketplace.models import Tier  # noqa: PLC0415
+        from marketplace.models import Tier
 
         tiers = dict(Tier.objects.filter(pk__in={r["deployment__allocation__tier_id"] for r in rows})
                      .values_list("pk", "key"))

@@ -31,6 +31,6 @@ def scrape_triton_fleet() -> int:
 @shared_task(name="tessera.consume_usage", ignore_result=True, acks_late=True, time_limit=60, soft_time_limit=45)
 def consume_usage() -> dict:
     """Beat (control queue): write what the gateway served (its usage stream or spool) into the database."""
-    from marketplace.gateway import metering  # noqa: PLC0415 - the gateway package loads Django models
+    from marketplace.gateway import metering  # the gateway package loads Django models
 
     return metering.consume(budget_s=20)

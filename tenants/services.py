@@ -72,7 +72,7 @@ def update_tenant(principal: Principal, tenant: Tenant, **fields) -> Tenant:
     merged = {name: getattr(tenant, name) for name in TENANT_QUOTA_FIELDS} | fields
     _check_quota_values(merged)
     if "currency" in fields and fields["currency"] != tenant.currency:
-        from marketplace.services import billing  # noqa: PLC0415
+        from marketplace.services import billing
 
         # The open period (and any period used but not yet invoiced) keeps the old currency.
         billing.ensure_invoices(tenant=tenant)

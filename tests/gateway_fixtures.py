@@ -36,7 +36,7 @@ def run_async(make_coro):
     def target():
         try:
             out["value"] = asyncio.run(make_coro())
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+        except BaseException as exc:  # re-raised in the caller's thread
             out["error"] = exc
 
     t = threading.Thread(target=target)

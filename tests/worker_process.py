@@ -39,7 +39,7 @@ class Worker:
                "TESSERA_MODEL_STORE_ROOT": str(self.sim_dir.parent / "model-store"),
                "CELERY_VISIBILITY_TIMEOUT": "5", "TESSERA_PROVISION_STUCK_AFTER_S": "1",
                "LOG_FORMAT": "text", "LOG_LEVEL": "INFO", **self.env, **extra_env}
-        log = open(self.log_path, "ab")  # noqa: SIM115 - the process owns it
+        log = open(self.log_path, "ab")  # the process owns it
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "celery", "-A", "marketplace", "worker", "-P", pool,
              *(["-c", "1"] if pool == "prefork" else []), "-Q", self.queue,

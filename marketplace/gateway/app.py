@@ -51,7 +51,7 @@ class Gateway:
     def __init__(self, *, tables: Tables | None = None, sink: UsageSink | None = None,
                  limiter: Limiter | None = None, refresh_s: float | None = None, max_body: int | None = None,
                  timeout_s: float | None = None) -> None:
-        from django.conf import settings  # noqa: PLC0415
+        from django.conf import settings
 
         self.tables = tables or Tables()
         self.sink, self.limiter = sink, limiter
@@ -65,14 +65,14 @@ class Gateway:
 
     # --- lifecycle ------------------------------------------------------------------------------------------
     async def startup(self) -> None:
-        from django.conf import settings  # noqa: PLC0415
+        from django.conf import settings
 
         self.loop = asyncio.get_running_loop()
         if settings.REDIS_URL and (self.sink is None or self.limiter is None):
-            import redis.asyncio as aioredis  # noqa: PLC0415
-            from redis.asyncio.retry import Retry  # noqa: PLC0415
-            from redis.backoff import NoBackoff  # noqa: PLC0415
-            from redis.exceptions import ConnectionError as RedisConnectionError  # noqa: PLC0415
+            import redis.asyncio as aioredis
+            from redis.asyncio.retry import Retry
+            from redis.backoff import NoBackoff
+            from redis.exceptions import ConnectionError as RedisConnectionError
 
             # Enough connections for every request in flight: redis-py's pool raises past its size. A pooled
             # connection Redis closed (a restart) is retried once on a new one instead of failing the request.
@@ -111,7 +111,7 @@ class Gateway:
             await asyncio.sleep(self.refresh_s)
             try:
                 await self.refresh()
-            except Exception as exc:  # noqa: BLE001 - keep serving from the last snapshot
+            except Exception as exc:  # keep serving from the last snapshot
                 log.error("gateway refresh failed; serving from the last snapshot", extra={"error": str(exc)})
 
     # --- ASGI -----------------------------------------------------------------------------------------------
@@ -142,7 +142,7 @@ class Gateway:
             if message["type"] == "lifespan.startup":
                 try:
                     await self.startup()
-                except Exception as exc:  # noqa: BLE001
+                except Exception as exc:
                     await send({"type": "lifespan.startup.failed", "message": str(exc)})
                     return
                 await send({"type": "lifespan.startup.complete"})
@@ -161,9 +161,9 @@ class Gateway:
             await _send(send, 200 if self.tables.ready else 503, _dumps({"ready": self.tables.ready}), JSON, rid)
             return
         if path == "/openapi.json" and method == "GET":
-            from django.conf import settings  # noqa: PLC0415
+            from django.conf import settings
 
-            from .openapi import document  # noqa: PLC0415
+            from .openapi import document
 
             await _send(send, 200, _dumps(document(settings.TESSERA_GATEWAY_URL)), JSON, rid)
             return
@@ -444,7 +444,7 @@ class Gateway:
 
 def _load(used: set[str]):
     """In a worker thread: its own database connection, closed after (one connection per refresh, none held)."""
-    from django.db import connection  # noqa: PLC0415
+    from django.db import connection
 
     try:
         mark_used(used)

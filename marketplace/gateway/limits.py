@@ -72,7 +72,7 @@ def _refusal(kind: int, caller: Caller, now: float) -> GatewayError:
 
 
 def stale_s() -> int:
-    from django.conf import settings  # noqa: PLC0415
+    from django.conf import settings
 
     return int(settings.TESSERA_GATEWAY_UPSTREAM_TIMEOUT_S) + 30
 
@@ -128,7 +128,7 @@ class _Pipeliner:
                 add(pipe)
             try:
                 results = await pipe.execute(raise_on_error=False)
-            except Exception as exc:  # noqa: BLE001 - every waiter learns the round trip failed
+            except Exception as exc:  # every waiter learns the round trip failed
                 for _add, _n, fut in batch:
                     if not fut.done():
                         fut.set_exception(exc)

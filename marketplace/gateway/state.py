@@ -109,10 +109,10 @@ def _epoch(dt: datetime | None) -> float | None:
 
 def load_snapshot() -> Snapshot:
     """Read keys, tenants, routes and LoRA adapters (five queries, independent of the fleet's size)."""
-    from marketplace.hardware.runtime import SECRET_HEADER  # noqa: PLC0415 - Django must be set up first
-    from marketplace.models import Allocation, Invoice, ModelDeployment, TritonServer  # noqa: PLC0415
-    from marketplace.services.serving import secret_for  # noqa: PLC0415
-    from tenants.models import ApiKey, Tenant  # noqa: PLC0415
+    from marketplace.hardware.runtime import SECRET_HEADER  # Django must be set up first
+    from marketplace.models import Allocation, Invoice, ModelDeployment, TritonServer
+    from marketplace.services.serving import secret_for
+    from tenants.models import ApiKey, Tenant
 
     snap = Snapshot(loaded_at=time.monotonic())
     rpm_default, tpm_default = settings.TESSERA_GATEWAY_RPM, settings.TESSERA_GATEWAY_TPM
@@ -252,7 +252,7 @@ def mark_used(prefixes: set[str]) -> int:
     """Write ``last_used_at`` for keys the gateway saw (once per refresh, not per request)."""
     if not prefixes:
         return 0
-    from tenants.models import ApiKey  # noqa: PLC0415
+    from tenants.models import ApiKey
 
     now = datetime.now(UTC)
     cutoff = now.timestamp() - settings.TESSERA_API_KEY_LAST_USED_RESOLUTION_S

@@ -94,7 +94,7 @@ class Client:
 
     async def json(self, up: Upstream, method: str, path: str, payload: dict[str, Any] | None = None
                    ) -> tuple[int, Any]:
-        import json  # noqa: PLC0415
+        import json
 
         body = json.dumps(payload, separators=(",", ":")).encode() if payload is not None else None
         resp = await self.request(up, method, path, body=body,

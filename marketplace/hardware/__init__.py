@@ -9,7 +9,7 @@ def setting(name: str) -> str | None:
     """A Django setting if Django is configured, else the environment variable (the hardware
     modules also run without Django: the probe, the benchmarks)."""
     try:
-        from django.conf import settings  # noqa: PLC0415 - optional dependency
+        from django.conf import settings  # optional dependency
 
         if settings.configured and getattr(settings, name, None) not in (None, ""):
             return str(getattr(settings, name))

@@ -317,7 +317,7 @@ def import_repository(source: BinaryIO | Path, dest: Path, limits: Limits, *, fi
         if isinstance(source, Path) and source.is_dir():
             _copy_tree(source, w)
         else:
-            fh = open(source, "rb") if isinstance(source, Path) else source  # noqa: SIM115
+            fh = open(source, "rb") if isinstance(source, Path) else source
             try:
                 head = fh.read(4)
                 fh.seek(0)

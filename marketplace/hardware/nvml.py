@@ -34,11 +34,11 @@ def get_backend(name: str | None = None) -> Any:
     """``"sim"`` (default) -> the process-wide simulator; ``"pynvml"`` -> the real pynvml module."""
     name = (name or setting(BACKEND_ENV) or "sim").strip().lower()
     if name == "pynvml":
-        import pynvml  # noqa: PLC0415
+        import pynvml
 
         return pynvml
     if name == "sim":
-        from . import nvml_sim  # noqa: PLC0415
+        from . import nvml_sim
 
         return nvml_sim.module(
             fleet=setting("TESSERA_NVML_SIM_FLEET"),

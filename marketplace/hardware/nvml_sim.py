@@ -1152,11 +1152,11 @@ class SimNvml:
             return sim.video_clock_mhz
         raise _err(_pynvml.NVML_ERROR_INVALID_ARGUMENT)
 
-    def nvmlDeviceGetClockInfo(self, handle: Any, type: int) -> int:  # noqa: A002 - pynvml's name
+    def nvmlDeviceGetClockInfo(self, handle: Any, type: int) -> int:  # pynvml's name
         gpu, st = self._parent_only(handle)
         return self._clock_mhz(gpu, st, type, maximum=False)
 
-    def nvmlDeviceGetMaxClockInfo(self, handle: Any, type: int) -> int:  # noqa: A002
+    def nvmlDeviceGetMaxClockInfo(self, handle: Any, type: int) -> int:
         gpu, st = self._parent_only(handle)
         return self._clock_mhz(gpu, st, type, maximum=True)
 

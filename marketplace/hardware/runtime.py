@@ -571,12 +571,12 @@ class DockerRuntime(ServingRuntime):
     def client(self) -> Any:
         if self._client is None:
             try:
-                import docker  # noqa: PLC0415 - only on docker nodes
+                import docker  # only on docker nodes
             except ImportError:
                 raise RuntimeFault("the docker runtime needs the docker Python package (pip install docker)") from None
             try:
                 self._client = docker.from_env()
-            except Exception as exc:  # noqa: BLE001 - docker.errors.DockerException and socket errors
+            except Exception as exc:  # docker.errors.DockerException and socket errors
                 raise RuntimeFault(f"no Docker engine: {exc}") from None
         return self._client
 
@@ -594,13 +594,13 @@ class DockerRuntime(ServingRuntime):
         if c is not None:
             c.remove(force=True)
         kwargs = container_spec(spec, self.image, self.model_store)
-        from docker.types import DeviceRequest  # noqa: PLC0415
+        from docker.types import DeviceRequest
 
         kwargs["device_requests"] = [DeviceRequest(driver="nvidia", device_ids=[spec.device_uuid],
                                                    capabilities=[["gpu"]])]
         try:
             c = self.client.containers.run(**kwargs)
-        except Exception as exc:  # noqa: BLE001 - docker.errors.* (image missing, device refused...)
+        except Exception as exc:  # docker.errors.* (image missing, device refused...)
             raise RuntimeFault(f"docker could not start {kwargs['name']}: {exc}") from None
         return ServerStatus(running=True, container_id=c.id)
 
@@ -640,7 +640,7 @@ class DockerRuntime(ServingRuntime):
 def _sim_http() -> bool:
     """TESSERA_SIM_TRITON_HTTP: simulated servers also answer Triton's HTTP protocol on their port (the demo and
     the gateway tests: the gateway reaches a simulated slice over HTTP as it reaches a real one)."""
-    from django.conf import settings  # noqa: PLC0415
+    from django.conf import settings
 
     return bool(getattr(settings, "TESSERA_SIM_TRITON_HTTP", False))
 
@@ -659,7 +659,7 @@ class SimRuntime(ServingRuntime):
 
     @staticmethod
     def _server(spec: ServerSpec):
-        from marketplace.hardware import triton  # noqa: PLC0415
+        from marketplace.hardware import triton
 
         return triton.get_triton_backend("sim", repo_dir=spec.repo_dir, memory_mb=spec.memory_mb,
                                          tokens_per_s=spec.tokens_per_s)
@@ -675,7 +675,7 @@ class SimRuntime(ServingRuntime):
         server = self._server(spec)
         server.boot(restricted=(SECRET_HEADER, spec.secret))
         if _sim_http():
-            from marketplace.hardware import sim_http  # noqa: PLC0415
+            from marketplace.hardware import sim_http
 
             sim_http.serve(server, spec.address, spec.http_port, (SECRET_HEADER, spec.secret))
         self._next_pid += 1
@@ -705,7 +705,7 @@ class SimRuntime(ServingRuntime):
     @staticmethod
     def _stop_front(spec: ServerSpec) -> None:
         if _sim_http():
-            from marketplace.hardware import sim_http  # noqa: PLC0415
+            from marketplace.hardware import sim_http
 
             sim_http.stop(spec.address, spec.http_port)
 

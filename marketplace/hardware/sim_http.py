@@ -28,7 +28,7 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server: _Server
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet
+    def log_message(self, format: str, *args: Any) -> None:  # quiet
         pass
 
     def _reply(self, status: int, body: Any = None, *, content_type: str = "application/json") -> None:
@@ -57,7 +57,7 @@ class _Handler(BaseHTTPRequestHandler):
         except ValueError:
             return None
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+    def do_GET(self) -> None:  # http.server's naming
         if not self._allowed():
             return
         parts = self.path.strip("/").split("/")
@@ -84,7 +84,7 @@ class _Handler(BaseHTTPRequestHandler):
                 return
         self._reply(404, {"error": "Not Found"})
 
-    def do_POST(self) -> None:  # noqa: N802
+    def do_POST(self) -> None:
         if not self._allowed():
             return
         parts = self.path.strip("/").split("/")

@@ -443,7 +443,7 @@ def commitment_credits(tenant: Tenant, late_reserved: dict[tuple[date, int], Dec
 def corrections(tenant: Tenant, period_start: date, invoice_id: int | None) -> list[Draft]:
     """The corrected charges of credit notes on earlier invoices not yet carried by a finalized invoice
     (or carried by the one being rated): one `correction` line each."""
-    from marketplace.models import CreditNote  # noqa: PLC0415
+    from marketplace.models import CreditNote
 
     out = []
     notes = (CreditNote.objects.filter(tenant=tenant, invoice__period_start__lt=period_start)
@@ -694,7 +694,7 @@ def finalize(invoice: Invoice, *, now: datetime | None = None, force: bool = Fal
             billed_input_tokens=F("input_tokens"), billed_output_tokens=F("output_tokens"),
             billed_requests=F("requests"))
         invoice.total = sum((line.amount for line in lines), Decimal(0))
-        from marketplace.models import CreditNote  # noqa: PLC0415
+        from marketplace.models import CreditNote
 
         CreditNote.objects.filter(pk__in=[pk for d in rated.drafts if d.kind == L.CORRECTION for pk in d.rows]
                                   ).update(recharged_on=invoice)
@@ -707,7 +707,7 @@ def finalize(invoice: Invoice, *, now: datetime | None = None, force: bool = Fal
         audit.record(principal if principal is not None else "system:beat", "invoice.finalize",
                      f"invoice:{invoice.number}", invoice.tenant, total=invoice.total, currency=invoice.currency,
                      forced=force)
-        from marketplace.services import webhooks  # noqa: PLC0415
+        from marketplace.services import webhooks
 
         webhooks.emit(invoice.tenant, "invoice.finalized", f"invoice:{invoice.pk}", invoice_payload(invoice))
     log.info("invoice finalized", extra={"invoice": invoice.number, "total": str(invoice.total)})
@@ -798,7 +798,7 @@ def finalize_due(now: datetime | None = None, *, ensure: bool = True) -> list[st
             continue
         try:
             done.append(finalize(inv, now=now).number)
-        except Exception as exc:  # noqa: BLE001 - recorded and alerted; the other tenants go on
+        except Exception as exc:  # recorded and alerted; the other tenants go on
             held_back.add(inv.tenant_id)
             alert(inv.tenant, inv.period_start, BillingAlert.Kind.FINALIZE_FAILED,
                   f"finalizing {inv.period_start:%Y-%m} failed: {exc}")
@@ -837,7 +837,7 @@ def rate_all(now: datetime | None = None) -> dict:
             fired = rate_tenant(t, now)
             if fired:
                 notices[t.slug] = fired
-        except Exception as exc:  # noqa: BLE001 - recorded and alerted; the other tenants go on
+        except Exception as exc:  # recorded and alerted; the other tenants go on
             log.exception("rating failed", extra={"tenant": t.slug})
             rating_failed(t, period, exc)
             failed.append(t.slug)
@@ -922,7 +922,7 @@ def invoice_payload(invoice: Invoice) -> dict:
 # --- credit notes ---------------------------------------------------------------------------------
 
 def _next_credit_note_number(year: int) -> str:
-    from marketplace.models import CreditNoteSequence  # noqa: PLC0415
+    from marketplace.models import CreditNoteSequence
 
     seq, _ = CreditNoteSequence.objects.select_for_update().get_or_create(year=year)
     seq.last += 1
@@ -937,8 +937,8 @@ def issue_credit_note(principal, invoice: Invoice, *, reason: str, lines: list[t
     note: `lines` [(invoice line id, amount credited)] (default: every line in full, less what earlier
     credit notes credited), and optionally the corrected charges `recharge` [{description, amount}],
     which the tenant's next invoice carries as `correction` lines. Emits credit_note.issued."""
-    from marketplace.models import CreditNote, CreditNoteLine  # noqa: PLC0415
-    from marketplace.services import webhooks  # noqa: PLC0415
+    from marketplace.models import CreditNote, CreditNoteLine
+    from marketplace.services import webhooks
 
     if not principal.can("operate"):
         raise Forbidden("only operators issue credit notes")
@@ -1040,7 +1040,7 @@ def check_can_order(tenant: Tenant) -> None:
 
 def evaluate_spend(tenant: Tenant, now: datetime | None = None) -> list[str]:
     """Record warn/block notices once per month and send the webhooks."""
-    from marketplace.services import webhooks  # noqa: PLC0415
+    from marketplace.services import webhooks
 
     s = spend_status(tenant, now)
     fired = []

@@ -42,7 +42,7 @@ def retry_on_conflict(fn):
                     raise
                 log.warning("deadlock or serialization failure; retrying",
                             extra={"op": fn.__qualname__, "attempt": attempt})
-                time.sleep(0.02 * attempt + random.random() * 0.03)  # noqa: S311 - jitter, not crypto
+                time.sleep(0.02 * attempt + random.random() * 0.03)  # jitter, not crypto
         raise AssertionError("unreachable")
 
     return wrapper

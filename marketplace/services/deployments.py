@@ -64,7 +64,7 @@ def build_spec(name: str, *, template: str | None = None, spec: dict | None = No
 
 
 def spec_to_json(spec: triton.ModelSpec) -> dict:
-    from dataclasses import asdict  # noqa: PLC0415
+    from dataclasses import asdict
 
     data = asdict(spec)
     data["files"] = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in spec.files.items()}
@@ -77,7 +77,7 @@ def _source(name: str, *, template, spec, repository, model, library_model, cont
     context, concurrency, name). Templates and full specs declare their memory (runtime included); an
     uploaded repository takes its declared memory or its files' size plus its backend's overhead; a library
     model its weights, KV cache for context x concurrency and its backend's overhead (marketplace.fit)."""
-    from marketplace.services import models as model_svc  # noqa: PLC0415
+    from marketplace.services import models as model_svc
 
     if repository is not None:
         top, names = model_svc.pick_model(repository, model)
@@ -164,7 +164,7 @@ def deploy(principal: Principal, allocation: Allocation, name: str, *, template:
             raise ServiceError(f"{result.reason} ({used:,} of {capacity:,} MiB on this {tier.name} slice are "
                                "taken by other models)", field=field, code="does_not_fit")
         if stored.get("kind") == "library":
-            from marketplace.services import models as model_svc  # noqa: PLC0415
+            from marketplace.services import models as model_svc
 
             files = model_svc.library_files(name, library_model, result, concurrency=concurrency,
                                             adapters=adapters)
@@ -228,11 +228,11 @@ def write_model(dep: ModelDeployment, repo: Path) -> None:
     """Write a deployment's model folder(s) into the slice's repository (node side)."""
     kind = dep.spec.get("kind")
     if kind == "upload":
-        from marketplace.services import models as model_svc  # noqa: PLC0415
+        from marketplace.services import models as model_svc
 
         model_repo.copy_models(model_svc.upload_root() / dep.spec["path"], repo, dep.spec["models"])
     elif kind == "library":
-        from marketplace.services import models as model_svc  # noqa: PLC0415
+        from marketplace.services import models as model_svc
 
         model_repo.write_files(repo, dep.spec["files"], copies=dep.spec.get("copy") or {},
                                copy_dirs={k: str(model_svc.upload_root() / v)
@@ -342,13 +342,13 @@ def unload(deployment_id: int) -> str:
 
 def _final_scrape(dep: ModelDeployment) -> None:
     """What the model served since the last scrape, counted before unloading takes its statistics away."""
-    from telemetry.services import scrape  # noqa: PLC0415 - telemetry builds on this module
+    from telemetry.services import scrape  # telemetry builds on this module
 
     try:
         with backend_for(dep.allocation) as server:
             if server.is_model_ready(dep.name):
                 scrape.record_counters(dep, scrape.reader(server, dep.name))
-    except Exception as exc:  # noqa: BLE001 - the unload goes on; the lost count is logged
+    except Exception as exc:  # the unload goes on; the lost count is logged
         log.warning("final Triton scrape before unload failed", extra={"deployment": dep.pk, "err": str(exc)})
 
 

@@ -112,10 +112,10 @@ def _s3_object(store_path: str) -> tuple[BinaryIO, int, str]:
     """An archive object of the operator's S3-compatible store (endpoint, bucket and prefix are settings; the
     tenant names a key under the prefix only, so it cannot make Tessera fetch anything else): downloaded to a
     temporary file within TESSERA_UPLOAD_MAX_BYTES, as (file, size, SHA-256)."""
-    import tempfile  # noqa: PLC0415
+    import tempfile
 
-    import boto3  # noqa: PLC0415
-    from botocore.exceptions import BotoCoreError, ClientError  # noqa: PLC0415
+    import boto3
+    from botocore.exceptions import BotoCoreError, ClientError
 
     key = settings.TESSERA_MODEL_STORE_S3_PREFIX + _store_key(store_path)
     limit = settings.TESSERA_UPLOAD_MAX_BYTES

@@ -91,7 +91,7 @@ def _reconcile_gpu(node, gpu, client, desired, found) -> None:
 
 
 def _requeue_stuck(node: Node) -> int:
-    from marketplace.services.orders import enqueue_provision, enqueue_release  # noqa: PLC0415
+    from marketplace.services.orders import enqueue_provision, enqueue_release
 
     cutoff = timezone.now() - timedelta(seconds=settings.TESSERA_PROVISION_STUCK_AFTER_S)
     n = 0
@@ -166,7 +166,7 @@ def _reconcile_models(node: Node, found: dict) -> None:
                     DriftEvent.objects.create(node=node, kind=DriftEvent.Kind.MODEL_UNLOADED, allocation=a,
                                               detail=f"model {name} was loaded on the Triton server of allocation "
                                                      f"{a.pk} but Tessera did not deploy it; unloaded"[:1000])
-        except Exception as exc:  # noqa: BLE001 - one unreachable server must not stop the others
+        except Exception as exc:  # one unreachable server must not stop the others
             found["errors"] += 1
             DriftEvent.objects.create(node=node, kind=DriftEvent.Kind.ERROR, allocation=a,
                                       detail=f"the Triton server of allocation {a.pk} did not answer: "

@@ -175,7 +175,7 @@ def slot_map_html(cells: list[dict]) -> str:
         else:
             parts.append(format_html('<span style="grid-column:{}" title="slice {}: free">{}<br><small>free</small>'
                                      '</span>', c["start"] + 1, c["start"], c["start"]))
-    return mark_safe("".join(parts))  # noqa: S308 - every part is format_html-escaped
+    return mark_safe("".join(parts))  # every part is format_html-escaped
 
 
 @require_GET
@@ -301,9 +301,9 @@ def drift(request):
 @operator_required
 def metering(request):
     """Per deployment, the last 24 complete hours: requests Tessera metered against what Triton served."""
-    from django.conf import settings  # noqa: PLC0415
+    from django.conf import settings
 
-    from telemetry.selectors import metered_vs_served  # noqa: PLC0415
+    from telemetry.selectors import metered_vs_served
 
     until = timezone.now().replace(minute=0, second=0, microsecond=0)
     rows = metered_vs_served(request.principal, until - timedelta(hours=24), until)

@@ -689,7 +689,7 @@ def adapter_upload(request):
 def find_tier(request):
     """Given a library model (or one of the tenant's repositories, or a size), a context and a concurrency: every
     tier it fits, with price per hour, expected tokens/s and cost per 1M tokens; order from here."""
-    from marketplace.api.models import FindTierSerializer, find  # noqa: PLC0415
+    from marketplace.api.models import FindTierSerializer, find
 
     p, t = request.principal, request.tenant
     q = request.GET

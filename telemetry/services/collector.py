@@ -168,7 +168,7 @@ def collect_node(node_id: int, now: datetime | None = None) -> dict:
 
 def fan_out() -> int:
     """Beat (control queue): one collection per node, each on the node's own queue."""
-    from telemetry import collector_tasks  # noqa: PLC0415
+    from telemetry import collector_tasks
 
     n = 0
     for node in Node.objects.filter(state__in=[Node.State.READY, Node.State.DRAINING]):

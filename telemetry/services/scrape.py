@@ -105,7 +105,7 @@ def scrape_node(node_id: int) -> dict:
         try:
             with backend_for(dep.allocation) as server:
                 d_inf, d_fail = record_counters(dep, reader(server, dep.name))
-        except Exception as exc:  # noqa: BLE001 - one server's failure must not stop the others
+        except Exception as exc:  # one server's failure must not stop the others
             found["errors"] += 1
             log.warning("triton scrape failed", extra={"node": node_id, "deployment": dep.pk, "model": dep.name,
                                                        "err": f"{exc.__class__.__name__}: {exc}"})
@@ -123,11 +123,11 @@ def check_metering(node_id: int, now: datetime | None = None) -> list[dict]:
     database within seconds, a scrape's reading within its interval). A difference beyond
     ``TESSERA_METERING_TOLERANCE`` (share of the larger count; at least MIN_MISMATCH requests) opens one
     unresolved DriftEvent per slice, which the console's overview lists until an operator resolves it."""
-    from django.conf import settings  # noqa: PLC0415
+    from django.conf import settings
 
-    from marketplace.models import DriftEvent  # noqa: PLC0415
-    from telemetry import selectors  # noqa: PLC0415
-    from tenants.scoping import Principal  # noqa: PLC0415
+    from marketplace.models import DriftEvent
+    from telemetry import selectors
+    from tenants.scoping import Principal
 
     now = now or timezone.now()
     until = now.replace(minute=0, second=0, microsecond=0)
@@ -154,7 +154,7 @@ def check_metering(node_id: int, now: datetime | None = None) -> list[dict]:
 
 def fan_out() -> int:
     """One scrape per node that has active slices, each on the node's own queue."""
-    from telemetry import tasks  # noqa: PLC0415
+    from telemetry import tasks
 
     n = 0
     for node in Node.objects.filter(state__in=[Node.State.READY, Node.State.DRAINING],

@@ -69,7 +69,7 @@ def wait_http(url: str, proc: subprocess.Popen, log: Path, timeout: float = 60) 
         if proc.poll() is not None:
             raise RuntimeError(f"{proc.args} exited: {log.read_text(errors='replace')[-2000:]}")
         try:
-            with urllib.request.urlopen(url, timeout=1) as r:  # noqa: S310 - local
+            with urllib.request.urlopen(url, timeout=1) as r:  # local
                 if r.status == 200:
                     return
         except OSError:

@@ -34,8 +34,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from marketplace.hardware.geometry import geometry  # noqa: E402
-from marketplace.placement import BEST_FIT, FIRST_FIT, Fleet, GpuState, Request  # noqa: E402
+from marketplace.hardware.geometry import geometry
+from marketplace.placement import BEST_FIT, FIRST_FIT, Fleet, GpuState, Request
 
 H100 = "h100-sxm-80gb"
 H200 = "h200-sxm-141gb"

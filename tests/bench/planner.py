@@ -30,8 +30,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from marketplace import planner  # noqa: E402
-from marketplace.hardware.geometry import all_geometries  # noqa: E402
+from marketplace import planner
+from marketplace.hardware.geometry import all_geometries
 
 BANDWIDTH = {"h100-sxm-80gb": 3.35, "h200-sxm-141gb": 4.8}
 COST = {"h100-sxm-80gb": 1.89, "h200-sxm-141gb": 2.50}

@@ -50,7 +50,7 @@ class PrivateRedis:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> PrivateRedis:
-        log = open(self.log_path, "ab")  # noqa: SIM115 - the process owns it
+        log = open(self.log_path, "ab")  # the process owns it
         self.proc = subprocess.Popen(
             [REDIS_SERVER, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "", "--appendonly", "yes",
              "--appendfsync", "always", "--dir", str(self.dir), "--daemonize", "no"],
@@ -60,7 +60,7 @@ class PrivateRedis:
             try:
                 if self.client().ping():
                     return self
-            except Exception:  # noqa: BLE001 - still starting (or loading the AOF)
+            except Exception:  # still starting (or loading the AOF)
                 time.sleep(0.05)
         raise AssertionError(f"private redis did not start on {self.port}: {self.log_path.read_text()[-2000:]}")
 

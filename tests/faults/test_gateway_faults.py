@@ -110,7 +110,7 @@ def gateways(child_env, tmp_path):
         def one(g):
             try:
                 g.start()
-            except BaseException as exc:  # noqa: BLE001 - reported below
+            except BaseException as exc:  # reported below
                 errors.append(exc)
 
         threads = [threading.Thread(target=one, args=(g,)) for g in procs]

@@ -61,10 +61,10 @@ CI_FIELDS = (
 
 def load_backend(name: str) -> Any:
     if name == "pynvml":
-        import pynvml  # noqa: PLC0415
+        import pynvml
 
         return pynvml
-    from marketplace.hardware.nvml import get_backend  # noqa: PLC0415
+    from marketplace.hardware.nvml import get_backend
 
     return get_backend("sim")
 

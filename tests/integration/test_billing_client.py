@@ -31,7 +31,7 @@ def generated_client(live_server, tmp_path):
     import urllib.request
 
     schema = tmp_path / "schema.json"
-    schema.write_bytes(urllib.request.urlopen(f"{live_server.url}/api/schema/?format=json").read())  # noqa: S310
+    schema.write_bytes(urllib.request.urlopen(f"{live_server.url}/api/schema/?format=json").read())
     out = tmp_path / "tessera_billing_client"
     run = subprocess.run([GENERATOR, "generate", "--path", str(schema), "--meta", "none", "--output-path", str(out)],
                          capture_output=True, text=True, timeout=300)

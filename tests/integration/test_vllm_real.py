@@ -36,7 +36,7 @@ def _missing() -> str | None:
         pynvml.nvmlInit()
         if pynvml.nvmlDeviceGetCount() < 1:
             return "no GPU: NVML sees no device"
-    except Exception as exc:  # noqa: BLE001 - no driver, no library
+    except Exception as exc:  # no driver, no library
         return f"no GPU: NVML unavailable ({exc.__class__.__name__})"
     if not BINARY.is_file():
         return f"no tritonserver at {BINARY} (set TESSERA_TEST_TRITONSERVER)"

@@ -22,14 +22,14 @@ def fuzz_operation(op, path_parameters, tag: str, *, base_url: str, secret: str,
         response = case.call(base_url=base_url, headers={"Authorization": f"Bearer {secret}"}, timeout=30)
         try:
             case.validate_response(response, checks=checks)
-        except Exception as exc:  # noqa: BLE001 - collect every failing operation, report all
+        except Exception as exc:  # collect every failing operation, report all
             text = " | ".join(line for line in str(exc).splitlines()[:12] if line.strip())
             failures.append(f"{key}: {type(exc).__name__}: {text}\n    curl: {case.as_curl_command()}")
             raise
 
     try:
         one_case()
-    except BaseException as exc:  # noqa: BLE001 - FailureGroup is a BaseExceptionGroup
+    except BaseException as exc:  # FailureGroup is a BaseExceptionGroup
         if isinstance(exc, KeyboardInterrupt):
             raise
         if not any(f.startswith(f"{key}:") for f in failures):

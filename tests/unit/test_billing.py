@@ -160,7 +160,7 @@ class _Receiver(http.server.BaseHTTPRequestHandler):
     responses: list[int] = []
     seen: list[tuple[dict, bytes]] = []
 
-    def do_POST(self):  # noqa: N802
+    def do_POST(self):
         body = self.rfile.read(int(self.headers["Content-Length"]))
         type(self).seen.append((dict(self.headers), body))
         self.send_response(type(self).responses.pop(0) if type(self).responses else 200)

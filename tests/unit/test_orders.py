@@ -7,7 +7,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
-from django.db import connection  # noqa: F401 - used by the skipif conditions
+from django.db import connection  # used by the skipif conditions
 from django.utils import timezone
 
 from marketplace.models import Allocation, DriftEvent, GpuInstance, GpuSlot, Order, PricePlan

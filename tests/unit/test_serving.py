@@ -404,7 +404,7 @@ def _docker_engine() -> str | None:
 
         docker.from_env().ping()
         return None
-    except Exception as exc:  # noqa: BLE001 - no SDK, no socket, no engine
+    except Exception as exc:  # no SDK, no socket, no engine
         return f"no Docker engine here: {exc.__class__.__name__}"
 
 

@@ -33,7 +33,7 @@ class _Rx(http.server.BaseHTTPRequestHandler):
     seen: list[tuple[str, dict]] = []
     status = 200
 
-    def do_POST(self):  # noqa: N802
+    def do_POST(self):
         self.rfile.read(int(self.headers["Content-Length"]))
         type(self).seen.append((self.path, dict(self.headers)))
         self.send_response(type(self).status)

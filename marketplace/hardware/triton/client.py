@@ -118,7 +118,7 @@ class HttpTritonBackend(TritonBackend):
 
     def __init__(self, url: str, metrics_url: str | None = None, *, timeout: float = 60.0,
                  unload_timeout: float = 30.0, headers: dict[str, str] | None = None) -> None:
-        import tritonclient.http as httpclient  # noqa: PLC0415 - heavy (gevent); only when used
+        import tritonclient.http as httpclient  # heavy (gevent); only when used
 
         self._http = httpclient
         self.url = _strip_scheme(url)
@@ -136,7 +136,7 @@ class HttpTritonBackend(TritonBackend):
     def is_server_ready(self) -> bool:
         try:
             return bool(self.client.is_server_ready(headers=self.admin_headers))
-        except Exception:  # noqa: BLE001 - connection refused, timeouts, gevent errors: all mean "not ready"
+        except Exception:  # connection refused, timeouts, gevent errors: all mean "not ready"
             return False
 
     def repository_index(self) -> list[dict[str, Any]]:
@@ -170,7 +170,7 @@ class HttpTritonBackend(TritonBackend):
         return self._batching[name]
 
     def infer_text(self, name: str, text: str, max_tokens: int | None = None) -> dict[str, Any]:
-        import numpy as np  # noqa: PLC0415 - tritonclient's own dependency
+        import numpy as np  # tritonclient's own dependency
 
         shape = [1, 1] if self._batched(name) else [1]
         prompt = self._http.InferInput("prompt", shape, "BYTES")
@@ -197,5 +197,5 @@ class HttpTritonBackend(TritonBackend):
         return flatten_statistics(latest)
 
     def metrics_text(self) -> str:
-        with urllib.request.urlopen(self.metrics_url, timeout=self.timeout) as resp:  # noqa: S310 - operator URL
+        with urllib.request.urlopen(self.metrics_url, timeout=self.timeout) as resp:  # operator URL
             return resp.read().decode("utf-8")

@@ -316,7 +316,7 @@ class PbtxtError(ValueError):
 
 
 def _model_config_pb2():
-    from tritonclient.grpc import model_config_pb2  # noqa: PLC0415 - imports grpc; only where configs are parsed
+    from tritonclient.grpc import model_config_pb2  # imports grpc; only where configs are parsed
 
     return model_config_pb2
 
@@ -325,7 +325,7 @@ def parse_model_config(text: str):
     """Parse a config.pbtxt with Triton's own schema (``tritonclient.grpc.model_config_pb2.ModelConfig``,
     ``google.protobuf.text_format``): an unknown field, a wrong type or an unknown enum is a ``PbtxtError``
     naming the line, as Triton itself refuses it."""
-    from google.protobuf import text_format  # noqa: PLC0415
+    from google.protobuf import text_format
 
     pb2 = _model_config_pb2()
     try:

@@ -28,7 +28,7 @@ class Command(BaseCommand):
         while not stop:
             try:
                 result = metering.consume(budget_s=5, block_ms=1000 if settings.REDIS_URL else None)
-            except Exception as exc:  # noqa: BLE001 - the database or Redis is away: nothing acked, try again
+            except Exception as exc:  # the database or Redis is away: nothing acked, try again
                 log.error("usage consumer: batch not written; retrying", extra={"error": str(exc)})
                 from django.db import connection
 
