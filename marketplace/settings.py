@@ -225,7 +225,8 @@ CELERY_BEAT_SCHEDULE = {
         "options": {"queue": "control", "expires": 30},
     },
 }
-if env_bool("TESSERA_DEMO_TRAFFIC"):  # the demo's simulated inference gateway
+if env_bool("TESSERA_DEMO_TRAFFIC"):  # the demo's simulated inference gateway (its tasks live in the demo app)
+    INSTALLED_APPS.append("marketplace.demo")
     CELERY_BEAT_SCHEDULE["demo-gateway"] = {"task": "tessera.demo_gateway_fleet", "schedule": 60.0,
                                             "options": {"queue": "control"}}
 

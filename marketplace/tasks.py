@@ -77,20 +77,3 @@ def rate_tenant(self, run_id: int, tenant_id: int) -> str:
         return billing.rate_run_tenant(run_id, tenant_id, final_attempt=self.request.retries >= self.max_retries)
     except Exception as exc:
         raise self.retry(exc=exc, countdown=min(300, 10 * 2 ** self.request.retries)) from exc
-
-
-@shared_task(name="tessera.demo_gateway_node", acks_late=True, time_limit=120)
-def demo_gateway_node(node_id: int) -> int:
-    from marketplace import demo_traffic
-
-    return demo_traffic.gateway_tick(node_id)
-
-
-@shared_task(name="tessera.demo_gateway_fleet", time_limit=60)
-def demo_gateway_fleet() -> int:
-    from marketplace.models import Node
-
-    nodes = list(Node.objects.filter(state=Node.State.READY))
-    for node in nodes:
-        demo_gateway_node.apply_async(args=[node.pk], queue=node.queue)
-    return len(nodes)

@@ -9,9 +9,9 @@ import pytest
 from django.utils import timezone
 
 from marketplace.models import GpuModel, MigProfile, PricePlan, ServerPlatform, Tier
-from marketplace.seed import sim_discovery
 from marketplace.services import fleet, nodes, serving
 from marketplace.services.catalog import sync_catalog
+from marketplace.services.nodes import sim_discovery
 
 
 @pytest.fixture

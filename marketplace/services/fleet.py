@@ -42,11 +42,16 @@ def discover(client) -> list[DiscoveredGpu]:
     return [DiscoveredGpu(g.index, g.uuid, g.name, bool(g.mig_current)) for g in client.gpus()]
 
 
+def normalize_hostname(hostname: str) -> str:
+    """A node's name as registered (and as the simulator derives its GPUs' UUIDs from it)."""
+    return hostname.strip().lower()
+
+
 @transaction.atomic
 def register_node(hostname: str, platform: ServerPlatform, gpus: list[DiscoveredGpu]) -> Node:
     """Create or update a node and its GPUs from discovery. GPU models are matched on the NVML
     name; a GPU that does not match the platform's model is refused (nothing stored)."""
-    hostname = hostname.strip().lower()
+    hostname = normalize_hostname(hostname)
     if not hostname:
         raise ServiceError("may not be blank", field="hostname")
     models_by_name = {m.nvml_name: m for m in GpuModel.objects.all()}

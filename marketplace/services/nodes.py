@@ -15,7 +15,8 @@ from django.conf import settings
 
 from marketplace.hardware.nvml import NvmlClient, get_backend
 from marketplace.hardware.nvml_sim import SimNvml
-from marketplace.models import Node
+from marketplace.models import Node, ServerPlatform
+from marketplace.services import fleet
 
 _lock = threading.Lock()
 _sims: dict[tuple, SimNvml] = {}
@@ -47,3 +48,13 @@ def nvml_backend(node: Node):
 def nvml_client(node: Node) -> NvmlClient:
     """An opened client for the node's NVML; use it as a context manager."""
     return NvmlClient(nvml_backend(node))
+
+
+def sim_discovery(hostname: str, platform: ServerPlatform, mig_off: set[int] | frozenset[int] = frozenset()):
+    """What a node worker with the simulated backend reports for this node (the same UUIDs, which derive
+    from the node's registered name): `platform`'s GPUs, MIG on except on the GPU indexes in `mig_off`."""
+    hostname = fleet.normalize_hostname(hostname)
+    backend = SimNvml(fleet=[platform.gpu_model.key] * platform.gpu_count, node=hostname,
+                      mig_enabled={i: i not in mig_off for i in range(platform.gpu_count)})
+    with NvmlClient(backend) as client:
+        return fleet.discover(client)

@@ -196,9 +196,9 @@ def make_fleet(triton_port: int) -> tuple[str, str]:
     """A tenant with tiny-gen and tiny-chat ready on one slice whose server is the real tritonserver; returns
     (the tenant's inference key, the server's secret header value)."""
     from marketplace.models import Allocation, ServerPlatform, TritonServer
-    from marketplace.seed import sim_discovery
     from marketplace.services import deployments, fleet, orders, provisioning
     from marketplace.services.catalog import sync_catalog
+    from marketplace.services.nodes import sim_discovery
     from marketplace.services.serving import secret_for
     from tenants.models import ApiKey, Tenant
     from tenants.roles import Role

@@ -39,9 +39,9 @@ def main() -> None:
 
     from marketplace.celery import ping
     from marketplace.models import Allocation, ServerPlatform, Tier
-    from marketplace.seed import sim_discovery
     from marketplace.services import fleet, orders
     from marketplace.services.catalog import sync_catalog
+    from marketplace.services.nodes import sim_discovery
     from tenants.models import Tenant
     from tenants.scoping import principal_for_user
     from tests.factories import OperatorFactory

@@ -95,9 +95,9 @@ def main() -> None:
     settings.TESSERA_SERVING_RUNTIME_DIR = str(scratch / "runtime")
 
     from marketplace.models import Allocation, ServerPlatform, TritonServer
-    from marketplace.seed import sim_discovery
     from marketplace.services import deployments, fleet, orders, provisioning, serving
     from marketplace.services.catalog import sync_catalog
+    from marketplace.services.nodes import sim_discovery
     from tenants.models import Tenant
     from tenants.roles import Role
     from tenants.scoping import principal_for_user

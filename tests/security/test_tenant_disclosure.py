@@ -22,8 +22,8 @@ from django.urls import reverse
 from django.utils import timezone
 
 from marketplace.models import Allocation, AllocationEvent, Gpu, ModelDeployment, Node, ServerPlatform
-from marketplace.seed import sim_discovery
 from marketplace.services import fleet, orders, provisioning
+from marketplace.services.nodes import sim_discovery
 from telemetry.models import UsageHourly
 from tenants.roles import Role
 from tenants.scoping import principal_for_user

@@ -12,9 +12,9 @@ from marketplace.hardware.geometry import all_geometries
 from marketplace.hardware.nvml import NvmlClient
 from marketplace.hardware.nvml_sim import SimNvml
 from marketplace.models import Gpu, GpuInstance, GpuModel, GpuSlot, MigPlacement, MigProfile, Node, ServerPlatform
-from marketplace.seed import sim_discovery
 from marketplace.services import fleet
 from marketplace.services.catalog import sync_catalog
+from marketplace.services.nodes import sim_discovery
 from tenants.errors import ServiceError
 from tests.factories import TenantFactory
 

@@ -13,8 +13,8 @@ import time
 from django.core.management import call_command
 from django.core.management.base import BaseCommand
 
-from marketplace.seed import seed_fleet
-from tenants.seed import seed_demo
+from marketplace.demo.seed import seed_fleet
+from marketplace.demo.tenants import seed_demo
 
 
 class Command(BaseCommand):
@@ -90,7 +90,7 @@ class Command(BaseCommand):
         usage their gateway reported, so invoices and charts have something to show."""
         from django.db import close_old_connections
 
-        from marketplace import demo_traffic
+        from marketplace.demo import traffic as demo_traffic
         from marketplace.models import Allocation, ModelDeployment
         from marketplace.services import billing, deployments
         from tenants.models import Tenant

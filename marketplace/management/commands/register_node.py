@@ -31,7 +31,7 @@ class Command(BaseCommand):
         from django.conf import settings
 
         if settings.TESSERA_NVML_BACKEND == "sim":
-            from marketplace.seed import sim_discovery
+            from marketplace.services.nodes import sim_discovery
 
             gpus = sim_discovery(hostname, plat)
         else:

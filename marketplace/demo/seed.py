@@ -10,9 +10,8 @@ from decimal import Decimal
 from django.db import transaction
 from django.utils import timezone
 
-from marketplace.hardware.nvml_sim import SimNvml
 from marketplace.models import Allocation, GpuModel, MigProfile, Node, Order, PricePlan, ServerPlatform, Tier
-from marketplace.services import fleet, orders
+from marketplace.services import fleet, nodes, orders
 from marketplace.services.catalog import sync_catalog
 from tenants.models import Tenant, User
 from tenants.scoping import principal_for_user
@@ -52,17 +51,6 @@ DEMO_ORDERS = {
 MIG_OFF = {"gpu-h100-02": {6, 7}}  # sold as whole GPUs
 
 
-def sim_discovery(hostname: str, platform: ServerPlatform) -> list[fleet.DiscoveredGpu]:
-    """What a node worker with the simulated backend reports for this node (same UUIDs)."""
-    from marketplace.hardware.nvml import NvmlClient
-
-    off = MIG_OFF.get(hostname, set())
-    backend = SimNvml(fleet=[platform.gpu_model.key] * platform.gpu_count, node=hostname,
-                      mig_enabled={i: i not in off for i in range(platform.gpu_count)})
-    with NvmlClient(backend) as client:
-        return fleet.discover(client)
-
-
 def seed_tiers() -> None:
     epoch = timezone.now() - timedelta(days=60)  # seeded prices have been in force for a while
     for key, name, model_key, profile_name, dedicated in TIERS:
@@ -96,7 +84,8 @@ def seed_fleet() -> dict[str, int]:
         for hostname, platform_key in DEMO_NODES:
             platform = ServerPlatform.objects.select_related("gpu_model").get(key=platform_key)
             if not Node.objects.filter(hostname=hostname).exists():
-                fleet.register_node(hostname, platform, sim_discovery(hostname, platform))
+                gpus = nodes.sim_discovery(hostname, platform, MIG_OFF.get(hostname, set()))
+                fleet.register_node(hostname, platform, gpus)
         seed_tiers()
     if not Order.objects.exists():
         operator = principal_for_user(User.objects.filter(is_staff=True).order_by("pk").first())

@@ -10,10 +10,10 @@ from django.contrib.auth.hashers import make_password
 from django.contrib.auth.models import Permission
 from django.db import transaction
 
-from . import services
-from .models import ApiKey, Membership, Tenant, User
-from .roles import Role, Scope
-from .scoping import principal_for_user
+from tenants import services
+from tenants.models import ApiKey, Membership, Tenant, User
+from tenants.roles import Role, Scope
+from tenants.scoping import principal_for_user
 
 OPERATOR_EMAIL = "operator@tessera.local"
 
