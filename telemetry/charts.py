@@ -81,6 +81,7 @@ FIVE_MIN_UP_TO = timedelta(days=3)
 MAX_POINTS = 360
 HEATMAP_COLUMNS = 120
 HEATMAP_ROWS = 128
+TOP_TENANTS = 12
 NICE_STEPS = (60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200, 86400, 172800, 604800)
 NATIVE_STEP = {Resolution.RAW: 60, Resolution.FIVE_MIN: 300, Resolution.HOUR: 3600}
 
@@ -110,10 +111,6 @@ def period(params: dict | None) -> Period:
         res = Resolution.RAW if span <= RAW_UP_TO else (
             Resolution.FIVE_MIN if span <= FIVE_MIN_UP_TO else Resolution.HOUR)
     return Period(start, end, res, (p.get("currency") or "USD").upper())
-
-
-def _gpu_label(gpu: Gpu) -> str:
-    return f"{gpu.node.hostname}/gpu{gpu.index}"
 
 
 def bucket_step(per: Period, points: int = MAX_POINTS) -> int:
@@ -239,19 +236,19 @@ def gpu_heatmap(per: Period, principal: Principal):
 
 def mig_slot_map(per: Period, principal: Principal):
     """Every GPU's 8 memory slots and the tenant that holds each (empty: free)."""
-    gpus = list(Gpu.objects.select_related("node", "gpu_model").order_by("node__hostname", "index"))
+    gpus = Gpu.objects.order_by("node__hostname", "index").values_list("pk", "node__hostname", "index",
+                                                                        "gpu_model__key", "mig_mode")
     held: dict[tuple[int, int], tuple[str, str]] = {}
-    for slot in GpuSlot.objects.select_related("instance__tenant", "instance__placement__profile"):
-        inst = slot.instance
-        what = inst.placement.profile.name if inst.placement_id else "whole GPU"
-        held[(slot.gpu_id, slot.slot)] = (inst.tenant.slug, what)
+    for gpu_id, slot, tenant, profile in GpuSlot.objects.values_list(
+            "gpu_id", "slot", "instance__tenant__slug", "instance__placement__profile__name"):
+        held[(gpu_id, slot)] = (tenant, profile or "whole GPU")
     tenants = sorted({t for t, _w in held.values()})
     code = {t: i + 1 for i, t in enumerate(tenants)}
     rows = []
-    for g in gpus:
-        rows.append({"gpu": _gpu_label(g), "model": g.gpu_model.key, "mig": g.mig_mode,
-                     "slots": [held.get((g.pk, s), (None, None))[0] for s in range(8)],
-                     "profiles": [held.get((g.pk, s), (None, None))[1] for s in range(8)]})
+    for pk, host, index, model, mig in gpus:
+        rows.append({"gpu": f"{host}/gpu{index}", "model": model, "mig": mig,
+                     "slots": [held.get((pk, s), (None, None))[0] for s in range(8)],
+                     "profiles": [held.get((pk, s), (None, None))[1] for s in range(8)]})
     z = [[code.get(t, 0) for t in r["slots"]] for r in rows]
     text = [[f"{t} ({p})" if t else "free" for t, p in zip(r["slots"], r["profiles"], strict=True)] for r in rows]
     n = len(tenants)
@@ -264,7 +261,7 @@ def mig_slot_map(per: Period, principal: Principal):
                                hoverinfo="text+y", texttemplate="%{text}", zmin=-0.5, zmax=n + 0.5, showscale=False,
                                colorscale=scale, xgap=2, ygap=2),
                     layout={**LAYOUT, "title": "MIG slot map (who holds which memory slices)"})
-    return fig, {"gpus": rows, "tenants": tenants, "used": len(held), "free": 8 * len(gpus) - len(held)}
+    return fig, {"gpus": rows, "tenants": tenants, "used": len(held), "free": 8 * len(rows) - len(held)}
 
 
 def _tenants_used(per: Period, tenant_ids=None) -> list[Tenant]:
@@ -412,17 +409,37 @@ def tenant_usage(per: Period, principal: Principal, params: dict | None = None):
     currencies = sorted({currency.get(tid) or "" for tid in slug} - {""})
     numbers = {}
     unit = currencies[0] if len(currencies) == 1 else "each tenant's billing currency"
-    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, subplot_titles=("tokens", f"spend ({unit})"))
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.12,
+                        subplot_titles=("tokens", f"spend ({unit})"))
     for tid in sorted(slug, key=slug.get):
         times = sorted(set(tok[tid]) | set(spend[tid]))
         numbers[slug[tid]] = {"ts": [t.isoformat() for t in times], "tokens": [tok[tid].get(t, 0) for t in times],
                               "spend": [_money(spend[tid].get(t, Decimal(0)), "0.01") for t in times],
                               "total": _money(sum(spend[tid].values(), Decimal(0)), "0.01"),
                               "currency": currency.get(tid) or own_currency[tid]}
-        fig.add_trace(go.Bar(x=times, y=numbers[slug[tid]]["tokens"], name=slug[tid]), 1, 1)
-        fig.add_trace(go.Scatter(x=times, y=[float(s) for s in numbers[slug[tid]]["spend"]], name=f"{slug[tid]} spend",
-                                 mode="lines+markers"), 2, 1)
+    # the chart draws the tenants that spent most and sums the rest as one series (the numbers keep them all)
+    ranked = sorted(slug, key=lambda t: (-sum(spend[t].values(), Decimal(0)), -sum(tok[t].values()), slug[t]))
+    shown, rest = ranked[:TOP_TENANTS], ranked[TOP_TENANTS:]
+    series = [(slug[t], tok[t], spend[t]) for t in sorted(shown, key=slug.get)]
+    if rest:
+        other_tok, other_spend = defaultdict(int), defaultdict(Decimal)
+        for t in rest:
+            for b, v in tok[t].items():
+                other_tok[b] += v
+            for b, v in spend[t].items():
+                other_spend[b] += v
+        series.append((f"{len(rest)} other tenants", other_tok, other_spend))
+    for name, tokens, money in series:
+        times = sorted(set(tokens) | set(money))
+        fig.add_trace(go.Bar(x=times, y=[tokens.get(t, 0) for t in times], name=name, legendgroup=name), 1, 1)
+        fig.add_trace(go.Scatter(x=times, y=[float(_money(money.get(t, Decimal(0)), "0.01")) for t in times],
+                                 name=name, legendgroup=name, showlegend=False, mode="lines+markers"), 2, 1)
     fig.update_layout(**LAYOUT, title="Usage and spend per tenant", barmode="stack")
+    fig.update_yaxes(title_text="tokens", tickformat=",d", row=1, col=1)
+    fig.update_yaxes(title_text=f"spend ({unit})", tickformat=",.2f", exponentformat="none", row=2, col=1)
+    fig.update_xaxes(title_text=f"time (UTC), per {bucket}", row=2, col=1)
+    if not series:
+        _empty(fig)
     return fig, {"bucket": bucket, "currency": currencies[0] if len(currencies) == 1 else None, "tenants": numbers}
 
 

@@ -54,7 +54,21 @@ from datetime import UTC, date, datetime, timedelta
 from decimal import ROUND_HALF_UP, Decimal
 
 from django.db import transaction
-from django.db.models import BooleanField, Case, Count, F, IntegerField, Max, Min, Q, QuerySet, Sum, Value, When
+from django.db.models import (
+    BigIntegerField,
+    BooleanField,
+    Case,
+    Count,
+    F,
+    IntegerField,
+    Max,
+    Min,
+    Q,
+    QuerySet,
+    Sum,
+    Value,
+    When,
+)
 from django.db.models.functions import TruncMonth
 from django.utils import timezone
 
@@ -242,9 +256,9 @@ def token_groups(rows: QuerySet, book: PlanBook, month_start: datetime, pieces: 
                  by_tenant: bool = False):
     """UsageHourly `rows` summed by the database per (deployment, adapter, tier, plan kind, plan in force,
     late: before `month_start`, month[, piece]): the rating's token input, however many hours there are.
-    pieces = (step, lo, hi): also per UTC time bucket of `step` seconds, with each hour outside [lo, hi)
-    its own piece (the hours a period's edges cut). Yields dicts with the sums, first/last hour and the
-    number of hours."""
+    pieces = (step, lo, hi): also per UTC time bucket of `step` seconds inside [lo, hi), each hour a period's
+    edges cut (just outside [lo, hi)) its own piece, and the hours before and after in one piece each.
+    Yields dicts with the sums, first/last hour and the number of hours."""
     tier, kind = "deployment__allocation__tier_id", "deployment__allocation__order__plan_kind"
     qs = rows.annotate(
         plan_id=book.case(tier, kind, "hour"),
@@ -253,8 +267,10 @@ def token_groups(rows: QuerySet, book: PlanBook, month_start: datetime, pieces: 
     keys = ["deployment_id", "adapter", tier, kind, "plan_id", "late", "month"] + (["tenant_id"] if by_tenant else [])
     if pieces:
         step, lo, hi = pieces
-        qs = qs.annotate(piece=Case(When(Q(hour__lt=lo) | Q(hour__gte=hi), then=EpochBucket("hour", 3600)),
-                                    default=EpochBucket("hour", step)))
+        hour = timedelta(hours=1)
+        qs = qs.annotate(piece=Case(When(hour__lt=lo - hour, then=Value(-1)), When(hour__gte=hi + hour, then=Value(-2)),
+                                    When(Q(hour__lt=lo) | Q(hour__gte=hi), then=EpochBucket("hour", 3600)),
+                                    default=EpochBucket("hour", step), output_field=BigIntegerField()))
         keys.append("piece")
     for g in (qs.values(*keys).annotate(
             input_tokens=Sum("input_tokens"), output_tokens=Sum("output_tokens"),

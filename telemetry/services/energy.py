@@ -95,40 +95,51 @@ def choose_resolutions(start: datetime, end: datetime, gpus=None, coarsest: str 
     return out
 
 
-def _increments_sql(res: str, gpu_ids: list[int], start: datetime, end: datetime) -> tuple[str, list]:
-    """A WITH clause `inc(gpu_id, ts, j)`: each stored counter increase of the GPUs at `res`, from the
-    anchor (the last row standing at or before start) to end; a decrease (driver reload) counts the new
-    value."""
+def _apportion_sql(res: str, gpu_ids: list[int] | None, start: datetime, end: datetime) -> tuple[str, list]:
+    """One statement over the GPUs at `res` (all of them when `gpu_ids` is None): each stored counter
+    increase from the anchor (the last row standing at or before start) to end (a decrease, a driver
+    reload, counts the new value), split by the compute share of the slices present at its end. Rows:
+    (0, gpu, None, joules, unallocated joules) per GPU and (1, allocation, tenant, joules, None)."""
     ops = connection.ops
     lo, anchor_hi, hi = (ops.adapt_datetimefield_value(x) for x in _window(res, start, end))
-    t = GpuSample._meta.db_table
-    ids = ", ".join(["%s"] * len(gpu_ids))
+    t, m, gpu, gm = (GpuSample._meta.db_table, MigSample._meta.db_table, Gpu._meta.db_table,
+                     GpuModel._meta.db_table)
+    only, ids = "", []
+    if gpu_ids is not None:
+        only, ids = f"AND gpu_id IN ({', '.join(['%s'] * len(gpu_ids))})", list(gpu_ids)
     sql = f"""WITH a AS (
         SELECT gpu_id, MAX(ts) AS anchor FROM {t}
-        WHERE resolution = %s AND gpu_id IN ({ids}) AND ts >= %s AND ts <= %s GROUP BY gpu_id),
+        WHERE resolution = %s {only} AND ts >= %s AND ts <= %s GROUP BY gpu_id),
       s AS (
         SELECT g.gpu_id, g.ts, g.energy_j,
                LAG(g.energy_j) OVER (PARTITION BY g.gpu_id ORDER BY g.ts) AS prev
         FROM {t} g LEFT JOIN a ON a.gpu_id = g.gpu_id
-        WHERE g.resolution = %s AND g.gpu_id IN ({ids}) AND g.ts >= COALESCE(a.anchor, %s) AND g.ts <= %s),
+        WHERE g.resolution = %s {only.replace("gpu_id", "g.gpu_id")} AND g.ts >= %s AND g.ts <= %s
+          AND g.ts >= COALESCE(a.anchor, %s)),
       inc AS (
         SELECT gpu_id, ts, CASE WHEN energy_j >= prev THEN energy_j - prev ELSE energy_j END AS j
         FROM s WHERE prev IS NOT NULL),
-      held AS (
-        SELECT inc.gpu_id, inc.ts, inc.j, m.allocation_id, m.tenant_id,
-               CASE WHEN m.compute_slices >= COALESCE(NULLIF(gm.compute_slices, 0), 7) THEN 1.0
-                    ELSE m.compute_slices * 1.0 / COALESCE(NULLIF(gm.compute_slices, 0), 7) END AS share
+      sl AS (
+        SELECT inc.gpu_id, inc.ts, inc.j, ms.allocation_id, ms.tenant_id,
+               CASE WHEN ms.compute_slices >= COALESCE(NULLIF(gm.compute_slices, 0), 7) THEN 1.0
+                    ELSE ms.compute_slices * 1.0 / COALESCE(NULLIF(gm.compute_slices, 0), 7) END AS share
         FROM inc
-        JOIN {MigSample._meta.db_table} m ON m.gpu_id = inc.gpu_id AND m.resolution = %s AND m.ts = inc.ts
-        JOIN {Gpu._meta.db_table} gpu ON gpu.id = inc.gpu_id
-        JOIN {GpuModel._meta.db_table} gm ON gm.id = gpu.gpu_model_id
-        WHERE m.allocation_id IS NOT NULL OR m.tenant_id IS NOT NULL)"""
-    return sql, [res, *gpu_ids, lo, anchor_hi, res, *gpu_ids, lo, hi, res]
+        JOIN {m} ms ON ms.gpu_id = inc.gpu_id AND ms.resolution = %s AND ms.ts = inc.ts
+        JOIN {gpu} gpu ON gpu.id = inc.gpu_id
+        JOIN {gm} gm ON gm.id = gpu.gpu_model_id
+        WHERE ms.ts >= %s AND ms.ts <= %s AND (ms.allocation_id IS NOT NULL OR ms.tenant_id IS NOT NULL)),
+      held AS (SELECT gpu_id, ts, SUM(share) AS s FROM sl GROUP BY gpu_id, ts)
+    SELECT 0, inc.gpu_id, NULL, SUM(inc.j),
+           SUM(inc.j * CASE WHEN COALESCE(h.s, 0) >= 1 THEN 0 ELSE 1 - COALESCE(h.s, 0) END)
+    FROM inc LEFT JOIN held h ON h.gpu_id = inc.gpu_id AND h.ts = inc.ts GROUP BY inc.gpu_id
+    UNION ALL
+    SELECT 1, allocation_id, tenant_id, SUM(j * share), NULL FROM sl GROUP BY allocation_id, tenant_id"""
+    return sql, [res, *ids, lo, anchor_hi, res, *ids, lo, hi, lo, res, lo, hi]
 
 
 def apportion(start: datetime, end: datetime, gpus=None, coarsest: str = Resolution.RAW) -> EnergyReport:
     """kWh per GPU, per allocation, per tenant and unallocated over [start, end]: the counter increases
-    and their compute-share split are summed by the database (two queries per resolution in use, plus
+    and their compute-share split are summed by the database (one statement per resolution in use, plus
     one to choose them), whatever the fleet's size. `gpus`: GPU ids (or a queryset of GPUs); all by
     default. `coarsest`: the coarsest resolution to read (see choose_resolutions); raw by default."""
     report = EnergyReport(start, end)
@@ -136,28 +147,22 @@ def apportion(start: datetime, end: datetime, gpus=None, coarsest: str = Resolut
     chosen = choose_resolutions(start, end, ids, coarsest)
     for gpu_id in (ids if ids is not None else Gpu.objects.values_list("pk", flat=True)):
         report.gpu_kwh[gpu_id] = 0.0
+    in_use = {r for r in chosen.values()}
     for res in ORDER:
-        group = sorted(g for g, r in chosen.items() if r == res)
-        if not group:
+        if res not in in_use:
             continue
-        with_sql, params = _increments_sql(res, group, start, end)
+        group = None if ids is None and len(in_use) == 1 else sorted(g for g, r in chosen.items() if r == res)
+        sql, params = _apportion_sql(res, group, start, end)
         with connection.cursor() as cur:
-            cur.execute(with_sql + """
-                SELECT inc.gpu_id, SUM(inc.j),
-                       SUM(inc.j * CASE WHEN COALESCE(h.s, 0) >= 1 THEN 0 ELSE 1 - COALESCE(h.s, 0) END)
-                FROM inc LEFT JOIN (SELECT gpu_id, ts, SUM(share) AS s FROM held GROUP BY gpu_id, ts) h
-                  ON h.gpu_id = inc.gpu_id AND h.ts = inc.ts
-                GROUP BY inc.gpu_id""", params)
-            for gpu_id, joules, unheld in cur.fetchall():
-                report.gpu_kwh[gpu_id] = float(joules or 0) / J_PER_KWH
-                report.unallocated_kwh += float(unheld or 0) / J_PER_KWH
-            cur.execute(with_sql + """
-                SELECT allocation_id, tenant_id, SUM(j * share) FROM held GROUP BY allocation_id, tenant_id""",
-                        params)
-            for alloc, tenant, joules in cur.fetchall():
+            cur.execute(sql, params)
+            for kind, key, tenant, joules, unheld in cur.fetchall():
                 kwh = float(joules or 0) / J_PER_KWH
-                if alloc is not None:
-                    report.allocation_kwh[alloc] += kwh
+                if kind == 0:
+                    report.gpu_kwh[key] = kwh
+                    report.unallocated_kwh += float(unheld or 0) / J_PER_KWH
+                    continue
+                if key is not None:
+                    report.allocation_kwh[key] += kwh
                 if tenant is not None:
                     report.tenant_kwh[tenant] += kwh
     return report
