@@ -27,6 +27,7 @@ from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 from plotly.subplots import make_subplots
 
+from marketplace.formatting import plotly_unit_price_format
 from marketplace.models import Allocation, Gpu, GpuSlot, InvoiceLine, Node, Tier
 from marketplace.services.billing import amount_between, amount_by_bucket, rated_lines_many
 from telemetry.models import GpuSample, Resolution, UsageHourly
@@ -36,6 +37,7 @@ from tenants.errors import Forbidden, ServiceError
 from tenants.models import Tenant
 from tenants.scoping import Principal
 
+MILLION = Decimal(1_000_000)
 LAYOUT = {"template": "plotly_white", "margin": {"l": 60, "r": 20, "t": 60, "b": 50}}
 
 
@@ -304,6 +306,7 @@ def tier_spend(per: Period) -> dict[int, dict]:
             d[k] = _money(d[k])
         d["cost_per_inference"] = _money(d["amount"] / d["requests"], "0.00000001") if d["requests"] else None
         d["cost_per_1k_tokens"] = _money(d["amount"] * 1000 / d["tokens"], "0.00000001") if d["tokens"] else None
+        d["cost_per_1m_tokens"] = _money(d["amount"] * MILLION / d["tokens"], "0.0001") if d["tokens"] else None
     return out
 
 
@@ -318,12 +321,24 @@ def cost_per_tier(per: Period, principal: Principal):
     tiers = {t.pk: t for t in Tier.objects.filter(pk__in=list(spend))}
     numbers = {tiers[k].key: {**v, "gpu_model": tiers[k].gpu_model_id} for k, v in spend.items()}
     keys = sorted(numbers)
-    fig = make_subplots(rows=1, cols=2, subplot_titles=(f"cost per inference ({per.currency})",
-                                                        f"cost per 1K tokens ({per.currency})"))
+    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.15,
+                        subplot_titles=("per inference", "per 1M tokens (per 1K on hover)"))
     fig.add_trace(go.Bar(x=keys, y=[_f(numbers[k]["cost_per_inference"]) for k in keys], name="per inference"), 1, 1)
-    fig.add_trace(go.Bar(x=keys, y=[_f(numbers[k]["cost_per_1k_tokens"]) for k in keys], name="per 1K tokens"), 1, 2)
-    fig.update_layout(**LAYOUT, title="Cost per inference and per 1K tokens, by tier", showlegend=False)
+    fig.add_trace(go.Bar(x=keys, y=[_f(numbers[k]["cost_per_1m_tokens"]) for k in keys], name="per 1M tokens",
+                         customdata=[_f(numbers[k]["cost_per_1k_tokens"]) for k in keys],
+                         hovertemplate=f"%{{x}}<br>%{{y:,.4f}} {per.currency} per 1M tokens<br>"
+                                       f"%{{customdata:,.6f}} {per.currency} per 1K<extra></extra>"), 1, 2)
+    fig.update_layout(**LAYOUT, title=f"What a customer pays, by tier ({per.currency})", showlegend=False)
+    _money_axes(fig, per.currency, "tier")
+    if not keys:
+        _empty(fig)
     return fig, {"tiers": numbers, "currency": per.currency}
+
+
+def _money_axes(fig: go.Figure, currency: str, x_title: str) -> None:
+    """Money on y axes with the currency's digits and never an SI prefix ("20µ"); the x axes titled."""
+    fig.update_yaxes(title_text=currency, tickformat=plotly_unit_price_format(currency), exponentformat="none")
+    fig.update_xaxes(title_text=x_title)
 
 
 def power_cost(per: Period, principal: Principal):
@@ -331,9 +346,17 @@ def power_cost(per: Period, principal: Principal):
     report = energy.apportion(per.start, per.end, coarsest=per.resolution)
     rows = energy.power_cost_per_tier(per.start, per.end, report)
     keys = sorted(rows)
-    fig = go.Figure(go.Bar(x=keys, y=[_f(rows[k]["cost_per_1k_tokens"]) for k in keys],
-                           text=[f"{rows[k]['kwh']:.3f} kWh" for k in keys]),
-                    layout={**LAYOUT, "title": f"Power cost per 1K tokens ({energy.price_per_kwh()}/kWh)"})
+    per_1m = [None if rows[k]["cost_per_1k_tokens"] is None else float(rows[k]["cost_per_1k_tokens"] * 1000)
+              for k in keys]
+    fig = go.Figure(go.Bar(x=keys, y=per_1m, text=[f"{rows[k]['kwh']:,.3f} kWh" for k in keys],
+                           customdata=[_f(rows[k]["cost_per_1k_tokens"]) for k in keys],
+                           hovertemplate="%{x}<br>%{y:,.4f} per 1M tokens<br>%{customdata:,.6f} per 1K<br>"
+                                         "%{text}<extra></extra>"),
+                    layout={**LAYOUT, "title": f"Power cost per 1M tokens by tier (energy at "
+                                               f"{energy.price_per_kwh()} per kWh)"})
+    _money_axes(fig, "per 1M tokens (plans' currency)", "tier")
+    if not keys:
+        _empty(fig)
     return fig, {"tiers": rows, "price_per_kwh": energy.price_per_kwh(), "total_kwh": report.total_kwh,
                  "unallocated_kwh": report.unallocated_kwh,
                  "gpu_kwh": {str(k): v for k, v in report.gpu_kwh.items()}}
@@ -357,13 +380,19 @@ def h100_vs_h200(per: Period, principal: Principal):
         "tokens": tokens.get(m, 0),
         "tokens_per_s_per_gpu": round(tokens.get(m, 0) / per.seconds / gpus[m], 6) if gpus.get(m) else None,
         "cost_per_1k_tokens": _money(amount[m] * 1000 / tokens[m], "0.00000001") if tokens.get(m) else None,
+        "cost_per_1m_tokens": _money(amount[m] * MILLION / tokens[m], "0.0001") if tokens.get(m) else None,
         "utilization": round(util[m], 4) if m in util else None,
     } for m in models}
-    fig = make_subplots(rows=1, cols=3, subplot_titles=("tokens/s per GPU", f"cost per 1K tokens ({per.currency})",
-                                                        "utilization (%)"))
-    for col, field in enumerate(("tokens_per_s_per_gpu", "cost_per_1k_tokens", "utilization"), start=1):
+    fig = make_subplots(rows=1, cols=3, horizontal_spacing=0.12,
+                        subplot_titles=("tokens/s per GPU", "cost per 1M tokens", "utilization"))
+    for col, field in enumerate(("tokens_per_s_per_gpu", "cost_per_1m_tokens", "utilization"), start=1):
         fig.add_trace(go.Bar(x=models, y=[_f(numbers[m][field]) for m in models], name=field), 1, col)
-    fig.update_layout(**LAYOUT, title="H100 vs H200", showlegend=False)
+    fig.update_layout(**LAYOUT, title=f"H100 vs H200 (money in {per.currency})", showlegend=False)
+    fig.update_xaxes(title_text="GPU model")
+    fig.update_yaxes(title_text="tokens/s", tickformat=",.1f", exponentformat="none", row=1, col=1)
+    fig.update_yaxes(title_text=per.currency, tickformat=plotly_unit_price_format(per.currency),
+                     exponentformat="none", row=1, col=2)
+    fig.update_yaxes(title_text="%", range=[0, 100], row=1, col=3)
     return fig, {"models": numbers}
 
 
@@ -418,7 +447,8 @@ def tenant_usage(per: Period, principal: Principal, params: dict | None = None):
                               "total": _money(sum(spend[tid].values(), Decimal(0)), "0.01"),
                               "currency": currency.get(tid) or own_currency[tid]}
     # the chart draws the tenants that spent most and sums the rest as one series (the numbers keep them all)
-    ranked = sorted(slug, key=lambda t: (-sum(spend[t].values(), Decimal(0)), -sum(tok[t].values()), slug[t]))
+    ranked = sorted((t for t in slug if tok[t] or spend[t]),
+                    key=lambda t: (-sum(spend[t].values(), Decimal(0)), -sum(tok[t].values()), slug[t]))
     shown, rest = ranked[:TOP_TENANTS], ranked[TOP_TENANTS:]
     series = [(slug[t], tok[t], spend[t]) for t in sorted(shown, key=slug.get)]
     if rest:

@@ -3,9 +3,12 @@ static files) and /api/v1/charts/<name>/ (the figure JSON plus its numbers)."""
 
 from __future__ import annotations
 
+from datetime import datetime
+
 from django.contrib.auth.views import redirect_to_login
 from django.http import HttpResponse
 from django.shortcuts import render
+from django.urls import reverse
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import serializers
 from rest_framework.exceptions import NotFound, PermissionDenied, ValidationError
@@ -49,10 +52,24 @@ def chart_page(request, name: str):
     except ServiceError as exc:
         return HttpResponse(str(exc), status=400, content_type="text/plain")
     visible = [c for c in charts.CHARTS.values() if not c.operators_only or principal.is_operator]
+    params = _params(request)
+    custom = bool(params.get("start"))
     return render(request, "telemetry/chart.html", {
-        "chart": charts.CHARTS[name], "charts": visible, "figure": body["figure"],
-        "data": body["data"], "api_url": f"/api/v1/charts/{name}/",
+        "chart": charts.CHARTS[name], "charts": visible, "figure": body["figure"], "data": body["data"],
+        "api_url": reverse("chart-api", args=[name]),
+        "start": datetime.fromisoformat(body["data"]["start"]), "end": datetime.fromisoformat(body["data"]["end"]),
+        "ranges": RANGES, "range": "custom" if custom else (params.get("hours") or "24"),
+        "refreshes": REFRESHES, "refresh": params.get("refresh") or "0",
+        "currency": params.get("currency") or "", "currencies": CURRENCIES,
+        "money": name in MONEY_CHARTS,
     })
+
+
+#: the time-range picker (hours), the auto-refresh choices (seconds), as in Grafana
+RANGES = [("1", "last 1 h"), ("24", "last 24 h"), ("168", "last 7 days"), ("720", "last 30 days")]
+REFRESHES = [("0", "off"), ("30", "30 s"), ("60", "1 min"), ("300", "5 min")]
+CURRENCIES = ["USD", "EUR", "GBP"]
+MONEY_CHARTS = {"cost-per-tier", "h100-vs-h200", "tenant-usage"}
 
 
 class ChartApiView(APIView):

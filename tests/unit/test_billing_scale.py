@@ -5,6 +5,7 @@ number of queries at two fleet sizes; charts cap their points."""
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from unittest import mock
@@ -250,3 +251,22 @@ def test_money_charts_make_the_same_queries_for_more_tenants(priced, operator):
     assert tiers[priced.key]["amount"] == str(D(24 * 0.5 + 7 * 2).quantize(D("0.000001")))
     usage = charts.figure_json("tenant-usage", op, params)["data"]["tenants"]
     assert usage["b0"]["tokens"][:4] == [1_000_000] * 4 and usage["b0"]["total"] == "4.00"
+
+
+def test_chart_page_has_a_time_range_picker_auto_refresh_and_readable_dates(h100_node, operator, client):
+    client.force_login(operator)
+    r = client.get("/charts/cost-per-tier/?hours=168&refresh=60&currency=EUR")
+    assert r.status_code == 200
+    html = r.content.decode()
+    for value, label in (("1", "last 1 h"), ("24", "last 24 h"), ("720", "last 30 days")):
+        assert f'<option value="{value}">{label}</option>' in html
+    assert '<option value="168" selected>last 7 days</option>' in html
+    assert '<option value="60" selected>1 min</option>' in html and '<option value="EUR" selected>EUR</option>' in html
+    period = html.split('id="period">')[1].split("</span>")[0]
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d – \d{4}-\d\d-\d\d \d\d:\d\d UTC", period), period
+    assert 'href="/charts/fleet-utilization/"' in html
+    custom = client.get("/charts/fleet-utilization/?start=2026-11-01T00:00&end=2026-11-02T00:00")
+    assert custom.status_code == 200 and "2026-11-01 00:00 – 2026-11-02 00:00 UTC" in custom.content.decode()
+    assert '<option value="custom" selected>' in custom.content.decode()
+    fig = charts.figure_json("cost-per-tier", principal_for_user(operator), {"hours": "24"})["figure"]
+    assert all(ax.get("exponentformat") == "none" for k, ax in fig["layout"].items() if k.startswith("yaxis"))
