@@ -61,7 +61,7 @@ INSTALLED_APPS = [
     "django.contrib.sessions",
     "django.contrib.messages",
     "whitenoise.runserver_nostatic",
-    "django.contrib.staticfiles",
+    "marketplace.staticfiles.StaticFilesConfig",  # django.contrib.staticfiles
     "rest_framework",
     "django_filters",
     "django_htmx",
@@ -148,7 +148,9 @@ STATICFILES_DIRS = [d for d in [BASE_DIR / "static"] if d.exists()] + [
     ("vendor/plotly", Path(__import__("plotly").__file__).parent / "package_data")]  # the wheel's plotly.min.js
 STORAGES = {
     "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
-    "staticfiles": {"BACKEND": "whitenoise.storage.CompressedStaticFilesStorage"},
+    # hashed names (cached for a year, immutable) with gzip and brotli copies, written by collectstatic
+    # (`manage.py demo` runs it); a file not collected yet is served under its own name (tests, dev)
+    "staticfiles": {"BACKEND": "marketplace.staticfiles.CompressedManifestStorage"},
 }
 WHITENOISE_USE_FINDERS = True
 
