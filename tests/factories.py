@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import factory
 from django.contrib.auth.models import Permission
+from django.utils import timezone
 
 from tenants import keys
 from tenants.models import ApiKey, Membership, Tenant, User
@@ -53,3 +56,53 @@ def make_key(tenant, scopes=("read",), *, expires_at=None, created_by=None, name
     key = ApiKey.objects.create(tenant=tenant, name=name, prefix=prefix, hashed_key=hashed,
                                 scopes=sorted(scopes), expires_at=expires_at, created_by=created_by)
     return key, secret
+
+
+class OrderFactory(factory.django.DjangoModelFactory):
+    """An order of `tier` (pass one: tiers need the catalog) for a tenant."""
+
+    class Meta:
+        model = "marketplace.Order"
+
+    tenant = factory.SubFactory(TenantFactory)
+    quantity = 1
+
+
+class AllocationFactory(factory.django.DjangoModelFactory):
+    """An active allocation of its order's tier and tenant (no instance: billing and charts need none)."""
+
+    class Meta:
+        model = "marketplace.Allocation"
+
+    order = factory.SubFactory(OrderFactory)
+    tenant = factory.SelfAttribute("order.tenant")
+    tier = factory.SelfAttribute("order.tier")
+    state = "active"
+    activated_at = factory.LazyFunction(timezone.now)
+
+
+class DeploymentFactory(factory.django.DjangoModelFactory):
+    """A ready model on an allocation, its tenant's."""
+
+    class Meta:
+        model = "marketplace.ModelDeployment"
+
+    allocation = factory.SubFactory(AllocationFactory)
+    tenant = factory.SelfAttribute("allocation.tenant")
+    name = factory.Sequence(lambda n: f"model-{n}")
+    backend = "python"
+    spec = factory.LazyFunction(dict)
+    memory_mb = 1000
+    state = "ready"
+
+
+class InvoiceFactory(factory.django.DjangoModelFactory):
+    """A draft invoice of a tenant's month (period_start: the first of a month)."""
+
+    class Meta:
+        model = "marketplace.Invoice"
+
+    tenant = factory.SubFactory(TenantFactory)
+    period_start = factory.LazyFunction(lambda: timezone.now().date().replace(day=1))
+    period_end = factory.LazyAttribute(lambda o: (o.period_start.replace(day=28) + timedelta(days=4)).replace(day=1))
+    currency = factory.SelfAttribute("tenant.currency")

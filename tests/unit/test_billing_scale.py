@@ -17,13 +17,10 @@ from django.utils import timezone
 
 from marketplace import tasks
 from marketplace.models import (
-    Allocation,
     BillingAlert,
     Gpu,
     Invoice,
     InvoiceLine,
-    ModelDeployment,
-    Order,
     PricePlan,
     RatingRun,
     RatingRunTenant,
@@ -33,7 +30,7 @@ from telemetry import charts
 from telemetry.models import GpuSample, MigSample, Resolution, UsageHourly
 from tenants.models import AuditEvent
 from tenants.scoping import principal_for_user
-from tests.factories import TenantFactory
+from tests.factories import AllocationFactory, DeploymentFactory, OrderFactory, TenantFactory
 from tests.fleet_fixtures import make_node
 
 pytestmark = pytest.mark.django_db
@@ -41,13 +38,11 @@ D = Decimal
 
 
 def _tenant_with_usage(slug, tier, tokens=1_000_000, limit=None, hours=1):
+    """A tenant with one allocation of `tier` held for the month's first hour and `hours` hours of usage."""
     tenant = TenantFactory(slug=slug, currency="USD", monthly_spend_limit=limit)
-    order = Order.objects.create(tenant=tenant, tier=tier)
     start = timezone.now().replace(day=1, hour=0, minute=0, second=0, microsecond=0)
-    alloc = Allocation.objects.create(order=order, tenant=tenant, tier=tier, state="active", activated_at=start,
-                                      released_at=start + timedelta(hours=1))
-    dep = ModelDeployment.objects.create(allocation=alloc, tenant=tenant, name="llm", backend="python", spec={},
-                                         memory_mb=10, state="ready")
+    dep = DeploymentFactory(name="llm", allocation=AllocationFactory(
+        order=OrderFactory(tenant=tenant, tier=tier), activated_at=start, released_at=start + timedelta(hours=1)))
     for h in range(hours):
         UsageHourly.objects.create(tenant=tenant, deployment=dep, hour=start + timedelta(hours=h),
                                    input_tokens=tokens, output_tokens=0, requests=1)
