@@ -265,3 +265,16 @@ def test_chart_page_has_a_time_range_picker_auto_refresh_and_readable_dates(h100
     assert '<option value="custom" selected>' in custom.content.decode()
     fig = charts.figure_json("cost-per-tier", principal_for_user(operator), {"hours": "24"})["figure"]
     assert all(ax.get("exponentformat") == "none" for k, ax in fig["layout"].items() if k.startswith("yaxis"))
+
+
+def test_a_tenant_sees_only_its_own_spend_row(priced, as_key):
+    from tests.factories import make_key
+
+    mine, _other = _tenant_with_usage("mine", priced), _tenant_with_usage("other", priced, limit=D("1.00"))
+    billing.rate_all()
+    _, secret = make_key(mine, ["billing:read"])
+    api = as_key(secret)
+    assert [r["tenant"] for r in api.get("/api/v1/billing/spend/").json()["results"]] == ["mine"]
+    assert api.get("/api/v1/billing/spend/?tenant=other").json() == {
+        "count": 0, "next": None, "previous": None, "results": []}
+    assert api.get("/api/v1/billing/spend/?over_limit=true").json()["count"] == 0  # other's state does not leak
