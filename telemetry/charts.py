@@ -343,7 +343,7 @@ def _money_axes(fig: go.Figure, currency: str, x_title: str) -> None:
 
 def power_cost(per: Period, principal: Principal):
     """Energy cost per 1K tokens by tier: apportioned kWh (compute share) x price per kWh."""
-    report = energy.apportion(per.start, per.end, coarsest=per.resolution)
+    report = energy.apportion_range(per.start, per.end, coarsest=per.resolution)
     rows = energy.power_cost_per_tier(per.start, per.end, report)
     keys = sorted(rows)
     per_1m = [None if rows[k]["cost_per_1k_tokens"] is None else float(rows[k]["cost_per_1k_tokens"] * 1000)

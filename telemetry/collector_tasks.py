@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from celery import shared_task
 
-from telemetry.services import collector, downsample
+from telemetry.services import collector, downsample, energy
 
 NODE_TASK = {"acks_late": True, "reject_on_worker_lost": True, "time_limit": 120, "soft_time_limit": 100}
 
@@ -25,8 +25,10 @@ def collect_gpu_fleet() -> int:
 
 @shared_task(name="tessera.downsample_telemetry", acks_late=True, time_limit=600)
 def downsample_telemetry() -> dict:
-    """Beat (control queue): roll raw samples up into 5-minute and hourly averages, then prune by
-    retention (never a bucket that has not been rolled up). Idempotent."""
+    """Beat (control queue): roll raw samples up into 5-minute and hourly averages, apportion the energy of
+    each hour that has ended (EnergyHourly), then prune by retention (never a bucket that has not been
+    rolled up). Idempotent."""
     rolled = downsample.downsample()
+    energy_hours = energy.rollup_hours()
     pruned = downsample.prune()
-    return {"rolled": rolled, "pruned": pruned}
+    return {"rolled": rolled, "energy_hours": energy_hours, "pruned": pruned}

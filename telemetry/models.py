@@ -201,3 +201,25 @@ class CollectorError(models.Model):
 
     def __str__(self) -> str:
         return f"{self.gpu_id} {self.kind} x{self.count}"
+
+
+class EnergyHourly(models.Model):
+    """Energy of one completed UTC hour, apportioned once by the downsampling job (telemetry.services.energy
+    rollup_hours) so that long-range power charts sum rows instead of re-reading every sample. A row with
+    a GPU: that GPU's kWh in the hour and the part no slice held (``unallocated_kwh``); a row without: one
+    allocation's (or tenant's) compute-share kWh across the fleet in the hour."""
+
+    id = models.BigAutoField(primary_key=True)
+    hour = models.DateTimeField(help_text="start of the UTC hour")
+    gpu = models.ForeignKey("marketplace.Gpu", null=True, blank=True, on_delete=models.CASCADE, related_name="+")
+    allocation = models.ForeignKey("marketplace.Allocation", null=True, blank=True, on_delete=models.SET_NULL,
+                                   related_name="+")
+    tenant = models.ForeignKey("tenants.Tenant", null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    kwh = models.FloatField(default=0.0)
+    unallocated_kwh = models.FloatField(default=0.0)
+
+    class Meta:
+        indexes = [models.Index(fields=["hour"])]
+
+    def __str__(self) -> str:
+        return f"{self.hour:%Y-%m-%d %H}: {self.kwh:.3f} kWh"

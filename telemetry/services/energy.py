@@ -22,11 +22,12 @@ from datetime import datetime, timedelta
 from decimal import ROUND_HALF_UP, Decimal
 
 from django.conf import settings
-from django.db import connection
-from django.db.models import Case, F, Max, Min, Q, Sum, When
+from django.db import connection, transaction
+from django.db.models import Case, Count, F, Max, Min, Q, Sum, When
+from django.utils import timezone
 
 from marketplace.models import Allocation, Gpu, GpuModel, Tier
-from telemetry.models import GpuSample, MigSample, Resolution, UsageHourly
+from telemetry.models import EnergyHourly, GpuSample, MigSample, Resolution, UsageHourly
 
 J_PER_KWH = 3_600_000.0
 STEP = {Resolution.RAW: timedelta(0), Resolution.FIVE_MIN: timedelta(minutes=5), Resolution.HOUR: timedelta(hours=1)}
@@ -50,6 +51,19 @@ class EnergyReport:
     allocation_kwh: dict[int, float] = field(default_factory=lambda: defaultdict(float))
     tenant_kwh: dict[int, float] = field(default_factory=lambda: defaultdict(float))
     unallocated_kwh: float = 0.0
+    gpu_unallocated_kwh: dict[int, float] = field(default_factory=lambda: defaultdict(float))
+    held_kwh: dict[tuple[int | None, int | None], float] = field(default_factory=lambda: defaultdict(float))
+
+    def add(self, other: EnergyReport) -> None:
+        """Sum another report (of an adjacent span) into this one."""
+        for k, v in other.gpu_kwh.items():
+            self.gpu_kwh[k] = self.gpu_kwh.get(k, 0.0) + v
+        for mine, theirs in ((self.allocation_kwh, other.allocation_kwh), (self.tenant_kwh, other.tenant_kwh),
+                             (self.gpu_unallocated_kwh, other.gpu_unallocated_kwh),
+                             (self.held_kwh, other.held_kwh)):
+            for k, v in theirs.items():
+                mine[k] += v
+        self.unallocated_kwh += other.unallocated_kwh
 
     @property
     def total_kwh(self) -> float:
@@ -159,12 +173,87 @@ def apportion(start: datetime, end: datetime, gpus=None, coarsest: str = Resolut
                 kwh = float(joules or 0) / J_PER_KWH
                 if kind == 0:
                     report.gpu_kwh[key] = kwh
+                    report.gpu_unallocated_kwh[key] = float(unheld or 0) / J_PER_KWH
                     report.unallocated_kwh += float(unheld or 0) / J_PER_KWH
                     continue
+                report.held_kwh[(key, tenant)] += kwh
                 if key is not None:
                     report.allocation_kwh[key] += kwh
                 if tenant is not None:
                     report.tenant_kwh[tenant] += kwh
+    return report
+
+
+HOUR = timedelta(hours=1)
+#: ranges at least this long read the hourly energy rollup for their whole hours
+ROLLUP_FROM = timedelta(hours=6)
+
+
+def _floor_hour(t: datetime) -> datetime:
+    return t.replace(minute=0, second=0, microsecond=0)
+
+
+def _ceil_hour(t: datetime) -> datetime:
+    f = _floor_hour(t)
+    return f if f == t else f + HOUR
+
+
+def rollup_hours(now: datetime | None = None, max_hours: int = 72, grace: timedelta = timedelta(minutes=10)) -> int:
+    """Apportion each completed UTC hour after the newest one stored (at most `max_hours` per run, oldest
+    first; the first run starts `max_hours` back, and never before the first sample) into EnergyHourly.
+    An hour is apportioned from the samples as a short chart would (5-minute rollups, else raw, else
+    hourly) and replaced whole, so running it again is harmless. Returns the hours written."""
+    now = now or timezone.now()
+    last = _floor_hour(now - grace) - HOUR  # the newest hour that has ended (with grace for late samples)
+    mark = EnergyHourly.objects.aggregate(m=Max("hour"))["m"]
+    first_sample = GpuSample.objects.aggregate(m=Min("ts"))["m"]
+    if first_sample is None:
+        return 0
+    h = mark + HOUR if mark else max(last - (max_hours - 1) * HOUR, _floor_hour(first_sample))
+    done = 0
+    while h <= last and done < max_hours:
+        rep = apportion(h, h + HOUR, coarsest=Resolution.FIVE_MIN)
+        rows = [EnergyHourly(hour=h, gpu_id=g, kwh=k, unallocated_kwh=rep.gpu_unallocated_kwh.get(g, 0.0))
+                for g, k in rep.gpu_kwh.items() if k]
+        rows += [EnergyHourly(hour=h, allocation_id=a, tenant_id=t, kwh=k) for (a, t), k in rep.held_kwh.items() if k]
+        with transaction.atomic():
+            EnergyHourly.objects.filter(hour=h).delete()
+            EnergyHourly.objects.bulk_create(rows, batch_size=2000)
+        h += HOUR
+        done += 1
+    return done
+
+
+def apportion_range(start: datetime, end: datetime, coarsest: str = Resolution.RAW) -> EnergyReport:
+    """`apportion` for a chart: a long range sums the hourly rollup for its whole hours (when every one of
+    them is rolled up) and apportions only the partial hours at its edges from the samples; a short one,
+    or one the rollup does not cover yet, reads the samples throughout."""
+    lo, hi = _ceil_hour(start), _floor_hour(end)
+    if hi - lo < ROLLUP_FROM:
+        return apportion(start, end, coarsest=coarsest)
+    hours = EnergyHourly.objects.filter(hour__gte=lo, hour__lt=hi).aggregate(n=Count("hour", distinct=True))["n"]
+    if hours < (hi - lo) / HOUR:
+        return apportion(start, end, coarsest=coarsest)
+    report = EnergyReport(start, end)
+    for gpu_id in Gpu.objects.values_list("pk", flat=True):
+        report.gpu_kwh[gpu_id] = 0.0
+    rolled = EnergyHourly.objects.filter(hour__gte=lo, hour__lt=hi)
+    for gpu_id, kwh, unheld in (rolled.filter(gpu__isnull=False).values("gpu_id").order_by()
+                                .annotate(k=Sum("kwh"), u=Sum("unallocated_kwh")).values_list("gpu_id", "k", "u")):
+        report.gpu_kwh[gpu_id] = kwh or 0.0
+        report.gpu_unallocated_kwh[gpu_id] = unheld or 0.0
+        report.unallocated_kwh += unheld or 0.0
+    for alloc, tenant, kwh in (rolled.filter(gpu__isnull=True).values("allocation_id", "tenant_id").order_by()
+                               .annotate(k=Sum("kwh")).values_list("allocation_id", "tenant_id", "k")):
+        report.held_kwh[(alloc, tenant)] += kwh or 0.0
+        if alloc is not None:
+            report.allocation_kwh[alloc] += kwh or 0.0
+        if tenant is not None:
+            report.tenant_kwh[tenant] += kwh or 0.0
+    if start < lo:
+        report.add(apportion(start, lo, coarsest=Resolution.FIVE_MIN))
+    if hi < end:
+        report.add(apportion(hi, end, coarsest=Resolution.FIVE_MIN))
     return report
 
 

@@ -278,3 +278,42 @@ def test_a_tenant_sees_only_its_own_spend_row(priced, as_key):
     assert api.get("/api/v1/billing/spend/?tenant=other").json() == {
         "count": 0, "next": None, "previous": None, "results": []}
     assert api.get("/api/v1/billing/spend/?over_limit=true").json()["count"] == 0  # other's state does not leak
+
+
+def test_energy_rollup_sums_to_the_samples_and_serves_long_ranges(h100_node, priced, django_assert_max_num_queries):
+    from telemetry.models import EnergyHourly
+    from telemetry.services import energy
+
+    t0 = (timezone.now() - timedelta(hours=12)).replace(minute=0, second=0, microsecond=0)
+    gpus = list(Gpu.objects.order_by("index")[:2])
+    alloc = AllocationFactory(order=OrderFactory(tier=priced))
+    rows, mig = [], []
+    for i, g in enumerate(gpus):
+        for m in range(0, 10 * 60 + 1, 5):
+            ts = t0 + timedelta(minutes=m)
+            rows.append(GpuSample(gpu=g, resolution=Resolution.RAW, ts=ts, activity=0.5, memory_used_mb=1,
+                                  memory_total_mb=2, power_w=500, energy_j=1e6 + m * (150_000 + i * 50_000),
+                                  temperature_c=50, sm_clock_mhz=1900))
+            if i == 0 and m % 10 == 0:  # a 3g slice on GPU 0 half of the time
+                mig.append(MigSample(gpu=g, mig_uuid="MIG-a", gi_id=1, compute_slices=3, allocation=alloc,
+                                     tenant=alloc.tenant, resolution=Resolution.RAW, ts=ts, memory_used_mb=1,
+                                     memory_total_mb=2))
+    GpuSample.objects.bulk_create(rows)
+    MigSample.objects.bulk_create(mig)
+    assert energy.rollup_hours(now=t0 + timedelta(hours=10, minutes=15)) == 10
+    assert energy.rollup_hours(now=t0 + timedelta(hours=10, minutes=15)) == 0  # nothing new: idempotent
+    assert EnergyHourly.objects.filter(gpu__isnull=True, allocation=alloc).count() == 10
+    start, end = t0 + timedelta(minutes=30), t0 + timedelta(hours=9, minutes=20)
+    direct = energy.apportion(start, end)
+    with django_assert_max_num_queries(10):  # rollup sums plus the two edges, not every sample
+        rolled = energy.apportion_range(start, end)
+    assert rolled.total_kwh == pytest.approx(direct.total_kwh) and direct.total_kwh > 0
+    assert rolled.unallocated_kwh == pytest.approx(direct.unallocated_kwh)
+    assert rolled.allocation_kwh[alloc.pk] == pytest.approx(direct.allocation_kwh[alloc.pk])
+    assert direct.allocation_kwh[alloc.pk] > 0
+    assert rolled.tenant_kwh[alloc.tenant_id] == pytest.approx(direct.tenant_kwh[alloc.tenant_id])
+    for g in gpus:
+        assert rolled.gpu_kwh[g.pk] == pytest.approx(direct.gpu_kwh[g.pk])
+    # a range the rollup does not cover reads the samples
+    assert energy.apportion_range(t0 - timedelta(hours=5), end).total_kwh == pytest.approx(
+        energy.apportion(t0 - timedelta(hours=5), end).total_kwh)
