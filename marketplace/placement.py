@@ -231,6 +231,9 @@ def _shapes(geo: GpuGeometry) -> dict[int | None, _Shape]:
     return shapes
 
 
+_Hit = tuple[int, int, int, bool]  # (state, gpu id, start, _) found by Fleet._find
+
+
 class _Tables:
     """Occupancy states of one geometry and everything precomputed on them.
 
@@ -680,7 +683,7 @@ class Fleet:
     def place(self, request: Request) -> Decision | NoCapacity:
         """Choose a GPU and start for the request and record the new instance."""
         d = self.choose(request)
-        if d:
+        if isinstance(d, Decision):
             self._commit(d)
         return d
 
@@ -742,35 +745,48 @@ class Fleet:
             placed_summary(t.geo.name, None if pid is WHOLE_GPU else shape.name, dedicated),
         )
 
-    def _find(self, t: _Tables, pool: _Pool | None, pid: int | None, first_fit: bool):
+    def _find(self, t: _Tables, pool: _Pool | None, pid: int | None, first_fit: bool) -> _Hit | None:
         """(state, gpu id, start, _) of the pool's best GPU for pid, or None."""
         if pool is None or not pool.hostable.get(pid):
             return None
         buckets = pool.buckets
         if first_fit:
-            best_gpu = best_sid = None
+            first: tuple[int, int] | None = None  # (gpu id, sid)
             for sid, b in buckets.items():
                 if pid in t.hostable[sid]:
                     gid = b.peek()
-                    if best_gpu is None or gid < best_gpu:
-                        best_gpu, best_sid = gid, sid
-            return (best_sid, best_gpu, t.first[best_sid][pid], False)
+                    if first is None or gid < first[0]:
+                        first = (gid, sid)
+            assert first is not None  # hostable said there is one
+            gid, sid = first
+            return (sid, gid, t.first[sid][pid], False)
         order = t.order[pid]
         if len(buckets) < len(order):
-            best = None
+            best: _Choice | None = None
             best_sid = -1
             for sid in buckets:
                 e = t.best[sid].get(pid)
                 if e is not None and (best is None or e[0] < best[0]):
                     best, best_sid = e, sid
+            assert best is not None  # hostable said there is one
             return (best_sid, buckets[best_sid].peek(), best[1], False)
         for sid, start in order:
-            b = buckets.get(sid)
-            if b is not None:
-                return (sid, b.peek(), start, False)
+            hit = buckets.get(sid)
+            if hit is not None:
+                return (sid, hit.peek(), start, False)
         return None  # pragma: no cover - hostable said there is one
 
-    def _reason(self, t, g, sid, pid, start, shape, candidates, newly) -> str:
+    def _reason(
+        self,
+        t: _Tables,
+        g: _Gpu,
+        sid: int,
+        pid: int | None,
+        start: int,
+        shape: _Shape,
+        candidates: int,
+        newly: bool,
+    ) -> str:
         used = t.used[sid]
         if used == 0:
             fill = "empty"

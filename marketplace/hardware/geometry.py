@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 DATA_FILE = Path(__file__).resolve().parent.parent / "data" / "catalog.json"
 
@@ -116,8 +117,9 @@ class GpuGeometry:
 
 
 @cache
-def raw_catalog() -> dict:
-    return json.loads(DATA_FILE.read_text())
+def raw_catalog() -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(DATA_FILE.read_text())
+    return data
 
 
 @cache
