@@ -97,7 +97,7 @@ class Command(BaseCommand):
 
         close_old_connections()
         deadline = time.monotonic() + 90
-        live = Allocation.objects.exclude(state__in=["released", "failed"])
+        live = Allocation.objects.exclude(state__in=[Allocation.State.RELEASED, Allocation.State.FAILED])
         while time.monotonic() < deadline and live.exclude(state=Allocation.State.ACTIVE).exists():
             time.sleep(1)
         new = 0
