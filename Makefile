@@ -18,6 +18,8 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(PY) manage.py makemigrations --check --dry-run
+	$(VENV)/bin/mypy
+	$(PY) tests/deadcode.py
 
 # Browser tests drive Debian's Chromium (never a downloaded browser). Installed here when missing and
 # we are root with apt-get; otherwise those tests skip and say why.

@@ -129,7 +129,7 @@ class Fit:
     max_concurrency: int  # sequences of `context` tokens that fit at once
     reason: str  # one sentence, with the numbers
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, object]:
         return {k: (round(v, 1) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
 
 

@@ -45,6 +45,7 @@ import heapq
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import cache
+from typing import NamedTuple
 
 from marketplace.hardware.geometry import GpuGeometry, geometry
 
@@ -197,114 +198,157 @@ def _weight(shape: _Shape) -> int:
     return shape.size * shape.size
 
 
+class _Key(NamedTuple):
+    """One occupancy state: the memory-slice mask, compute slices used, counts of binding profiles."""
+
+    mask: int
+    compute: int
+    counts: tuple[int, ...]
+
+
+class _Choice(NamedTuple):
+    """The best start of a profile in a state and the rank of that (state, start) across all states."""
+
+    rank: int
+    start: int
+
+
+class _Slot(NamedTuple):
+    """A state and the start at which a profile goes into it (an entry of :attr:`_Tables.order`)."""
+
+    sid: int
+    start: int
+
+
+def _shapes(geo: GpuGeometry) -> dict[int | None, _Shape]:
+    """Every GPU-instance profile of ``geo`` as a :class:`_Shape`, plus the whole GPU."""
+    shapes: dict[int | None, _Shape] = {}
+    for p in geo.profiles:
+        masks = tuple((s, ((1 << p.memory_slices) - 1) << s) for s in sorted(p.starts))
+        shapes[p.profile_id] = _Shape(p.profile_id, p.name, p.memory_slices, p.compute_slices, p.max_count, masks)
+    full = (1 << geo.memory_slices) - 1
+    shapes[WHOLE_GPU] = _Shape(WHOLE_GPU, "whole GPU", geo.memory_slices, geo.compute_slices, 1, ((0, full),))
+    return shapes
+
+
+_Hit = tuple[int, int, int, bool]  # (state, gpu id, start, _) found by Fleet._find
+
+
 class _Tables:
-    """Occupancy states of one geometry and everything precomputed on them."""
+    """Occupancy states of one geometry and everything precomputed on them.
+
+    States are interned as ints (``sid``); every per-state table is a list indexed by sid.
+    """
 
     def __init__(self, geo: GpuGeometry) -> None:
         self.geo = geo
         self.n_mem = geo.memory_slices
         self.n_compute = geo.compute_slices
-        shapes: dict[int | None, _Shape] = {}
-        for p in geo.profiles:
-            shapes[p.profile_id] = _Shape(
-                p.profile_id,
-                p.name,
-                p.memory_slices,
-                p.compute_slices,
-                p.max_count,
-                tuple((s, ((1 << p.memory_slices) - 1) << s) for s in sorted(p.starts)),
-            )
-        full = (1 << self.n_mem) - 1
-        shapes[WHOLE_GPU] = _Shape(WHOLE_GPU, "whole GPU", self.n_mem, self.n_compute, 1, ((0, full),))
-        self.shapes = shapes
-        self.mig_shapes = [s for pid, s in shapes.items() if pid is not WHOLE_GPU]
+        self.shapes = _shapes(geo)
+        self.mig_shapes = [s for pid, s in self.shapes.items() if pid is not WHOLE_GPU]
         # Profiles whose max count is below their number of starts: the mask alone cannot tell
         # whether another one fits, so their counts are part of the state.
         self.binding = [s.pid for s in self.mig_shapes if s.max_count < len(s.masks)]
         self.binding_index = {pid: i for i, pid in enumerate(self.binding)}
 
-        # Enumerate reachable states by BFS from the empty GPU. A state is
-        # (mask, compute used, counts of binding profiles); intern them as ints.
-        self.state_key: list[tuple[int, int, tuple[int, ...]]] = []
-        self.state_id: dict[tuple[int, int, tuple[int, ...]], int] = {}
+        self.state_key: list[_Key] = []
+        self.state_id: dict[_Key, int] = {}
         self.add: list[dict[tuple[int | None, int], int]] = []  # sid -> {(pid, start): new sid}
-        empty = (0, 0, (0,) * len(self.binding))
-        self.empty = self._intern(empty)
+        self.empty = self._intern(_Key(0, 0, (0,) * len(self.binding)))
+        self._enumerate_states()
+        n = len(self.state_key)
+        self.used = [bin(self.state_key[s].mask).count("1") for s in range(n)]
+        self.value = [self._value(s) for s in range(n)]
+
+        self.starts: list[dict[int | None, tuple[int, ...]]] = []  # sid -> pid -> legal starts, sorted
+        self.first: list[dict[int | None, int]] = []  # sid -> pid -> first legal start
+        self._legal_starts()
+        self.best: list[dict[int | None, _Choice]] = [{} for _ in range(n)]  # sid -> pid -> best start
+        self.loss: list[dict[int | None, int]] = [{} for _ in range(n)]  # sid -> pid -> value lost by it
+        self.order: dict[int | None, list[_Slot]] = {}  # pid -> every (sid, start), best first
+        for pid in self.shapes:
+            self._rank_profile(pid)
+        self.hostable = [frozenset(self.starts[s]) for s in range(n)]
+
+        self.largest = self._largest_placeable()
+        self.frag_shape = self._fragmentation_shape()
+        self.free_slices = [self.n_mem - self.used[s] for s in range(n)]
+        self.stranded = [self._stranded(s) for s in range(n)]
+
+    def _enumerate_states(self) -> None:
+        """Every state reachable from the empty GPU (breadth first), filling :attr:`add`."""
         frontier = [self.empty]
         while frontier:
             nxt = []
             for sid in frontier:
-                mask, comp, counts = self.state_key[sid]
-                for shape in shapes.values():
-                    bi = self.binding_index.get(shape.pid)
-                    if bi is not None and counts[bi] >= shape.max_count:
-                        continue
-                    if comp + shape.compute > self.n_compute:
-                        continue
-                    for start, m in shape.masks:
-                        if mask & m:
-                            continue
-                        nc = counts if bi is None else counts[:bi] + (counts[bi] + 1,) + counts[bi + 1 :]
-                        key = (mask | m, comp + shape.compute, nc)
-                        known = key in self.state_id
-                        new = self._intern(key)
-                        self.add[sid][(shape.pid, start)] = new
-                        if not known:
-                            nxt.append(new)
+                for key, pid, start in self._successors(self.state_key[sid]):
+                    known = key in self.state_id
+                    new = self._intern(key)
+                    self.add[sid][(pid, start)] = new
+                    if not known:
+                        nxt.append(new)
             frontier = nxt
-        n = len(self.state_key)
-        self.used = [bin(self.state_key[s][0]).count("1") for s in range(n)]
-        self.value = [self._value(s) for s in range(n)]
 
-        # Per (state, profile): legal starts, the best one under each policy, loss, rank.
-        self.starts: list[dict[int | None, tuple[int, ...]]] = []
-        self.best: list[dict[int | None, tuple[int, int]]] = []  # sid -> pid -> (rank, start)
-        self.first: list[dict[int | None, int]] = []  # sid -> pid -> first legal start
-        self.loss: list[dict[int | None, int]] = []
-        for sid in range(n):
+    def _successors(self, key: _Key) -> Iterator[tuple[_Key, int | None, int]]:
+        """``(next state, profile id, start)`` for every instance that fits into ``key``."""
+        mask, comp, counts = key
+        for shape in self.shapes.values():
+            bi = self.binding_index.get(shape.pid)
+            if bi is not None and counts[bi] >= shape.max_count:
+                continue
+            if comp + shape.compute > self.n_compute:
+                continue
+            nc = counts if bi is None else counts[:bi] + (counts[bi] + 1,) + counts[bi + 1 :]
+            for start, m in shape.masks:
+                if not mask & m:
+                    yield _Key(mask | m, comp + shape.compute, nc), shape.pid, start
+
+    def _legal_starts(self) -> None:
+        """:attr:`starts` and :attr:`first` from :attr:`add`."""
+        for transitions in self.add:
             st: dict[int | None, list[int]] = {}
-            for (pid, start), _new in self.add[sid].items():
+            for pid, start in transitions:
                 st.setdefault(pid, []).append(start)
-            self.starts.append({pid: tuple(sorted(v)) for pid, v in st.items()})
-            self.first.append({pid: v[0] for pid, v in self.starts[sid].items()})
-            self.best.append({})
-            self.loss.append({})
-        self.order: dict[int | None, list[tuple[int, int]]] = {}  # pid -> [(sid, start)] best first
-        for pid in shapes:
-            cands = []
-            for sid in range(n):
-                starts = self.starts[sid].get(pid)
-                if not starts:
-                    continue
-                loss, start = min((self.value[sid] - self.value[self.add[sid][(pid, s)]], s) for s in starts)
-                self.loss[sid][pid] = loss
-                cands.append((loss, -self.used[sid], start, sid))
-            cands.sort()
-            self.order[pid] = [(sid, start) for _l, _u, start, sid in cands]
-            for rank, (sid, start) in enumerate(self.order[pid]):
-                self.best[sid][pid] = (rank, start)
-        self.hostable = [frozenset(self.starts[s]) for s in range(n)]
+            starts = {pid: tuple(sorted(v)) for pid, v in st.items()}
+            self.starts.append(starts)
+            self.first.append({pid: v[0] for pid, v in starts.items()})
 
-        # Largest profile placeable in each state (for the human-readable reasons).
+    def _rank_profile(self, pid: int | None) -> None:
+        """For one profile: its best start in each state (least value lost), and all states ranked by
+        that loss, fullest first on ties (:attr:`best`, :attr:`loss`, :attr:`order`)."""
+        cands: list[tuple[int, int, int, int]] = []  # (loss, -used, start, sid): the sort order
+        for sid, starts in enumerate(self.starts):
+            legal = starts.get(pid)
+            if not legal:
+                continue
+            loss, start = min((self.value[sid] - self.value[self.add[sid][(pid, s)]], s) for s in legal)
+            self.loss[sid][pid] = loss
+            cands.append((loss, -self.used[sid], start, sid))
+        cands.sort()
+        self.order[pid] = [_Slot(sid, start) for _l, _u, start, sid in cands]
+        for rank, (sid, start) in enumerate(self.order[pid]):
+            self.best[sid][pid] = _Choice(rank, start)
+
+    def _largest_placeable(self) -> list[str | None]:
+        """Per state, the name of the largest profile that still fits (for the human-readable reasons)."""
         by_size = sorted(self.mig_shapes, key=lambda s: (s.size, s.compute), reverse=True)
-        self.largest: list[str | None] = []
-        for sid in range(n):
-            self.largest.append(next((s.name for s in by_size if s.pid in self.starts[sid]), None))
+        return [next((s.name for s in by_size if s.pid in starts), None) for starts in self.starts]
 
-        # Fragmentation: free memory slices not covered by a free placement of the 3g profile.
+    def _fragmentation_shape(self) -> _Shape:
+        """The profile whose free placements define fragmentation: the 3g one (else the largest)."""
         three = [s for s in self.mig_shapes if s.compute == 3 and not s.name.endswith("+me")]
-        self.frag_shape = three[0] if three else max(self.mig_shapes, key=lambda s: s.size)
-        self.free_slices = [self.n_mem - self.used[s] for s in range(n)]
-        self.stranded = []
-        for sid in range(n):
-            mask = self.state_key[sid][0]
-            covered = 0
-            for start in self.starts[sid].get(self.frag_shape.pid, ()):
-                covered |= dict(self.frag_shape.masks)[start]
-            free = ~mask & ((1 << self.n_mem) - 1)
-            self.stranded.append(bin(free & ~covered).count("1"))
+        return three[0] if three else max(self.mig_shapes, key=lambda s: s.size)
 
-    def _intern(self, key: tuple[int, int, tuple[int, ...]]) -> int:
+    def _stranded(self, sid: int) -> int:
+        """Free memory slices of a state not covered by a free placement of :attr:`frag_shape`."""
+        masks = dict(self.frag_shape.masks)
+        covered = 0
+        for start in self.starts[sid].get(self.frag_shape.pid, ()):
+            covered |= masks[start]
+        free = ~self.state_key[sid].mask & ((1 << self.n_mem) - 1)
+        return bin(free & ~covered).count("1")
+
+    def _intern(self, key: _Key) -> int:
         sid = self.state_id.get(key)
         if sid is None:
             sid = len(self.state_key)
@@ -331,7 +375,7 @@ class _Tables:
         m = dict(shape.masks)[start]
         bi = self.binding_index.get(pid)
         nc = counts if bi is None else counts[:bi] + (counts[bi] - 1,) + counts[bi + 1 :]
-        return self.state_id[(mask & ~m, comp - shape.compute, nc)]
+        return self.state_id[_Key(mask & ~m, comp - shape.compute, nc)]
 
     def shape(self, pid: int | None) -> _Shape:
         try:
@@ -639,7 +683,7 @@ class Fleet:
     def place(self, request: Request) -> Decision | NoCapacity:
         """Choose a GPU and start for the request and record the new instance."""
         d = self.choose(request)
-        if d:
+        if isinstance(d, Decision):
             self._commit(d)
         return d
 
@@ -701,35 +745,48 @@ class Fleet:
             placed_summary(t.geo.name, None if pid is WHOLE_GPU else shape.name, dedicated),
         )
 
-    def _find(self, t: _Tables, pool: _Pool | None, pid: int | None, first_fit: bool):
+    def _find(self, t: _Tables, pool: _Pool | None, pid: int | None, first_fit: bool) -> _Hit | None:
         """(state, gpu id, start, _) of the pool's best GPU for pid, or None."""
         if pool is None or not pool.hostable.get(pid):
             return None
         buckets = pool.buckets
         if first_fit:
-            best_gpu = best_sid = None
+            first: tuple[int, int] | None = None  # (gpu id, sid)
             for sid, b in buckets.items():
                 if pid in t.hostable[sid]:
                     gid = b.peek()
-                    if best_gpu is None or gid < best_gpu:
-                        best_gpu, best_sid = gid, sid
-            return (best_sid, best_gpu, t.first[best_sid][pid], False)
+                    if first is None or gid < first[0]:
+                        first = (gid, sid)
+            assert first is not None  # hostable said there is one
+            gid, sid = first
+            return (sid, gid, t.first[sid][pid], False)
         order = t.order[pid]
         if len(buckets) < len(order):
-            best = None
+            best: _Choice | None = None
             best_sid = -1
             for sid in buckets:
                 e = t.best[sid].get(pid)
                 if e is not None and (best is None or e[0] < best[0]):
                     best, best_sid = e, sid
+            assert best is not None  # hostable said there is one
             return (best_sid, buckets[best_sid].peek(), best[1], False)
         for sid, start in order:
-            b = buckets.get(sid)
-            if b is not None:
-                return (sid, b.peek(), start, False)
+            hit = buckets.get(sid)
+            if hit is not None:
+                return (sid, hit.peek(), start, False)
         return None  # pragma: no cover - hostable said there is one
 
-    def _reason(self, t, g, sid, pid, start, shape, candidates, newly) -> str:
+    def _reason(
+        self,
+        t: _Tables,
+        g: _Gpu,
+        sid: int,
+        pid: int | None,
+        start: int,
+        shape: _Shape,
+        candidates: int,
+        newly: bool,
+    ) -> str:
         used = t.used[sid]
         if used == 0:
             fill = "empty"

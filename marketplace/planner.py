@@ -32,6 +32,7 @@ import math
 import time
 from dataclasses import dataclass, field, replace
 from functools import cache
+from typing import Any
 
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
@@ -108,7 +109,9 @@ def mig_layouts(gpu_model: str) -> tuple[Layout, ...]:
 
     sets = [dict(s) for s in found]
     maximal = [s for s in sets if not any(o != s and contains(o, s) for o in sets)]
-    order = {p.name: (-p.memory_slices, -p.compute_slices, p.name) for p in profiles}
+    order: dict[str | None, tuple[int, int, str]] = {
+        p.name: (-p.memory_slices, -p.compute_slices, p.name) for p in profiles
+    }
     out = [Layout(gpu_model, tuple(sorted(s.items(), key=lambda kv: order[kv[0]]))) for s in maximal]
     return tuple(sorted(out, key=lambda lay: [(order[p], -n) for p, n in lay.counts]))
 
@@ -228,7 +231,7 @@ class PlanResult:
     def total_gpus(self) -> int:
         return sum(self.gpus.values())
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, object]:
         return {
             "feasible": self.feasible, "status": self.status, "message": self.message, "optimal": self.optimal,
             "gpus": dict(self.gpus), "total_gpus": self.total_gpus,
@@ -297,7 +300,7 @@ def _infeasible_reason(inp: PlanInput, shapes: list[Shape], models: set[str]) ->
     return None
 
 
-def _prune(lays: list[Layout], shape_of: dict) -> list[Layout]:
+def _prune(lays: list[Layout], shape_of: dict[tuple[str, str | None], Shape]) -> list[Layout]:
     """Drop a one-instance MIG layout (7g) where the whole GPU does at least as much (memory and tokens/s):
     equal-cost twins only slow the solver down and make the answer arbitrary."""
     out = []
@@ -334,7 +337,7 @@ def solve(inp: PlanInput) -> PlanResult:
 
     price = inp.price_per_kwh
     # One choice per (workload, shape): that many identical replicas, each at most at the target load.
-    choices = []
+    choices: list[tuple[int, int, int, float]] = []
     for wi, w in enumerate(inp.workloads):
         for si, s in enumerate(shapes):
             if _eligible(w, s, models):
@@ -357,7 +360,9 @@ def solve(inp: PlanInput) -> PlanResult:
         for j, ch in enumerate(choices):
             if ch[0] == wi:
                 row[nx + j] = 1.0
-        rows.append(row), lo.append(1.0), hi.append(1.0)
+        rows.append(row)
+        lo.append(1.0)
+        hi.append(1.0)
     for si, s in enumerate(shapes):  # slices used <= slices the layouts set up
         row = np.zeros(n)
         for j, (_wi, cs, k, _d) in enumerate(choices):
@@ -368,7 +373,9 @@ def solve(inp: PlanInput) -> PlanResult:
         for i, lay in enumerate(lays):
             if lay.gpu_model == s.gpu_model:
                 row[i] = -lay.count(s.profile)
-        rows.append(row), lo.append(-np.inf), hi.append(0.0)
+        rows.append(row)
+        lo.append(-np.inf)
+        hi.append(0.0)
 
     upper = np.concatenate([np.full(nx, np.inf), np.ones(nb)])
     t0 = time.perf_counter()
@@ -382,7 +389,15 @@ def solve(inp: PlanInput) -> PlanResult:
     return _result(inp, res, lays, shapes, choices, cost_of, elapsed)
 
 
-def _result(inp, res, lays, shapes, choices, cost_of, elapsed) -> PlanResult:
+def _result(
+    inp: PlanInput,
+    res: Any,
+    lays: list[Layout],
+    shapes: list[Shape],
+    choices: list[tuple[int, int, int, float]],
+    cost_of: dict[str, GpuCost],
+    elapsed: float,
+) -> PlanResult:
     nx = len(lays)
     x = [int(round(v)) for v in res.x[:nx]]
     b = [round(v) == 1 for v in res.x[nx:]]

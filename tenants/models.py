@@ -216,10 +216,6 @@ class ApiKey(models.Model):
             return "expired"
         return "active"
 
-    @property
-    def is_usable(self) -> bool:
-        return self.status == "active"
-
 
 class AuditEvent(models.Model):
     """One staff or tenant-admin action, written in the same transaction as the change it records.

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from rest_framework import permissions
 
+from .roles import Capability
 from .scoping import principal_for
 
 
@@ -56,7 +57,7 @@ class TenantAccess(permissions.BasePermission):
 
 #: What lets a principal read the shared catalog, tiers and price plans: a key that only reports usage
 #: (scope usage:write) does not.
-SHARED_READ_CAPABILITIES = ("read", "billing", "deploy")
+SHARED_READ_CAPABILITIES = (Capability.READ, Capability.BILLING, Capability.DEPLOY)
 
 
 class SharedRead(permissions.BasePermission):

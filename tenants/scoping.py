@@ -15,6 +15,7 @@ from typing import Any
 from django.db import models
 
 from .roles import CAPABILITIES, SCOPE_CAPABILITY
+from .roles import capability as known_capability
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,9 @@ class Principal:
         return bool(ids) if tenant_id is None else tenant_id in ids
 
     def tenant_ids(self, capability: str = "read") -> set[int] | None:
-        """Tenant ids this principal may `capability` on; None means every tenant (operators)."""
+        """Tenant ids this principal may `capability` on; None means every tenant (operators).
+        An unknown capability name raises ``ValueError``."""
+        capability = known_capability(capability)
         if self.api_key is not None:
             if not self._key_allows(capability):
                 return set()

@@ -292,13 +292,3 @@ def consume(*, budget_s: float = 20.0, block_ms: int | None = None) -> dict[str,
         if not seen:
             break
     return {"processed": total, "new": new_total}
-
-
-def backlog() -> int:
-    """Events appended and not yet written (the stream's length; the spool's unread bytes are not counted)."""
-    if not settings.REDIS_URL:
-        return 0
-    try:
-        return int(sync_redis().xlen(settings.TESSERA_USAGE_STREAM))
-    except Exception:  # a health read
-        return -1

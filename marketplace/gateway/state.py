@@ -23,7 +23,6 @@ import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from decimal import Decimal
-from typing import Any
 
 from django.conf import settings
 from django.core import signing
@@ -260,8 +259,3 @@ def mark_used(prefixes: set[str]) -> int:
         last_used_at__isnull=True) | ApiKey.objects.filter(prefix__in=prefixes,
                                                            last_used_at__lt=datetime.fromtimestamp(cutoff, UTC))
     return stale.update(last_used_at=now)
-
-
-def describe(snap: Snapshot) -> dict[str, Any]:
-    return {"keys": len(snap.keys), "tenants": len(snap.tenants),
-            "routes": sum(len(v) for v in snap.routes.values())}

@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 DATA_FILE = Path(__file__).resolve().parent.parent / "data" / "catalog.json"
 
@@ -68,10 +69,6 @@ class Profile:
     def slots(self, start: int) -> range:
         return range(start, start + self.memory_slices)
 
-    @property
-    def slot_mask_by_start(self) -> dict[int, int]:
-        return {s: ((1 << self.memory_slices) - 1) << s for s in self.starts}
-
 
 @dataclass(frozen=True)
 class GpuGeometry:
@@ -107,17 +104,11 @@ class GpuGeometry:
                 return p
         raise KeyError(constant)
 
-    def full_ci_profile(self, profile: Profile) -> CiProfile:
-        """The compute-instance profile that spans the whole GPU instance (what ``-cgi ... -C`` creates)."""
-        for c in profile.ci_profiles:
-            if c.compute_slices == profile.compute_slices:
-                return c
-        raise KeyError(profile.name)
-
 
 @cache
-def raw_catalog() -> dict:
-    return json.loads(DATA_FILE.read_text())
+def raw_catalog() -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(DATA_FILE.read_text())
+    return data
 
 
 @cache
@@ -182,10 +173,3 @@ def all_geometries() -> dict[str, GpuGeometry]:
 
 def geometry(key: str) -> GpuGeometry:
     return all_geometries()[key]
-
-
-def geometry_for_nvml_name(nvml_name: str) -> GpuGeometry:
-    for g in all_geometries().values():
-        if g.nvml_name == nvml_name:
-            return g
-    raise KeyError(nvml_name)

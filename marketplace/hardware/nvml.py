@@ -269,9 +269,6 @@ class NvmlClient:
         self.nv.nvmlDeviceGetGpuInstancePossiblePlacements(h, profile_id, arr, ctypes.byref(count))
         return [(arr[i].start, arr[i].size) for i in range(count.value)]
 
-    def remaining_capacity(self, index: int, profile_id: int) -> int:
-        return self.nv.nvmlDeviceGetGpuInstanceRemainingCapacity(self._h(index), profile_id)
-
     def slices(self, index: int) -> list[SliceInfo]:
         """Every GI on the GPU (with its CIs and the MIG UUID of its first CI), by GI id."""
         h = self._h(index)

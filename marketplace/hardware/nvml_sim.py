@@ -55,13 +55,13 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import pynvml as _pynvml
 
-from .geometry import GpuGeometry, Profile, geometry
+from .geometry import CiProfile, GpuGeometry, Profile, geometry
 
 DEFAULT_FLEET = "h100-sxm-80gb*8"
 DEFAULT_NODE = "sim-node"
@@ -160,7 +160,7 @@ def _fill_placements(placementsRef: Any, countRef: Any, starts: Iterable[int], s
     return _pynvml.NVML_SUCCESS
 
 
-def _fill_handles(arrayRef: Any, countRef: Any, handles: list) -> int:
+def _fill_handles(arrayRef: Any, countRef: Any, handles: list[Any]) -> int:
     """pynvml's instance-array convention (GetGpuInstances, GetComputeInstances): None -> count only;
     an array shorter than the count -> InsufficientSize with the count set."""
     count = _deref(countRef)
@@ -213,7 +213,7 @@ class SimNvml:
     def __init__(
         self,
         fleet: str | Iterable[str] | None = None,
-        state_path: str | os.PathLike | None = None,
+        state_path: str | os.PathLike[str] | None = None,
         node: str | None = None,
         mig_enabled: bool | Mapping[int, bool] | Iterable[bool] | None = None,
         clock: Callable[[], float] = time.time,
@@ -227,8 +227,8 @@ class SimNvml:
         self._clock = clock
         self._refcount = 0
         self._lock = threading.RLock()
-        self._state: dict | None = None
-        self._stamp: tuple | None = None
+        self._state: dict[str, Any] | None = None
+        self._stamp: tuple[int, int, int] | None = None
         self._geos: list[GpuGeometry] = [geometry(k) for k in self.fleet]
         self._uuids = [self._gpu_uuid(i) for i in range(len(self.fleet))]
 
@@ -249,10 +249,10 @@ class SimNvml:
     def _gpu_uuid(self, index: int) -> str:
         return "GPU-" + str(uuid.uuid5(UUID_NAMESPACE, f"tessera-sim/{self.node}/gpu/{index}"))
 
-    def _signature(self) -> dict:
+    def _signature(self) -> dict[str, Any]:
         return {"node": self.node, "fleet": self.fleet}
 
-    def _fresh_state(self) -> dict:
+    def _fresh_state(self) -> dict[str, Any]:
         now = self._clock()
         gpus = []
         for i, geo in enumerate(self._geos):
@@ -270,14 +270,14 @@ class SimNvml:
             )
         return {"version": STATE_VERSION, **self._signature(), "gpus": gpus}
 
-    def _file_stamp(self) -> tuple | None:
+    def _file_stamp(self) -> tuple[int, int, int] | None:
         try:
             st = os.stat(self.state_path)  # type: ignore[arg-type]
         except FileNotFoundError:
             return None
         return (st.st_ino, st.st_mtime_ns, st.st_size)
 
-    def _read_file(self) -> dict | None:
+    def _read_file(self) -> dict[str, Any] | None:
         try:
             data = json.loads(self.state_path.read_text())  # type: ignore[union-attr]
         except (FileNotFoundError, json.JSONDecodeError):
@@ -286,7 +286,7 @@ class SimNvml:
             return None
         return data
 
-    def _write_file(self, state: dict) -> None:
+    def _write_file(self, state: dict[str, Any]) -> None:
         path = self.state_path
         assert path is not None
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -304,7 +304,7 @@ class SimNvml:
         self._stamp = self._file_stamp()
 
     @contextlib.contextmanager
-    def _file_lock(self):
+    def _file_lock(self) -> Iterator[None]:
         assert self.state_path is not None
         self.state_path.parent.mkdir(parents=True, exist_ok=True)
         with open(str(self.state_path) + ".lock", "a+") as lf:
@@ -314,7 +314,7 @@ class SimNvml:
             finally:
                 fcntl.flock(lf.fileno(), fcntl.LOCK_UN)
 
-    def _load(self) -> dict:
+    def _load(self) -> dict[str, Any]:
         """Current state; re-read from the file whenever another process replaced it."""
         if self.state_path is None:
             if self._state is None:
@@ -331,7 +331,7 @@ class SimNvml:
         self._stamp = self._file_stamp()
         return data
 
-    def _read_or_create(self) -> dict:
+    def _read_or_create(self) -> dict[str, Any]:
         """Under the file lock: the stored state, or a fresh GPU's written down."""
         data = self._read_file()
         if data is None:
@@ -340,7 +340,7 @@ class SimNvml:
         return data
 
     @contextlib.contextmanager
-    def _mutate(self):
+    def _mutate(self) -> Iterator[dict[str, Any]]:
         """Read-modify-write under the file lock; the body gets the freshest state."""
         with self._lock:
             if self.state_path is None:
@@ -371,7 +371,7 @@ class SimNvml:
         if self._refcount <= 0:
             raise _err(_pynvml.NVML_ERROR_UNINITIALIZED)
 
-    def _dev(self, handle: Any, allow_mig: bool = False) -> tuple[int, dict | None, dict | None]:
+    def _dev(self, handle: Any, allow_mig: bool = False) -> tuple[int, dict[str, Any] | None, dict[str, Any] | None]:
         """(gpu index, gi, ci) for a device handle; gi/ci only for MIG device handles."""
         self._check_init()
         dec = _decode(handle)
@@ -391,23 +391,23 @@ class SimNvml:
             return gpu, gi, ci
         raise _err(_pynvml.NVML_ERROR_INVALID_ARGUMENT)
 
-    def _gpu_state(self, gpu: int) -> dict:
+    def _gpu_state(self, gpu: int) -> dict[str, Any]:
         return self._load()["gpus"][gpu]
 
-    def _find_gi(self, gpu: int, serial: int) -> dict | None:
+    def _find_gi(self, gpu: int, serial: int) -> dict[str, Any] | None:
         for gi in self._gpu_state(gpu)["gis"]:
             if gi["serial"] == serial:
                 return gi
         return None
 
-    def _find_ci(self, gpu: int, serial: int) -> tuple[dict | None, dict | None]:
+    def _find_ci(self, gpu: int, serial: int) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
         for gi in self._gpu_state(gpu)["gis"]:
             for ci in gi["cis"]:
                 if ci["serial"] == serial:
                     return gi, ci
         return None, None
 
-    def _gi(self, handle: Any) -> tuple[int, dict]:
+    def _gi(self, handle: Any) -> tuple[int, dict[str, Any]]:
         self._check_init()
         dec = _decode(handle)
         if dec is None or dec[0] != _KIND_GI or dec[1] >= len(self.fleet):
@@ -417,7 +417,7 @@ class SimNvml:
             raise _err(_pynvml.NVML_ERROR_INVALID_ARGUMENT)
         return dec[1], gi
 
-    def _ci(self, handle: Any) -> tuple[int, dict, dict]:
+    def _ci(self, handle: Any) -> tuple[int, dict[str, Any], dict[str, Any]]:
         self._check_init()
         dec = _decode(handle)
         if dec is None or dec[0] != _KIND_CI or dec[1] >= len(self.fleet):
@@ -430,13 +430,13 @@ class SimNvml:
     def _dev_handle(self, gpu: int) -> Any:
         return _make_handle(_pynvml.c_nvmlDevice_t, _KIND_GPU, gpu, 0)
 
-    def _gi_handle(self, gpu: int, gi: dict) -> Any:
+    def _gi_handle(self, gpu: int, gi: dict[str, Any]) -> Any:
         return _make_handle(_pynvml.c_nvmlGpuInstance_t, _KIND_GI, gpu, gi["serial"])
 
-    def _ci_handle(self, gpu: int, ci: dict) -> Any:
+    def _ci_handle(self, gpu: int, ci: dict[str, Any]) -> Any:
         return _make_handle(_pynvml.c_nvmlComputeInstance_t, _KIND_CI, gpu, ci["serial"])
 
-    def _mig_handle(self, gpu: int, ci: dict) -> Any:
+    def _mig_handle(self, gpu: int, ci: dict[str, Any]) -> Any:
         return _make_handle(_pynvml.c_nvmlDevice_t, _KIND_MIG, gpu, ci["serial"])
 
     def _require_mig(self, gpu: int) -> None:
@@ -449,7 +449,7 @@ class SimNvml:
         except (KeyError, TypeError, ValueError):
             raise _err(code) from None
 
-    def _mig_devices(self, gpu: int) -> list[tuple[dict, dict]]:
+    def _mig_devices(self, gpu: int) -> list[tuple[dict[str, Any], dict[str, Any]]]:
         """MIG devices (one per CI) in NVML index order: by GI id, then CI id."""
         out = []
         for gi in sorted(self._gpu_state(gpu)["gis"], key=lambda g: g["id"]):
@@ -516,6 +516,7 @@ class SimNvml:
         geo = self._geos[gpu]
         if ci is None:
             return geo.nvml_name
+        assert gi is not None  # a compute instance lives in a GPU instance
         return f"{geo.nvml_name} MIG {self._ci_name(gpu, gi, ci)}"
 
     def nvmlDeviceGetUUID(self, handle: Any) -> str:
@@ -755,17 +756,17 @@ class SimNvml:
 
     # ---------------------------------------------------------------- compute instances
 
-    def _gi_profile(self, gpu: int, gi: dict) -> Profile:
+    def _gi_profile(self, gpu: int, gi: dict[str, Any]) -> Profile:
         return self._geos[gpu].profile_by_id(gi["profile_id"])
 
-    def _ci_profile(self, gpu: int, gi: dict, profile: int, code: int):
+    def _ci_profile(self, gpu: int, gi: dict[str, Any], profile: int, code: int) -> tuple[Profile, CiProfile]:
         p = self._gi_profile(gpu, gi)
         for c in p.ci_profiles:
             if c.nvml_constant == profile:
                 return p, c
         raise _err(code)
 
-    def _ci_name(self, gpu: int, gi: dict, ci: dict) -> str:
+    def _ci_name(self, gpu: int, gi: dict[str, Any], ci: dict[str, Any]) -> str:
         p = self._gi_profile(gpu, gi)
         if ci["size"] == p.compute_slices:
             return p.name
@@ -808,13 +809,13 @@ class SimNvml:
     nvmlGpuInstanceGetComputeInstanceProfileInfoV = nvmlGpuInstanceGetComputeInstanceProfileInfo
 
     @staticmethod
-    def _ci_used(gi: dict) -> int:
+    def _ci_used(gi: dict[str, Any]) -> int:
         m = 0
         for ci in gi["cis"]:
             m |= ((1 << ci["size"]) - 1) << ci["start"]
         return m
 
-    def _ci_free_starts(self, gi: dict, c) -> list[int]:
+    def _ci_free_starts(self, gi: dict[str, Any], c: CiProfile) -> list[int]:
         used = self._ci_used(gi)
         return [s for s in c.starts if not (used & (((1 << c.compute_slices) - 1) << s))]
 
@@ -914,7 +915,7 @@ class SimNvml:
             st = state["gpus"][gpu]
             gi = next((g for g in st["gis"] if g["serial"] == gi0["serial"]), None)
             ci = next((c for c in gi["cis"] if c["serial"] == ci0["serial"]), None) if gi else None
-            if ci is None:
+            if ci is None or gi is None:
                 raise _err(_pynvml.NVML_ERROR_INVALID_ARGUMENT)
             if ci.get("in_use"):
                 raise _err(_pynvml.NVML_ERROR_IN_USE)
@@ -958,7 +959,8 @@ class SimNvml:
         _gpu, gi, ci = self._dev(device, allow_mig=True)
         if ci is None:
             raise _err(_pynvml.NVML_ERROR_NOT_SUPPORTED)
-        return gi["id"]  # type: ignore[index]
+        assert gi is not None  # a compute instance lives in a GPU instance
+        return gi["id"]
 
     def nvmlDeviceGetComputeInstanceId(self, device: Any) -> int:
         _gpu, _gi, ci = self._dev(device, allow_mig=True)
@@ -1022,7 +1024,7 @@ class SimNvml:
                             return
             raise KeyError((gpu_index, gi_id, ci_id))
 
-    def _effective_util(self, st: dict, gpu: int) -> float:
+    def _effective_util(self, st: dict[str, Any], gpu: int) -> float:
         act = st["activity"]
         if not st["mig_current"]:
             return act["device"]
@@ -1037,16 +1039,16 @@ class SimNvml:
     def _idle_watts(self, gpu: int) -> float:
         return self._geos[gpu].sim.idle_watts + ((gpu * 7) % 5) - 2  # small fixed per-board spread
 
-    def _power_w(self, st: dict, gpu: int) -> float:
+    def _power_w(self, st: dict[str, Any], gpu: int) -> float:
         geo = self._geos[gpu]
         idle = self._idle_watts(gpu)
         return idle + (geo.tdp_watts * 0.98 - idle) * self._effective_util(st, gpu)
 
-    def _target_temp(self, st: dict, gpu: int) -> float:
+    def _target_temp(self, st: dict[str, Any], gpu: int) -> float:
         sim = self._geos[gpu].sim
         return sim.idle_temp_c + (sim.max_temp_c - sim.idle_temp_c) * self._effective_util(st, gpu)
 
-    def _fold_energy(self, state: dict, gpu: int) -> None:
+    def _fold_energy(self, state: dict[str, Any], gpu: int) -> None:
         """Integrate energy and temperature up to now before the load changes."""
         st = state["gpus"][gpu]
         now = max(self._clock(), st["t0"])
@@ -1054,12 +1056,12 @@ class SimNvml:
         st["temp0"] = self._temp_at(st, gpu, now)
         st["t0"] = now
 
-    def _temp_at(self, st: dict, gpu: int, now: float) -> float:
+    def _temp_at(self, st: dict[str, Any], gpu: int, now: float) -> float:
         target = self._target_temp(st, gpu)
         dt = max(0.0, now - st["t0"])
         return target + (st["temp0"] - target) * math.exp(-dt / TEMP_TAU_S)
 
-    def _parent_only(self, handle: Any) -> tuple[int, dict]:
+    def _parent_only(self, handle: Any) -> tuple[int, dict[str, Any]]:
         gpu, _gi, _ci = self._dev(handle)  # MIG handle -> NotSupported
         return gpu, self._gpu_state(gpu)
 
@@ -1076,7 +1078,7 @@ class SimNvml:
         u.memory = _round_half_up(util * 55)
         return u
 
-    def _mem_used_mib(self, gpu: int, st: dict, gi: dict | None) -> tuple[int, int]:
+    def _mem_used_mib(self, gpu: int, st: dict[str, Any], gi: dict[str, Any] | None) -> tuple[int, int]:
         geo = self._geos[gpu]
         if gi is not None:
             p = geo.profile_by_id(gi["profile_id"])
@@ -1136,7 +1138,7 @@ class SimNvml:
             raise _err(_pynvml.NVML_ERROR_INVALID_ARGUMENT)
         return _round_half_up(self._temp_at(st, gpu, max(self._clock(), st["t0"])))
 
-    def _clock_mhz(self, gpu: int, st: dict, type_: int, maximum: bool) -> int:
+    def _clock_mhz(self, gpu: int, st: dict[str, Any], type_: int, maximum: bool) -> int:
         sim = self._geos[gpu].sim
         if type_ in (_pynvml.NVML_CLOCK_GRAPHICS, _pynvml.NVML_CLOCK_SM):
             if maximum:
@@ -1179,13 +1181,13 @@ class SimNvml:
 
 
 _MODULE: SimNvml | None = None
-_MODULE_KEY: tuple | None = None
+_MODULE_KEY: tuple[Any, ...] | None = None
 _MODULE_LOCK = threading.Lock()
 
 
 def module(
     fleet: str | Iterable[str] | None = None,
-    state_path: str | os.PathLike | None = None,
+    state_path: str | os.PathLike[str] | None = None,
     node: str | None = None,
 ) -> SimNvml:
     """The process-wide simulator (what ``import pynvml`` would be), configured from the arguments

@@ -50,10 +50,6 @@ class Tier(models.Model):
     def memory_mib(self) -> int:
         return self.profile.memory_mib if self.profile_id else self.gpu_model.memory_mib
 
-    @property
-    def is_whole_gpu(self) -> bool:
-        return self.profile_id is None
-
 
 class PricePlan(models.Model):
     class Kind(models.TextChoices):

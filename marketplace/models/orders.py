@@ -19,8 +19,6 @@ from tenants.scoping import TenantScopedQuerySet
 from .fleet import GpuInstance, Node
 from .offers import PricePlan, Tier
 
-LIVE_STATES = ("requested", "placed", "provisioning", "ready", "active", "releasing")
-
 
 class Order(models.Model):
     tenant = models.ForeignKey("tenants.Tenant", on_delete=models.PROTECT, related_name="orders")
@@ -97,6 +95,17 @@ class Allocation(models.Model):
 
     def __str__(self) -> str:
         return f"allocation {self.pk} ({self.state})"
+
+
+# An allocation that holds (or is about to hold, or is giving back) a slice.
+LIVE_STATES = (
+    Allocation.State.REQUESTED,
+    Allocation.State.PLACED,
+    Allocation.State.PROVISIONING,
+    Allocation.State.READY,
+    Allocation.State.ACTIVE,
+    Allocation.State.RELEASING,
+)
 
 
 class AllocationEvent(models.Model):

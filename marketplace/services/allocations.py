@@ -13,18 +13,20 @@ from marketplace.models import Allocation, AllocationEvent
 from tenants.errors import Conflict
 
 log = logging.getLogger("tessera.allocations")
-S = Allocation.State
 
 TRANSITIONS: dict[str, frozenset[str]] = {
-    S.REQUESTED: frozenset({S.PLACED, S.FAILED}),
-    S.PLACED: frozenset({S.PROVISIONING, S.RELEASING, S.FAILED}),
-    S.PROVISIONING: frozenset({S.READY, S.RELEASING, S.FAILED}),
-    S.READY: frozenset({S.ACTIVE, S.RELEASING, S.FAILED}),
-    S.ACTIVE: frozenset({S.RELEASING, S.FAILED}),
-    S.RELEASING: frozenset({S.RELEASED, S.FAILED}),
+    Allocation.State.REQUESTED: frozenset({Allocation.State.PLACED, Allocation.State.FAILED}),
+    Allocation.State.PLACED: frozenset({Allocation.State.PROVISIONING, Allocation.State.RELEASING,
+                                      Allocation.State.FAILED}),
+    Allocation.State.PROVISIONING: frozenset({Allocation.State.READY, Allocation.State.RELEASING,
+                                            Allocation.State.FAILED}),
+    Allocation.State.READY: frozenset({Allocation.State.ACTIVE, Allocation.State.RELEASING, Allocation.State.FAILED}),
+    Allocation.State.ACTIVE: frozenset({Allocation.State.RELEASING, Allocation.State.FAILED}),
+    Allocation.State.RELEASING: frozenset({Allocation.State.RELEASED, Allocation.State.FAILED}),
     # from failed: retry (re-place or re-provision) or release what is left
-    S.FAILED: frozenset({S.PLACED, S.PROVISIONING, S.RELEASING, S.RELEASED}),
-    S.RELEASED: frozenset(),
+    Allocation.State.FAILED: frozenset({Allocation.State.PLACED, Allocation.State.PROVISIONING,
+                                      Allocation.State.RELEASING, Allocation.State.RELEASED}),
+    Allocation.State.RELEASED: frozenset(),
 }
 
 
@@ -54,14 +56,15 @@ def _move(allocation: Allocation, to: str, actor: str, reason: str = "", detail:
 
 def record_created(allocation: Allocation, actor: str) -> AllocationEvent:
     """The first event: the allocation exists in state requested."""
-    return AllocationEvent.objects.create(allocation=allocation, from_state="", to_state=S.REQUESTED, actor=actor)
+    return AllocationEvent.objects.create(
+        allocation=allocation, from_state="", to_state=Allocation.State.REQUESTED, actor=actor)
 
 
 def place(allocation: Allocation, instance, actor: str) -> Allocation:
     """The engine's diagnostic (``instance.reason``: GPU and node ids, fleet figures) is kept for
     operators; the tenant reads the summary (``instance.summary``, set by fleet.place_instance)."""
     summary = getattr(instance, "summary", "") or placed_summary(allocation.tier, instance)
-    return _move(allocation, S.PLACED, actor, summary, instance.reason, instance=instance,
+    return _move(allocation, Allocation.State.PLACED, actor, summary, instance.reason, instance=instance,
                  node_id=instance.gpu.node_id, gpu_uuid=instance.gpu.uuid, start=instance.start, size=instance.size,
                  placement_reason=summary[:500], placement_detail=instance.reason[:500], failure_reason="")
 
@@ -74,25 +77,25 @@ def placed_summary(tier, instance) -> str:
 
 
 def begin_provisioning(allocation: Allocation, actor: str, reason: str = "") -> Allocation:
-    return _move(allocation, S.PROVISIONING, actor, reason, attempts=allocation.attempts + 1)
+    return _move(allocation, Allocation.State.PROVISIONING, actor, reason, attempts=allocation.attempts + 1)
 
 
 def mark_ready(allocation: Allocation, actor: str, mig_uuid: str, reason: str = "", detail: str = "") -> Allocation:
-    return _move(allocation, S.READY, actor, reason, detail, mig_uuid=mig_uuid)
+    return _move(allocation, Allocation.State.READY, actor, reason, detail, mig_uuid=mig_uuid)
 
 
 def activate(allocation: Allocation, actor: str) -> Allocation:
-    return _move(allocation, S.ACTIVE, actor, "billing clock started", activated_at=timezone.now())
+    return _move(allocation, Allocation.State.ACTIVE, actor, "billing clock started", activated_at=timezone.now())
 
 
 def begin_release(allocation: Allocation, actor: str, reason: str = "") -> Allocation:
-    return _move(allocation, S.RELEASING, actor, reason)
+    return _move(allocation, Allocation.State.RELEASING, actor, reason)
 
 
 def mark_released(allocation: Allocation, actor: str, reason: str = "") -> Allocation:
-    return _move(allocation, S.RELEASED, actor, reason, released_at=timezone.now(), instance=None)
+    return _move(allocation, Allocation.State.RELEASED, actor, reason, released_at=timezone.now(), instance=None)
 
 
 def fail(allocation: Allocation, actor: str, reason: str, detail: str = "") -> Allocation:
     """``reason`` is the tenant's (no fleet internals); ``detail`` the operators'."""
-    return _move(allocation, S.FAILED, actor, reason, detail, failure_reason=reason[:1000])
+    return _move(allocation, Allocation.State.FAILED, actor, reason, detail, failure_reason=reason[:1000])

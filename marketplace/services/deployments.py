@@ -22,7 +22,6 @@ from tenants.errors import Conflict, Forbidden, ServiceError
 from tenants.scoping import Principal
 
 log = logging.getLogger("tessera.deployments")
-D = ModelDeployment.State
 MAX_FILES_BYTES = 2 * 1024 * 1024
 
 TEMPLATES = {"tiny-gen": triton.demo_text_model, "tiny-chat": triton.demo_chat_model}
@@ -153,7 +152,7 @@ def deploy(principal: Principal, allocation: Allocation, name: str, *, template:
         live = ModelDeployment.objects.filter(allocation=allocation, state__in=LIVE_DEPLOYMENT_STATES)
         if live.filter(name=name).exists():
             raise Conflict(f"a model named {name} is already deployed on this slice", field="name")
-        used = live.exclude(state=D.FAILED).aggregate(m=Sum("memory_mb"))["m"] or 0
+        used = live.exclude(state=ModelDeployment.State.FAILED).aggregate(m=Sum("memory_mb"))["m"] or 0
         capacity = slice_memory_mb(allocation)
         if library_model is not None and not context:  # the longest context that fits for this concurrency
             probe = fit.fit(shape, capacity, context=1, concurrency=concurrency, other_mib=used)
@@ -191,9 +190,9 @@ def remove(principal: Principal, dep: ModelDeployment) -> ModelDeployment:
         raise Forbidden("Your role or API-key scopes do not allow removing this model.")
     with transaction.atomic():
         dep = ModelDeployment.objects.select_for_update(of=("self",)).select_related("allocation__node").get(pk=dep.pk)
-        if dep.state in (D.REMOVED, D.UNLOADING):
+        if dep.state in (ModelDeployment.State.REMOVED, ModelDeployment.State.UNLOADING):
             raise Conflict(f"this model is already {dep.state}")
-        _set(dep, D.UNLOADING)
+        _set(dep, ModelDeployment.State.UNLOADING)
         transaction.on_commit(lambda: _enqueue(enqueue.UNDEPLOY_MODEL, dep, dep.allocation))
     return dep
 
@@ -206,9 +205,9 @@ def _enqueue(task_name: str, dep: ModelDeployment, allocation: Allocation) -> No
 def _set(dep: ModelDeployment, state: str, reason: str = "") -> None:
     now = timezone.now()
     fields = {"state": state, "updated_at": now, "failure_reason": reason[:1000]}
-    if state != D.PENDING:  # no longer waiting for the slice's server
+    if state != ModelDeployment.State.PENDING:  # no longer waiting for the slice's server
         fields.update(waiting_reason="", waiting_since=None)
-    if state == D.READY:
+    if state == ModelDeployment.State.READY:
         fields["ready_at"] = now
     ModelDeployment.objects.filter(pk=dep.pk).update(**fields)
     for k, v in fields.items():
@@ -259,7 +258,9 @@ def load(deployment_id: int) -> str:
     waits with that reason (``WaitingForServer``: the task retries) and fails after TESSERA_DEPLOY_WAIT_S."""
     dep = ModelDeployment.objects.select_related(
         "allocation__tier__profile", "allocation__tier__gpu_model", "allocation__node").get(pk=deployment_id)
-    if dep.state in (D.READY, D.UNLOADING, D.REMOVED, D.FAILED):
+    done = (ModelDeployment.State.READY, ModelDeployment.State.UNLOADING, ModelDeployment.State.REMOVED,
+            ModelDeployment.State.FAILED)
+    if dep.state in done:
         return f"nothing to do ({dep.state})"
     allocation = dep.allocation
     if allocation.state != Allocation.State.ACTIVE or not _server_up(allocation):
@@ -267,21 +268,21 @@ def load(deployment_id: int) -> str:
     try:
         write_model(dep, repo_dir(allocation))  # idempotent: same spec, same bytes
     except (OSError, ValueError) as exc:
-        _set(dep, D.FAILED, f"the model's files could not be written: {exc}")
+        _set(dep, ModelDeployment.State.FAILED, f"the model's files could not be written: {exc}")
         return "failed"
     serving.own_repository(allocation)
-    _set(dep, D.LOADING)
+    _set(dep, ModelDeployment.State.LOADING)
     try:
         with backend_for(allocation) as server:
             server.load_model(dep.name)
             ready = server.is_model_ready(dep.name)
     except InferenceServerException as exc:
-        _set(dep, D.FAILED, f"Triton refused the model: {exc}")
+        _set(dep, ModelDeployment.State.FAILED, f"Triton refused the model: {exc}")
         return "failed"
     if not ready:
-        _set(dep, D.FAILED, "Triton loaded the model but does not report it ready")
+        _set(dep, ModelDeployment.State.FAILED, "Triton loaded the model but does not report it ready")
         return "failed"
-    _set(dep, D.READY)
+    _set(dep, ModelDeployment.State.READY)
     log.info("model ready", extra={"deployment": dep.pk, "model": dep.name, "allocation": allocation.pk})
     return "ready"
 
@@ -294,7 +295,7 @@ def _wait_for_server(dep: ModelDeployment, allocation: Allocation) -> str:
             Allocation.State.RELEASING, Allocation.State.RELEASED, Allocation.State.FAILED):
         why = (f"the slice is {allocation.state}" if allocation.state != Allocation.State.ACTIVE else
                f"the slice's inference server was not up within {settings.TESSERA_DEPLOY_WAIT_S:.0f} s")
-        _set(dep, D.FAILED, f"{why}; retry the model when the slice is serving")
+        _set(dep, ModelDeployment.State.FAILED, f"{why}; retry the model when the slice is serving")
         return "failed"
     reason = "waiting for the slice's inference server to start"
     ModelDeployment.objects.filter(pk=dep.pk).update(waiting_reason=reason, waiting_since=since, updated_at=now)
@@ -308,13 +309,13 @@ def retry(principal: Principal, dep: ModelDeployment) -> ModelDeployment:
         raise Forbidden("Your role or API-key scopes do not allow deploying to this slice.")
     with transaction.atomic():
         dep = ModelDeployment.objects.select_for_update(of=("self",)).select_related("allocation__node").get(pk=dep.pk)
-        if dep.state != D.FAILED:
+        if dep.state != ModelDeployment.State.FAILED:
             raise Conflict(f"only failed models are retried (this one is {dep.state})", field="state")
         if dep.allocation.state != Allocation.State.ACTIVE:
             raise Conflict(f"models are deployed to active slices; this one is {dep.allocation.state}",
                            field="allocation")
         ModelDeployment.objects.filter(pk=dep.pk).update(waiting_since=None, waiting_reason="")
-        _set(dep, D.PENDING)
+        _set(dep, ModelDeployment.State.PENDING)
         dep.waiting_since, dep.waiting_reason = None, ""
         transaction.on_commit(lambda: _enqueue(enqueue.DEPLOY_MODEL, dep, dep.allocation))
     return dep
@@ -323,7 +324,7 @@ def retry(principal: Principal, dep: ModelDeployment) -> ModelDeployment:
 def unload(deployment_id: int) -> str:
     dep = ModelDeployment.objects.select_related(
         "allocation__tier__profile", "allocation__tier__gpu_model", "allocation__node").get(pk=deployment_id)
-    if dep.state == D.REMOVED:
+    if dep.state == ModelDeployment.State.REMOVED:
         return "already removed"
     allocation = dep.allocation
     if _server_up(allocation):
@@ -336,7 +337,7 @@ def unload(deployment_id: int) -> str:
             log.warning("unload failed; removing the files anyway", extra={"deployment": dep.pk, "err": str(exc)})
     for folder in model_folders(dep):
         triton.remove_model(repo_dir(allocation), folder)
-    _set(dep, D.REMOVED)
+    _set(dep, ModelDeployment.State.REMOVED)
     return "removed"
 
 
@@ -355,7 +356,7 @@ def _final_scrape(dep: ModelDeployment) -> None:
 def unload_all(allocation: Allocation) -> int:
     """Before a slice is destroyed: its models go first (NVML refuses to destroy a busy slice)."""
     n = 0
-    for dep in ModelDeployment.objects.filter(allocation=allocation).exclude(state=D.REMOVED):
+    for dep in ModelDeployment.objects.filter(allocation=allocation).exclude(state=ModelDeployment.State.REMOVED):
         unload(dep.pk)
         n += 1
     return n

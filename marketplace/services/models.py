@@ -16,7 +16,7 @@ from django.db import transaction
 
 from marketplace import fit
 from marketplace.hardware import model_repo, triton
-from marketplace.models import LibraryModel, LoraAdapter, ModelRepository, Tier
+from marketplace.models import LibraryModel, LoraAdapter, ModelDeployment, ModelRepository, Tier
 from tenants.errors import Forbidden, ServiceError
 from tenants.scoping import Principal
 
@@ -204,7 +204,7 @@ def adapter_from_store(principal: Principal, tenant, name: str, base: LibraryMod
 def delete_adapter(principal: Principal, adapter: LoraAdapter) -> None:
     if not principal.can("deploy", adapter.tenant_id):
         raise Forbidden("Your role or API-key scopes do not allow removing LoRA adapters.")
-    if adapter.deployments.exclude(state="removed").exists():
+    if adapter.deployments.exclude(state=ModelDeployment.State.REMOVED).exists():
         raise ServiceError("this adapter is deployed; remove its deployment first", field="adapter")
     path = upload_root() / adapter.path
     adapter.delete()
@@ -214,7 +214,7 @@ def delete_adapter(principal: Principal, adapter: LoraAdapter) -> None:
 def delete_repository(principal: Principal, repo: ModelRepository) -> None:
     if not principal.can("deploy", repo.tenant_id):
         raise Forbidden("Your role or API-key scopes do not allow removing model repositories.")
-    if repo.deployments.exclude(state="removed").exists():
+    if repo.deployments.exclude(state=ModelDeployment.State.REMOVED).exists():
         raise ServiceError("models of this repository are deployed; remove them first", field="repository")
     path = repository_path(repo)
     repo.delete()

@@ -16,7 +16,6 @@ from marketplace.models import Allocation, GpuInstance
 from marketplace.services import allocations, deployments, fleet, nodes, serving
 
 log = logging.getLogger("tessera.provisioning")
-S = Allocation.State
 ACTOR = "task:provision"
 
 
@@ -32,14 +31,15 @@ def _load(allocation_id: int) -> Allocation:
 
 def provision(allocation_id: int, *, final_attempt: bool = False) -> str:
     a = _load(allocation_id)
-    if a.state in (S.READY, S.ACTIVE, S.RELEASING, S.RELEASED):
-        if a.state == S.READY:
+    if a.state in (Allocation.State.READY, Allocation.State.ACTIVE, Allocation.State.RELEASING,
+                   Allocation.State.RELEASED):
+        if a.state == Allocation.State.READY:
             allocations.activate(a, ACTOR)
             return "activated"
         return f"nothing to do ({a.state})"
-    if a.state == S.REQUESTED:
+    if a.state == Allocation.State.REQUESTED:
         return "not placed yet"
-    if a.state in (S.PLACED, S.FAILED):
+    if a.state in (Allocation.State.PLACED, Allocation.State.FAILED):
         if a.instance_id is None:
             return "no reservation (failed before placement)"
         allocations.begin_provisioning(a, ACTOR)
@@ -119,9 +119,9 @@ def _destroy_on_gpu(a: Allocation) -> None:
 
 def release(allocation_id: int) -> str:
     a = _load(allocation_id)
-    if a.state == S.RELEASED:
+    if a.state == Allocation.State.RELEASED:
         return "already released"
-    if a.state != S.RELEASING:
+    if a.state != Allocation.State.RELEASING:
         return f"not releasing ({a.state})"
     deployments.unload_all(a)  # Triton lets go of the slice before NVML destroys it (a gone server: skipped)
     serving.stop_server(a)

@@ -25,7 +25,6 @@ from marketplace.models import Allocation, DriftEvent, GpuInstance, ModelDeploym
 from marketplace.services import deployments, nodes, serving
 
 log = logging.getLogger("tessera.reconcile")
-S = Allocation.State
 MAX_REQUEUES = 3
 
 
@@ -96,7 +95,9 @@ def _requeue_stuck(node: Node) -> int:
     cutoff = timezone.now() - timedelta(seconds=settings.TESSERA_PROVISION_STUCK_AFTER_S)
     n = 0
     stuck = Allocation.objects.filter(node=node, updated_at__lt=cutoff,
-                                      state__in=[S.PLACED, S.PROVISIONING, S.READY, S.RELEASING])
+                                      state__in=[Allocation.State.PLACED, Allocation.State.PROVISIONING,
+                                                 Allocation.State.READY,
+                                                 Allocation.State.RELEASING])
     for a in stuck.select_related("node"):
         tries = DriftEvent.objects.filter(kind=DriftEvent.Kind.STUCK_REQUEUED, allocation=a, at__gte=a.updated_at)
         if tries.count() >= MAX_REQUEUES:  # re-queueing did not help: an operator must look, not a loop
@@ -105,7 +106,7 @@ def _requeue_stuck(node: Node) -> int:
                                           detail=f"allocation {a.pk} is still {a.state} after {MAX_REQUEUES} "
                                                  f"re-queues; not re-queued again")
             continue
-        (enqueue_release if a.state == S.RELEASING else enqueue_provision)(a)
+        (enqueue_release if a.state == Allocation.State.RELEASING else enqueue_provision)(a)
         DriftEvent.objects.create(node=node, kind=DriftEvent.Kind.STUCK_REQUEUED, allocation=a,
                                   detail=f"allocation {a.pk} was {a.state} since {a.updated_at:%H:%M:%S}; re-queued")
         n += 1
@@ -113,7 +114,7 @@ def _requeue_stuck(node: Node) -> int:
 
 
 def _reconcile_servers(node: Node, found: dict) -> None:
-    active = (Allocation.objects.filter(node=node, state=S.ACTIVE)
+    active = (Allocation.objects.filter(node=node, state=Allocation.State.ACTIVE)
               .select_related("node", "tier__profile", "tier__gpu_model").order_by("pk"))
     servers = {s.allocation_id: s for s in TritonServer.objects.filter(allocation__in=active)}
     for a in active:
@@ -146,12 +147,13 @@ def _reconcile_servers(node: Node, found: dict) -> None:
 def _reconcile_models(node: Node, found: dict) -> None:
     """Per running server, one repository index: reload what Tessera marks ready and the server lost;
     unload what is loaded there that Tessera did not deploy."""
-    servers = (TritonServer.objects.filter(node=node, state=TritonServer.State.RUNNING, allocation__state=S.ACTIVE)
+    servers = (TritonServer.objects.filter(node=node, state=TritonServer.State.RUNNING,
+                                           allocation__state=Allocation.State.ACTIVE)
                .select_related("allocation__node", "allocation__tier__profile", "allocation__tier__gpu_model")
                .order_by("allocation_id"))
     deps: dict[int, dict[str, ModelDeployment]] = {}
     for dep in ModelDeployment.objects.filter(
-            allocation__node=node, allocation__state=S.ACTIVE,
+            allocation__node=node, allocation__state=Allocation.State.ACTIVE,
             state__in=[ModelDeployment.State.READY, ModelDeployment.State.LOADING]).order_by("pk"):
         deps.setdefault(dep.allocation_id, {})[dep.name] = dep
     for server in servers:

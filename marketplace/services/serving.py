@@ -25,7 +25,6 @@ from marketplace.models import Allocation, Node, TritonServer
 from marketplace.selectors.catalog import modelled_tokens_per_s
 
 log = logging.getLogger("tessera.serving")
-T = TritonServer.State
 LOG_TAIL_CHARS = 4000
 _runtimes: dict[tuple, rt.ServingRuntime] = {}
 _runtimes_lock = threading.Lock()
@@ -126,7 +125,7 @@ def client_for(allocation: Allocation, server: TritonServer | None = None) -> tr
     if runtime_kind() == "sim":
         return _client(allocation, None)
     server = server or TritonServer.objects.filter(allocation=allocation).first()
-    if server is None or server.state != T.RUNNING or not server.http_port:
+    if server is None or server.state != TritonServer.State.RUNNING or not server.http_port:
         raise ServerNotUp(f"allocation {allocation.pk} has no running Triton server")
     return _client(allocation, server)
 
@@ -213,7 +212,7 @@ def ensure_server(allocation: Allocation, *, timeout: float | None = None) -> Tr
         _mark_running(server, allocation, run, spec, status)
         return server
     if not status.running:  # (one that runs but is not ready yet, a replayed task's: wait for it below)
-        _update(server, nonce=secrets.token_hex(16), state=T.STARTING, reason="", exit_code=None,
+        _update(server, nonce=secrets.token_hex(16), state=TritonServer.State.STARTING, reason="", exit_code=None,
                 started_at=timezone.now(), runtime=run.kind)
         spec = spec_for(server, allocation)
         try:
@@ -251,7 +250,8 @@ def _wait_ready(server, allocation, run, spec, timeout) -> TritonServer:
 
 def _mark_running(server, allocation, run, spec, status) -> None:
     now = timezone.now()
-    _update(server, state=T.RUNNING, ready_at=server.ready_at or now, last_health_at=now, last_health_ok=True,
+    _update(server, state=TritonServer.State.RUNNING, ready_at=server.ready_at or now, last_health_at=now,
+            last_health_ok=True,
             pid=status.pid or server.pid, container_id=status.container_id or server.container_id,
             log_tail=run.logs(spec, LOG_TAIL_CHARS), reason="")
     Allocation.objects.filter(pk=allocation.pk).update(triton_url=spec.http_url, triton_metrics_url=spec.metrics_url)
@@ -259,7 +259,8 @@ def _mark_running(server, allocation, run, spec, status) -> None:
 
 
 def _fail(server: TritonServer, reason: str, tail: str, exit_code: int | None = None) -> None:
-    _update(server, state=T.FAILED, reason=reason[:1000], log_tail=tail[-LOG_TAIL_CHARS:], exit_code=exit_code,
+    _update(server, state=TritonServer.State.FAILED, reason=reason[:1000], log_tail=tail[-LOG_TAIL_CHARS:],
+            exit_code=exit_code,
             last_health_at=timezone.now(), last_health_ok=False)
     log.warning("triton server failed", extra={"server": server.name, "reason": reason})
 
@@ -275,7 +276,8 @@ def stop_server(allocation: Allocation, reason: str = "slice released") -> bool:
     code = run.stop(spec)
     tail = run.logs(spec)
     run.cleanup(spec)
-    _update(server, state=T.STOPPED, stopped_at=timezone.now(), http_port=None, grpc_port=None, metrics_port=None,
+    _update(server, state=TritonServer.State.STOPPED, stopped_at=timezone.now(), http_port=None, grpc_port=None,
+            metrics_port=None,
             pid=None, exit_code=code, reason=reason[:1000], log_tail=tail[-LOG_TAIL_CHARS:] or server.log_tail)
     Allocation.objects.filter(pk=allocation.pk).update(triton_url="", triton_metrics_url="")
     return True
@@ -284,7 +286,7 @@ def stop_server(allocation: Allocation, reason: str = "slice released") -> bool:
 def own_repository(allocation: Allocation) -> None:
     """After Tessera wrote model files: hand the repository to the server's own user (mode 0700)."""
     server = TritonServer.objects.filter(allocation=allocation).first()
-    if server is not None and server.state == T.RUNNING:
+    if server is not None and server.state == TritonServer.State.RUNNING:
         runtime().hand_over(spec_for(server, allocation))
 
 

@@ -23,7 +23,8 @@ from django.views.decorators.http import require_POST
 
 from marketplace import placement as engine
 from marketplace.api.billing import invoice_csv
-from marketplace.models import Allocation, Gpu, Node
+from marketplace.models import Allocation, Gpu, ModelDeployment, Node
+from marketplace.models.orders import LIVE_STATES
 from marketplace.selectors import billing as billing_sel
 from marketplace.selectors import models as model_sel
 from marketplace.selectors import orders as order_sel
@@ -42,9 +43,10 @@ from tenants.scoping import principal_for
 TENANT_SCOPES = [c for c in Scope.choices if c[0] not in OPERATOR_ONLY_SCOPES]
 
 SESSION_KEY = "portal_tenant"
-FINAL_SLICE_STATES = {"active", "failed", "released"}
+FINAL_SLICE_STATES = {Allocation.State.ACTIVE, Allocation.State.FAILED, Allocation.State.RELEASED}
 MOVING_DEPLOYMENT_STATES = {"pending", "loading", "unloading"}
-STEPS = ["requested", "placed", "provisioning", "ready", "active"]
+STEPS = [Allocation.State.REQUESTED, Allocation.State.PLACED, Allocation.State.PROVISIONING, Allocation.State.READY,
+         Allocation.State.ACTIVE]
 
 
 # --- plumbing ---------------------------------------------------------------------------------
@@ -128,10 +130,11 @@ def home(request):
         spend["warn_at"] = t.spend_warn_ratio * spend["limit"]
         spend["block_at"] = t.spend_block_ratio * spend["limit"]
     slices = order_sel.allocations(p).filter(tenant=t)
-    live = slices.filter(state__in=("requested", "placed", "provisioning", "ready", "active", "releasing"))
-    models = order_sel.deployments(p).filter(tenant=t).exclude(state="removed").select_related("allocation__tier")
+    live = slices.filter(state__in=LIVE_STATES)
+    models = order_sel.deployments(p).filter(tenant=t).exclude(state=ModelDeployment.State.REMOVED)
+    models = models.select_related("allocation__tier")
     return render(request, "portal/home.html", ctx(
-        request, spend=spend, active_count=live.filter(state="active").count(), live=list(live[:10]),
+        request, spend=spend, active_count=live.filter(state=Allocation.State.ACTIVE).count(), live=list(live[:10]),
         models=list(models[:10]), model_count=models.count()))
 
 
@@ -268,7 +271,7 @@ def _progress(a):
 @portal_view
 def slice_detail(request, pk):
     a = _slice(request, pk)
-    deps = order_sel.deployments(request.principal).filter(allocation=a).exclude(state="removed")
+    deps = order_sel.deployments(request.principal).filter(allocation=a).exclude(state=ModelDeployment.State.REMOVED)
     return render(request, "portal/slice.html", ctx(request, deployments=list(deps),
                                                     templates=list(deployments.TEMPLATES), **_progress(a)))
 
@@ -304,9 +307,10 @@ def deployment_list(request):
 
 def _deployment_list(request, form=None, status=200):
     p, t = request.principal, request.tenant
-    qs = order_sel.deployments(p).filter(tenant=t).exclude(state="removed").select_related("allocation__tier")
+    qs = order_sel.deployments(p).filter(tenant=t).exclude(state=ModelDeployment.State.REMOVED)
+    qs = qs.select_related("allocation__tier")
     tbl = table(request, qs, DEPLOYMENT_COLUMNS, default_sort="-created_at")
-    active = order_sel.allocations(p).filter(tenant=t, state="active").order_by("pk")
+    active = order_sel.allocations(p).filter(tenant=t, state=Allocation.State.ACTIVE).order_by("pk")
     return render(request, "portal/deployments.html", ctx(
         request, table=tbl, active_slices=list(active), templates=list(deployments.TEMPLATES),
         repositories=list(model_sel.repositories(p).filter(tenant=t).order_by("name")),

@@ -103,11 +103,12 @@ class Command(BaseCommand):
 
         close_old_connections()
         deadline = time.monotonic() + 90
-        live = Allocation.objects.exclude(state__in=["released", "failed"])
-        while time.monotonic() < deadline and live.exclude(state="active").exists():
+        live = Allocation.objects.exclude(state__in=[Allocation.State.RELEASED, Allocation.State.FAILED])
+        while time.monotonic() < deadline and live.exclude(state=Allocation.State.ACTIVE).exists():
             time.sleep(1)
         new = 0
-        for a in Allocation.objects.filter(state="active", deployments__isnull=True).select_related("tenant"):
+        idle = Allocation.objects.filter(state=Allocation.State.ACTIVE, deployments__isnull=True)
+        for a in idle.select_related("tenant"):
             deployments.deploy(demo_traffic.SYSTEM, a, "tiny-gen", template="tiny-gen")
             new += 1
         if new:
@@ -115,7 +116,8 @@ class Command(BaseCommand):
             for t in Tenant.objects.all():
                 billing.current_invoice(t)
             self.stdout.write(f"demo: {new} models deployed, {n} usage events of the last 3 days reported")
-        while time.monotonic() < deadline and ModelDeployment.objects.exclude(state="ready").exists():
+        loading = ModelDeployment.objects.exclude(state=ModelDeployment.State.READY)
+        while time.monotonic() < deadline and loading.exists():
             time.sleep(1)
         if result is not None:  # again, now that it is ready: the worker's log lines have scrolled the first away
             self._print_logins(result, addr, title="Tessera demo is ready")
