@@ -481,8 +481,12 @@ def tier_detail(request, pk: int):
         form = PricePlanForm(initial=initial)
     else:
         return HttpResponse(status=405)
+    from marketplace.selectors.catalog import platforms_by_gpu_model
+
     return _page(request, "tier_detail.html", {"tier": tier, "plans": plan_rows(tier.plans.all(), timezone.now()),
-                                               "form": form}, status=status)
+                                               "form": form,
+                                               "platforms": platforms_by_gpu_model().get(tier.gpu_model_id, [])},
+                 status=status)
 
 
 # --- invoices -----------------------------------------------------------------------------------

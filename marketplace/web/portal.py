@@ -193,8 +193,11 @@ def _catalog(request, errors=None, status=200):
     t = request.tenant
     tiers = list(order_sel.tiers().filter(active=True).order_by("gpu_model__key", "name"))
     free = availability(tiers, t.pk)
+    from marketplace.selectors.catalog import platforms_by_gpu_model
+
+    plats = platforms_by_gpu_model(in_fleet_only=True)
     rows = [{"tier": tr, "plan": price_of(tr, t.currency), "free": free.get(tr.pk, 0),
-             "error": (errors or {}).get(tr.pk)} for tr in tiers]
+             "platforms": plats.get(tr.gpu_model_id, []), "error": (errors or {}).get(tr.pk)} for tr in tiers]
     return render(request, "portal/catalog.html", ctx(request, rows=rows, availability_cap=AVAILABILITY_CAP),
                   status=status)
 
