@@ -36,3 +36,43 @@ def test_tier_shows_its_platform(page, live_server, login, shot, catalog):
     assert "Dell PowerEdge XE9680" in card.inner_text()
     assert card.locator('[data-platform="smc-821ge-tnhr-h100"]').count() == 0  # only what the fleet has
     shot(page, "portal-catalog-platforms")
+
+
+def test_tiers_and_prices_is_a_comparable_table(page, browser, live_server, login, shot, catalog):
+    from decimal import Decimal
+
+    from django.utils import timezone
+
+    from marketplace.models import PricePlan
+
+    profiles = ["1g.10gb", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb"]
+    for name in profiles:
+        t = make_tier(f"h100-{name}", "h100-sxm-80gb", name, hour="1.2500")
+        for cur in ("EUR", "GBP"):
+            PricePlan.objects.create(tier=t, currency=cur, price_per_slice_hour=Decimal("1.1500"),
+                                     price_per_1m_input_tokens=Decimal("0.10"),
+                                     price_per_1m_output_tokens=Decimal("0.40"),
+                                     effective_from=timezone.now())
+        PricePlan.objects.create(tier=t, kind="reserved", currency="USD", price_per_slice_hour=Decimal("0.9000"),
+                                 price_per_1m_input_tokens=Decimal("0.08"), price_per_1m_output_tokens=Decimal("0.32"),
+                                 monthly_commit=Decimal("1500.00"), effective_from=timezone.now())
+    OperatorFactory(email="ops@msp.example")
+    login(page, "ops@msp.example")
+    page.goto(f"{live_server.url}/console/tiers/")
+    assert page.locator("table.prices thead th").count() == 4 + 7 + 1
+    assert page.locator("tbody.currency").count() == 3
+    usd = page.locator('tbody[data-currency="USD"] tr[data-tier="h100-3g.40gb"]')
+    assert "1,500.00" in usd.inner_text()
+    shot(page, "console-tiers-table")
+
+    phone = browser.new_context(viewport={"width": 390, "height": 844})
+    pp = phone.new_page()
+    login(pp, "ops@msp.example")
+    pp.goto(f"{live_server.url}/console/tiers/?currency=USD")
+    assert pp.locator("tbody.currency").count() == 1
+    height = pp.evaluate("document.documentElement.scrollHeight")
+    width = pp.evaluate("document.documentElement.scrollWidth")
+    assert height < 2000, height  # 6 tiers: rows, not a stack of cards
+    assert width <= 390, width  # the table scrolls inside its wrapper
+    shot(pp, "console-tiers-table-phone")
+    phone.close()
