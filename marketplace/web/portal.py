@@ -297,7 +297,10 @@ def slice_release(request, pk):
 # --- deployments ("Models") -----------------------------------------------------------------------
 
 DEPLOYMENT_COLUMNS = [Column("name", "Model"), Column("allocation_id", "Slice"), Column("state", "State"),
-                      Column("memory_mb", "Memory (MiB)"), Column("created_at", "Deployed"), Column("", "")]
+                      Column("memory_mb", "Memory (MiB)"), Column("", "Requests 24 h"),
+                      Column("", "Tokens 24 h (in / out)"),
+                      Column("", "Errors 24 h"), Column("", "Latency 24 h (avg)"), Column("created_at", "Deployed"),
+                      Column("", "")]
 
 
 @portal_view
@@ -309,6 +312,12 @@ def _deployment_list(request, form=None, status=200):
     p, t = request.principal, request.tenant
     qs = order_sel.deployments(p).filter(tenant=t).exclude(state="removed").select_related("allocation__tier")
     tbl = table(request, qs, DEPLOYMENT_COLUMNS, default_sort="-created_at")
+    from marketplace.selectors.model_traffic import traffic_by_deployment
+
+    page_deps = list(tbl.page)
+    traffic = traffic_by_deployment([d.pk for d in page_deps], timezone.now() - timedelta(hours=24))
+    for d in page_deps:
+        d.traffic = traffic[d.pk]
     active = order_sel.allocations(p).filter(tenant=t, state="active").order_by("pk")
     return render(request, "portal/deployments.html", ctx(
         request, table=tbl, active_slices=list(active), templates=list(deployments.TEMPLATES),
@@ -382,9 +391,12 @@ def deployment_detail(request, pk, tried=None, try_form=None, status=200):
     since = timezone.now() - timedelta(hours=24)
     served = deployment_served(dep, since)
     latency = deployment_latency(dep, since)
+    from marketplace.selectors.model_traffic import deployment_windows
+
     return render(request, "portal/deployment.html", ctx(
         request, dep=dep, moving=moving, gateway_url=settings.TESSERA_GATEWAY_URL, examples=inference.examples(dep),
-        served=served, latency=latency, tried=tried, try_form=try_form or {"prompt": "", "max_tokens": 32}),
+        served=served, latency=latency, traffic=deployment_windows(dep, timezone.now()),
+        tried=tried, try_form=try_form or {"prompt": "", "max_tokens": 32}),
         status=status)
 
 

@@ -76,3 +76,28 @@ def test_tiers_and_prices_is_a_comparable_table(page, browser, live_server, logi
     assert width <= 390, width  # the table scrolls inside its wrapper
     shot(pp, "console-tiers-table-phone")
     phone.close()
+
+
+def test_model_pages_show_requests_tokens_errors_latency(page, live_server, login, shot, catalog):
+    from tests.unit.test_model_traffic import _dep, _traffic
+
+    tier = make_tier("h100-1g", "h100-sxm-80gb", "1g.10gb")
+    alpha = TenantFactory(slug="alpha", name="Alpha Labs")
+    MembershipFactory(tenant=alpha, role=Role.OWNER, user=UserFactory(email="owner@alpha.example"))
+    dep = _dep(alpha, tier, "support-bot")
+    _traffic(dep, 0, 42, failures=2, latencies=[180, 220])
+    _traffic(dep, 30, 1500, failures=5)
+    _dep(alpha, tier, "idle-model")
+
+    login(page, "owner@alpha.example")
+    page.goto(f"{live_server.url}/portal/models/")
+    row = page.locator("table.data tbody tr", has_text="support-bot")
+    assert row.locator(".traffic-requests").inner_text() == "42"
+    assert row.locator(".traffic-errors").inner_text() == "2"
+    assert "200 ms" in row.inner_text()
+    shot(page, "portal-models-traffic")
+
+    page.click("text=support-bot")
+    week = page.locator('#model-traffic tr[data-window="7 d"]')
+    assert "1,542" in week.inner_text() and "0.5 %" in week.inner_text()  # 7 errors of 1,549
+    shot(page, "portal-model-traffic")
