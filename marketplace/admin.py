@@ -43,7 +43,8 @@ class MigProfileAdmin(admin.ModelAdmin):
 
 @admin.register(ServerPlatform)
 class ServerPlatformAdmin(admin.ModelAdmin):
-    list_display = ["name", "key", "gpu_model", "gpu_count"]
+    list_display = ["name", "key", "vendor", "gpu_model", "gpu_count", "interconnect", "source_url"]
+    list_filter = ["vendor", "gpu_model"]
 
 
 class GpuInline(admin.TabularInline):

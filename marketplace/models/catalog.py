@@ -81,9 +81,17 @@ class ServerPlatform(models.Model):
     name = models.CharField(max_length=120)
     gpu_model = models.ForeignKey(GpuModel, on_delete=models.PROTECT, related_name="platforms")
     gpu_count = models.PositiveSmallIntegerField()
+    vendor = models.CharField(max_length=60, blank=True)
+    model = models.CharField(max_length=120, blank=True, help_text="the vendor's model name")
+    interconnect = models.CharField(max_length=200, blank=True, help_text="GPU-to-GPU: NVLink / NVSwitch")
+    cpu = models.CharField(max_length=200, blank=True)
+    system_memory = models.CharField(max_length=120, blank=True)
+    power = models.CharField(max_length=120, blank=True)
+    form_factor = models.CharField(max_length=120, blank=True)
+    source_url = models.URLField(max_length=300, blank=True, help_text="public source of these figures")
 
     class Meta:
-        ordering = ["key"]
+        ordering = ["vendor", "key"]
 
     def __str__(self) -> str:
         return self.name

@@ -55,3 +55,15 @@ def gpu_instances(principal: Principal):
     return GpuInstance.objects.visible_to(principal).select_related(
         "gpu__node", "gpu__gpu_model", "placement__profile", "tenant"
     )
+
+
+def platforms_by_gpu_model(*, in_fleet_only: bool = False) -> dict[int, list[ServerPlatform]]:
+    """The server platforms each GPU model comes in (one query), each with `node_count`, the nodes
+    registered on it; `in_fleet_only`: only platforms with a registered node (what a tier runs on)."""
+    qs = ServerPlatform.objects.select_related("gpu_model").annotate(node_count=Count("nodes"))
+    if in_fleet_only:
+        qs = qs.filter(node_count__gt=0)
+    out: dict[int, list[ServerPlatform]] = {}
+    for p in qs.order_by("-node_count", "vendor", "key"):
+        out.setdefault(p.gpu_model_id, []).append(p)
+    return out

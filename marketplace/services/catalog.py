@@ -11,6 +11,8 @@ from marketplace.models import GpuModel, MigPlacement, MigProfile, ServerPlatfor
 
 MODEL_FIELDS = ["name", "nvml_name", "pci_device_id", "memory_gb", "memory_mib", "tdp_watts", "sm_count", "fp8",
                 "memory_slices", "compute_slices", "max_gpu_instances"]
+PLATFORM_FIELDS = ["name", "gpu_count", "vendor", "model", "interconnect", "cpu", "system_memory", "power",
+                   "form_factor", "source_url"]
 PROFILE_FIELDS = ["name", "nvml_constant", "memory_slices", "compute_slices", "memory_gb", "memory_mib",
                   "sm_count", "max_count", "media_extensions"]
 
@@ -39,8 +41,8 @@ def sync_catalog(data: dict | None = None) -> dict[str, int]:
     for pl in data["platforms"]:
         ServerPlatform.objects.update_or_create(
             key=pl["key"],
-            defaults={"name": pl["name"], "gpu_model": GpuModel.objects.get(key=pl["gpu_model"]),
-                      "gpu_count": pl["gpu_count"]},
+            defaults={**{f: pl.get(f, "") for f in PLATFORM_FIELDS},
+                      "gpu_model": GpuModel.objects.get(key=pl["gpu_model"])},
         )
         counts["platforms"] += 1
     return counts

@@ -434,13 +434,13 @@ def plan_rows(plans, now) -> list[dict]:
 @require_GET
 @operator_required
 def tiers(request):
-    now = timezone.now()
-    rows = []
-    for tier in orders_sel.tiers().annotate(live=Count("allocations", filter=Q(allocations__state__in=LIVE_STATES))):
-        plans = plan_rows(tier.plans.all(), now)
-        rows.append({"tier": tier, "in_force": [r["plan"] for r in plans if r["status"] == "in force"],
-                     "scheduled": sum(r["status"] == "scheduled" for r in plans)})
-    return _page(request, "tiers.html", {"rows": rows})
+    from marketplace.web.catalog_pages import PRICE_COLUMNS, price_table
+
+    qs = orders_sel.tiers().annotate(live=Count("allocations", filter=Q(allocations__state__in=LIVE_STATES)))
+    currency = request.GET.get("currency", "")
+    blocks, currencies, unpriced = price_table(qs, timezone.now(), currency)
+    return _page(request, "tiers.html", {"blocks": blocks, "currencies": currencies, "currency": currency,
+                                         "unpriced": unpriced, "columns": [c[2] for c in PRICE_COLUMNS]})
 
 
 class PricePlanForm(forms.Form):
@@ -481,8 +481,12 @@ def tier_detail(request, pk: int):
         form = PricePlanForm(initial=initial)
     else:
         return HttpResponse(status=405)
+    from marketplace.selectors.catalog import platforms_by_gpu_model
+
     return _page(request, "tier_detail.html", {"tier": tier, "plans": plan_rows(tier.plans.all(), timezone.now()),
-                                               "form": form}, status=status)
+                                               "form": form,
+                                               "platforms": platforms_by_gpu_model().get(tier.gpu_model_id, [])},
+                 status=status)
 
 
 # --- invoices -----------------------------------------------------------------------------------

@@ -196,8 +196,11 @@ def _catalog(request, errors=None, status=200):
     t = request.tenant
     tiers = list(order_sel.tiers().filter(active=True).order_by("gpu_model__key", "name"))
     free = availability(tiers, t.pk)
+    from marketplace.selectors.catalog import platforms_by_gpu_model
+
+    plats = platforms_by_gpu_model(in_fleet_only=True)
     rows = [{"tier": tr, "plan": price_of(tr, t.currency), "free": free.get(tr.pk, 0),
-             "error": (errors or {}).get(tr.pk)} for tr in tiers]
+             "platforms": plats.get(tr.gpu_model_id, []), "error": (errors or {}).get(tr.pk)} for tr in tiers]
     return render(request, "portal/catalog.html", ctx(request, rows=rows, availability_cap=AVAILABILITY_CAP),
                   status=status)
 
@@ -297,7 +300,10 @@ def slice_release(request, pk):
 # --- deployments ("Models") -----------------------------------------------------------------------
 
 DEPLOYMENT_COLUMNS = [Column("name", "Model"), Column("allocation_id", "Slice"), Column("state", "State"),
-                      Column("memory_mb", "Memory (MiB)"), Column("created_at", "Deployed"), Column("", "")]
+                      Column("memory_mb", "Memory (MiB)"), Column("", "Requests 24 h"),
+                      Column("", "Tokens 24 h (in / out)"),
+                      Column("", "Errors 24 h"), Column("", "Latency 24 h (avg)"), Column("created_at", "Deployed"),
+                      Column("", "")]
 
 
 @portal_view
@@ -310,6 +316,12 @@ def _deployment_list(request, form=None, status=200):
     qs = order_sel.deployments(p).filter(tenant=t).exclude(state=ModelDeployment.State.REMOVED)
     qs = qs.select_related("allocation__tier")
     tbl = table(request, qs, DEPLOYMENT_COLUMNS, default_sort="-created_at")
+    from marketplace.selectors.model_traffic import traffic_by_deployment
+
+    page_deps = list(tbl.page)
+    traffic = traffic_by_deployment([d.pk for d in page_deps], timezone.now() - timedelta(hours=24))
+    for d in page_deps:
+        d.traffic = traffic[d.pk]
     active = order_sel.allocations(p).filter(tenant=t, state=Allocation.State.ACTIVE).order_by("pk")
     return render(request, "portal/deployments.html", ctx(
         request, table=tbl, active_slices=list(active), templates=list(deployments.TEMPLATES),
@@ -383,9 +395,12 @@ def deployment_detail(request, pk, tried=None, try_form=None, status=200):
     since = timezone.now() - timedelta(hours=24)
     served = deployment_served(dep, since)
     latency = deployment_latency(dep, since)
+    from marketplace.selectors.model_traffic import deployment_windows
+
     return render(request, "portal/deployment.html", ctx(
         request, dep=dep, moving=moving, gateway_url=settings.TESSERA_GATEWAY_URL, examples=inference.examples(dep),
-        served=served, latency=latency, tried=tried, try_form=try_form or {"prompt": "", "max_tokens": 32}),
+        served=served, latency=latency, traffic=deployment_windows(dep, timezone.now()),
+        tried=tried, try_form=try_form or {"prompt": "", "max_tokens": 32}),
         status=status)
 
 
