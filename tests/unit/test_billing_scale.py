@@ -408,3 +408,33 @@ def test_energy_rollup_sums_to_the_samples_and_serves_long_ranges(h100_node, pri
     # a range the rollup does not cover reads the samples
     assert energy.apportion_range(t0 - timedelta(hours=5), end).total_kwh == pytest.approx(
         energy.apportion(t0 - timedelta(hours=5), end).total_kwh)
+
+
+def test_every_billing_read_makes_the_same_queries_for_more_tenants(priced, as_user, operator):
+    """Beyond the lists above: filtered spend pages, the credit-note list, every usage grouping, and one
+    invoice's detail and exports (JSON, CSV) — at 2 and 8 tenants."""
+    api = as_user(operator)
+    reads = ["/api/v1/billing/spend/?warning=true", "/api/v1/billing/spend/?over_limit=false&page_size=1",
+             "/api/v1/credit-notes/", "/api/v1/invoices/?page_size=1"] + [
+        f"/api/v1/billing/usage/?group_by={g}" for g in ("deployment", "tier", "hour", "day")]
+
+    def measure():
+        inv = Invoice.objects.order_by("-pk").first()
+        one = [f"/api/v1/invoices/{inv.pk}/", f"/api/v1/invoices/{inv.pk}/export/?format=json",
+               f"/api/v1/invoices/{inv.pk}/export/?format=csv"]
+        out = {}
+        for u in reads + one:
+            with CaptureQueriesContext(connection) as q:
+                r = api.get(u)
+            assert r.status_code == 200, (u, r.content[:200])
+            out[u.replace(str(inv.pk), "ID")] = len(q.captured_queries)
+        return out
+
+    for slug in ("a1", "a2"):
+        _tenant_with_usage(slug, priced, hours=3, limit=D("1.00"))
+    billing.rate_all()
+    small = measure()
+    for i in range(6):
+        _tenant_with_usage(f"b{i}", priced, hours=6, limit=D("1.00"))
+    billing.rate_all()
+    assert measure() == small
