@@ -807,9 +807,21 @@ def finalize_due(now: datetime | None = None, *, ensure: bool = True) -> list[st
     now = now or timezone.now()
     if ensure:
         ensure_invoices(now, since=now - ENSURE_LOOKBACK)
+    return _finalize_drafts(Invoice.objects.filter(status=Invoice.Status.DRAFT, period_end__lte=now.date()), now)
+
+
+def finalize_tenant_due(tenant_id: int, now: datetime | None = None) -> list[str]:
+    """Month end for one tenant (its rating-run task): finalize its drafts whose month has ended, oldest
+    first; one that fails is alerted and holds back its later ones. Idempotent: a finalized invoice is
+    never picked again, so a retried or redelivered task bills nothing twice."""
+    now = now or timezone.now()
+    return _finalize_drafts(Invoice.objects.filter(tenant_id=tenant_id, status=Invoice.Status.DRAFT,
+                                                   period_end__lte=now.date()), now)
+
+
+def _finalize_drafts(drafts, now: datetime) -> list[str]:
     done, held_back = [], set()
-    for inv in Invoice.objects.filter(status=Invoice.Status.DRAFT, period_end__lte=now.date()).select_related(
-            "tenant").order_by("period_start", "tenant_id"):
+    for inv in drafts.select_related("tenant").order_by("period_start", "tenant_id"):
         if inv.tenant_id in held_back:
             continue
         try:
@@ -861,15 +873,19 @@ def rate_all(now: datetime | None = None) -> dict:
 
 
 def start_rating_run(now: datetime | None = None) -> RatingRun:
-    """The rating beat, fanned out: open missing invoices, then one task per tenant with a draft or an
-    invoice this month (queue "control", retried on its own); the last to finish runs
-    `finish_rating_run`. Its own work is a few queries whatever the number of tenants."""
+    """The rating beat, fanned out: open missing invoices, then one task per tenant with an invoice this
+    month or a draft whose month has ended (queue "control", retried on its own): each finalizes its
+    tenant's ended months and re-rates its current draft, so month end is spread over the tenants' tasks
+    too; the last to finish runs `finish_rating_run`. Its own work is a few queries whatever the number
+    of tenants."""
     now = now or timezone.now()
     ensure_invoices(now, since=now - ENSURE_LOOKBACK)
     period = month_of(now)
     with transaction.atomic():
         run = RatingRun.objects.create(period_start=period, started_at=now)
-        ids = list(Invoice.objects.filter(period_start=period).values_list("tenant_id", flat=True))
+        ids = sorted(set(Invoice.objects.filter(
+            Q(period_start=period) | Q(status=Invoice.Status.DRAFT, period_end__lte=now.date()))
+            .values_list("tenant_id", flat=True)))
         RatingRunTenant.objects.bulk_create([RatingRunTenant(run=run, tenant_id=t) for t in ids])
         if ids:
             transaction.on_commit(lambda: [enqueue.send(enqueue.RATE_TENANT, [run.pk, t], "control") for t in ids])
@@ -887,7 +903,9 @@ def rate_run_tenant(run_id: int, tenant_id: int, *, final_attempt: bool) -> str:
         return item.status
     RatingRunTenant.objects.filter(pk=item.pk).update(attempts=F("attempts") + 1)
     try:
-        fired = rate_tenant(item.tenant, timezone.now())
+        now = timezone.now()
+        finalize_tenant_due(tenant_id, now)  # month end: this tenant's ended months (alerted, not raised)
+        fired = rate_tenant(item.tenant, now)
     except Exception as exc:
         if not final_attempt:
             raise
@@ -912,13 +930,21 @@ def finish_rating_run(run_id: int) -> dict | None:
     counts = dict(run.tenants.values_list("status").annotate(n=Count("pk")).values_list("status", "n"))
     failed = list(run.tenants.filter(status=RatingRunTenant.Status.FAILED).values_list("tenant__slug", flat=True))
     summary = {"period": f"{run.period_start:%Y-%m}", "rated": counts.get(RatingRunTenant.Status.DONE, 0),
-               "failed": failed, "finalized": finalize_due(now, ensure=False),
+               "failed": failed, "finalized": _run_finalized(run, finalize_due(now, ensure=False)),
                "seconds": round((now - run.started_at).total_seconds(), 3)}
     RatingRun.objects.filter(pk=run_id).update(summary=summary)
     audit.record("system:beat", "billing.rating_run", f"rating-run:{run_id}", None, **summary)
     log.info("rating run finished", extra={"run": run_id, **{k: v for k, v in summary.items() if k != "failed"},
                                            "failed": len(failed)})
     return summary
+
+
+def _run_finalized(run: RatingRun, stragglers: list[str]) -> list[str]:
+    """The invoice numbers the run finalized: by its tenants' tasks (month end fanned out), plus any
+    draft `finalize_due` caught at the end (normally none)."""
+    by_tasks = Invoice.objects.filter(tenant_id__in=run.tenants.values("tenant_id"), status=Invoice.Status.FINALIZED,
+                                      finalized_at__gte=run.started_at, finalized_at__lte=run.finished_at)
+    return sorted(set(by_tasks.values_list("number", flat=True)) | set(stragglers))
 
 
 def invoice_payload(invoice: Invoice) -> dict:

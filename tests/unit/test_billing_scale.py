@@ -118,6 +118,97 @@ def test_rating_twice_never_bills_twice(priced):
     assert inv.total == D("2.50") and inv.lines.count() == 2
 
 
+def _last_month_usage(slug, tier, tokens=1_000_000):
+    """Usage in the last hour of last month: a draft to finalize at month end (1 slice-hour + 1M tokens)."""
+    tenant = TenantFactory(slug=slug, currency="USD")
+    hour = timezone.now().replace(day=1, hour=0, minute=0, second=0, microsecond=0) - timedelta(hours=1)
+    order = Order.objects.create(tenant=tenant, tier=tier)
+    alloc = Allocation.objects.create(order=order, tenant=tenant, tier=tier, state="released", activated_at=hour,
+                                      released_at=hour + timedelta(hours=1))
+    dep = ModelDeployment.objects.create(allocation=alloc, tenant=tenant, name="llm", backend="python", spec={},
+                                         memory_mb=10, state="ready")
+    UsageHourly.objects.create(tenant=tenant, deployment=dep, hour=hour, input_tokens=tokens, output_tokens=0,
+                               requests=1)
+    return tenant
+
+
+def _frozen(tenant):
+    inv = Invoice.objects.get(tenant=tenant, period_start__lt=billing.month_of(timezone.now()))
+    return inv.status, inv.number, inv.total, inv.finalized_at, sorted(inv.lines.values_list("pk", "amount"))
+
+
+def test_month_end_is_finalized_by_each_tenants_own_task(priced, django_capture_on_commit_callbacks):
+    m1, m2 = _last_month_usage("m1", priced), _last_month_usage("m2", priced)
+    t3 = _tenant_with_usage("t3", priced)
+    sent = []
+    with mock.patch("marketplace.enqueue.app.send_task", lambda name, args, queue: sent.append((name, args, queue))):
+        with django_capture_on_commit_callbacks(execute=True):
+            run = billing.start_rating_run()
+    # a tenant with only an ended month's draft gets its own task too
+    assert sorted(a[1] for _n, a, _q in sent) == sorted([m1.pk, m2.pk, t3.pk])
+    by_tenant = {a[1]: a for _n, a, _q in sent}
+    assert tasks.rate_tenant.apply(args=by_tenant[m1.pk]).get() == "done"
+    assert _frozen(m1)[0] == "finalized" and _frozen(m2)[0] == "draft"  # m1's task finalized only m1
+    assert _frozen(m1)[2] == D("2.50")
+    m1_final = _frozen(m1)
+    for t in (m2, t3):
+        assert tasks.rate_tenant.apply(args=by_tenant[t.pk]).get() == "done"
+    run.refresh_from_db()
+    numbers = sorted(Invoice.objects.filter(status="finalized").values_list("number", flat=True))
+    assert len(numbers) == 2 and run.summary["finalized"] == numbers and run.summary["rated"] == 3
+    assert AuditEvent.objects.filter(action="billing.rating_run", target=f"rating-run:{run.pk}").count() == 1
+    # redelivered, re-run and a whole new run: a finalized invoice never changes, nothing billed twice
+    assert billing.rate_run_tenant(run.pk, m1.pk, final_attempt=False) == "done"
+    assert billing.finalize_tenant_due(m1.pk) == []
+    with mock.patch("marketplace.enqueue.send"):
+        again = billing.start_rating_run()
+    assert set(again.tenants.values_list("tenant_id", flat=True)) == {t3.pk}  # no ended draft is left
+    assert billing.rate_run_tenant(again.pk, t3.pk, final_attempt=True) == "done"
+    assert _frozen(m1) == m1_final and Invoice.objects.filter(status="finalized").count() == 2
+
+
+def test_a_tenant_whose_month_end_fails_holds_back_only_itself(priced):
+    good, bad = _last_month_usage("good", priced), _last_month_usage("bad", priced)
+    with mock.patch("marketplace.enqueue.send"):
+        run = billing.start_rating_run()
+    real = billing.finalize
+
+    def flaky(inv, **kw):
+        if inv.tenant_id == bad.pk:
+            raise billing.ServiceError("no price in EUR")
+        return real(inv, **kw)
+
+    with mock.patch.object(billing, "finalize", flaky):
+        for t in (bad, good):
+            assert billing.rate_run_tenant(run.pk, t.pk, final_attempt=False) == "done"
+    assert _frozen(good)[0] == "finalized" and _frozen(bad)[0] == "draft"
+    assert BillingAlert.objects.get(tenant=bad, kind="finalize_failed").message.endswith("no price in EUR")
+    assert not BillingAlert.objects.filter(tenant=good).exists()
+    run.refresh_from_db()
+    assert run.finished_at is not None and run.summary["finalized"] == [_frozen(good)[1]]
+
+
+def test_a_tenants_month_end_task_makes_the_same_queries_for_more_tenants(priced):
+    def task_queries(prefix, n):
+        ts = [_last_month_usage(f"{prefix}{i}", priced) for i in range(n)]
+        for t in ts:  # this month's usage too: the task finalizes one month and rates the next
+            _tenant_usage_now(t, priced)
+        with mock.patch("marketplace.enqueue.send"):
+            run = billing.start_rating_run()
+        billing.rate_run_tenant(run.pk, ts[0].pk, final_attempt=False)  # the year's invoice sequence exists
+        return _queries(lambda: billing.rate_run_tenant(run.pk, ts[1].pk, final_attempt=False))
+
+    small = task_queries("s", 3)
+    assert task_queries("b", 12) == small
+
+
+def _tenant_usage_now(tenant, tier):
+    start = timezone.now().replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+    dep = ModelDeployment.objects.filter(tenant=tenant).first()
+    UsageHourly.objects.create(tenant=tenant, deployment=dep, hour=start, input_tokens=1_000_000, output_tokens=0,
+                               requests=1)
+
+
 def test_spend_list_is_paginated_filtered_and_does_not_rate(priced, as_user, operator):
     # 1M tokens (0.50) + 1 slice-hour (2.00) = 2.50 each; limits make one blocked, one warned, one fine
     _tenant_with_usage("blocked", priced, limit=D("2.00"))
@@ -317,3 +408,33 @@ def test_energy_rollup_sums_to_the_samples_and_serves_long_ranges(h100_node, pri
     # a range the rollup does not cover reads the samples
     assert energy.apportion_range(t0 - timedelta(hours=5), end).total_kwh == pytest.approx(
         energy.apportion(t0 - timedelta(hours=5), end).total_kwh)
+
+
+def test_every_billing_read_makes_the_same_queries_for_more_tenants(priced, as_user, operator):
+    """Beyond the lists above: filtered spend pages, the credit-note list, every usage grouping, and one
+    invoice's detail and exports (JSON, CSV) — at 2 and 8 tenants."""
+    api = as_user(operator)
+    reads = ["/api/v1/billing/spend/?warning=true", "/api/v1/billing/spend/?over_limit=false&page_size=1",
+             "/api/v1/credit-notes/", "/api/v1/invoices/?page_size=1"] + [
+        f"/api/v1/billing/usage/?group_by={g}" for g in ("deployment", "tier", "hour", "day")]
+
+    def measure():
+        inv = Invoice.objects.order_by("-pk").first()
+        one = [f"/api/v1/invoices/{inv.pk}/", f"/api/v1/invoices/{inv.pk}/export/?format=json",
+               f"/api/v1/invoices/{inv.pk}/export/?format=csv"]
+        out = {}
+        for u in reads + one:
+            with CaptureQueriesContext(connection) as q:
+                r = api.get(u)
+            assert r.status_code == 200, (u, r.content[:200])
+            out[u.replace(str(inv.pk), "ID")] = len(q.captured_queries)
+        return out
+
+    for slug in ("a1", "a2"):
+        _tenant_with_usage(slug, priced, hours=3, limit=D("1.00"))
+    billing.rate_all()
+    small = measure()
+    for i in range(6):
+        _tenant_with_usage(f"b{i}", priced, hours=6, limit=D("1.00"))
+    billing.rate_all()
+    assert measure() == small
