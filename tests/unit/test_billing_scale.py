@@ -122,11 +122,8 @@ def _last_month_usage(slug, tier, tokens=1_000_000):
     """Usage in the last hour of last month: a draft to finalize at month end (1 slice-hour + 1M tokens)."""
     tenant = TenantFactory(slug=slug, currency="USD")
     hour = timezone.now().replace(day=1, hour=0, minute=0, second=0, microsecond=0) - timedelta(hours=1)
-    order = Order.objects.create(tenant=tenant, tier=tier)
-    alloc = Allocation.objects.create(order=order, tenant=tenant, tier=tier, state="released", activated_at=hour,
-                                      released_at=hour + timedelta(hours=1))
-    dep = ModelDeployment.objects.create(allocation=alloc, tenant=tenant, name="llm", backend="python", spec={},
-                                         memory_mb=10, state="ready")
+    dep = DeploymentFactory(name="llm", allocation=AllocationFactory(
+        order=OrderFactory(tenant=tenant, tier=tier), activated_at=hour, released_at=hour + timedelta(hours=1)))
     UsageHourly.objects.create(tenant=tenant, deployment=dep, hour=hour, input_tokens=tokens, output_tokens=0,
                                requests=1)
     return tenant
@@ -204,7 +201,7 @@ def test_a_tenants_month_end_task_makes_the_same_queries_for_more_tenants(priced
 
 def _tenant_usage_now(tenant, tier):
     start = timezone.now().replace(day=1, hour=0, minute=0, second=0, microsecond=0)
-    dep = ModelDeployment.objects.filter(tenant=tenant).first()
+    dep = tenant.deployments.first()
     UsageHourly.objects.create(tenant=tenant, deployment=dep, hour=start, input_tokens=1_000_000, output_tokens=0,
                                requests=1)
 
