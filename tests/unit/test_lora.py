@@ -15,7 +15,7 @@ from marketplace.models import LibraryModel, LoraAdapter
 from marketplace.services import deployments
 from marketplace.services import models as model_svc
 from tenants.errors import ServiceError
-from tests.unit.test_model_deploy import slice_of  # fixtures
+from tests.unit.test_model_deploy import owner, slice_of  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.django_db
 WEIGHTS = b"\1" * (3 * 1024 * 1024 + 5)  # 3 MiB and a bit: 4 MiB in the fit
@@ -24,7 +24,7 @@ ADAPTER = {"sql-lora/adapter_config.json": json.dumps({"r": 16, "base_model_name
            "sql-lora/adapter_model.safetensors": WEIGHTS}
 
 
-def upload(owner, name="sql", files=ADAPTER, base="llama-3.1-8b-instruct"):
+def upload(owner, name="sql", files=ADAPTER, base="llama-3.1-8b-instruct"):  # noqa: F811
     tenant, p = owner
     f = SimpleUploadedFile("a.tar.gz", mr.archive_bytes(files))
     return model_svc.upload_adapter(p, tenant, name, LibraryModel.objects.get(key=base), f)
@@ -44,7 +44,7 @@ def test_adapter_validation(tmp_path, files, needle):
     assert not (tmp_path / "a").exists()
 
 
-def test_adapters_deploy_with_their_base_and_count_in_the_fit(owner, tiers, settings):
+def test_adapters_deploy_with_their_base_and_count_in_the_fit(owner, tiers, settings):  # noqa: F811
     sql = upload(owner)
     chat = upload(owner, "chat", {**ADAPTER, "sql-lora/adapter_config.json": json.dumps({"r": 40})})
     assert (sql.rank, chat.rank, sql.target_modules) == (16, 40, ["q_proj", "v_proj"])
@@ -70,7 +70,7 @@ def test_adapters_deploy_with_their_base_and_count_in_the_fit(owner, tiers, sett
         model_svc.delete_adapter(owner[1], sql)
 
 
-def test_adapter_needs_its_own_base_and_a_vllm_base(owner, tiers):
+def test_adapter_needs_its_own_base_and_a_vllm_base(owner, tiers):  # noqa: F811
     sql = upload(owner)
     a = slice_of(owner, tiers["7g"])
     qwen = LibraryModel.objects.get(key="qwen2.5-7b-instruct")

@@ -13,6 +13,7 @@ from marketplace.models import ModelRepository
 from marketplace.services import models as model_svc
 from tenants.errors import ServiceError
 from tests.gateway_fixtures import free_port
+from tests.unit.test_model_deploy import owner  # noqa: F401 - fixture
 from tests.unit.test_model_repo import GOOD
 
 pytestmark = pytest.mark.django_db
@@ -35,7 +36,7 @@ def s3_store(settings):
     server.stop()
 
 
-def test_a_store_object_is_fetched_and_validated_like_an_upload(owner, s3_store):
+def test_a_store_object_is_fetched_and_validated_like_an_upload(owner, s3_store):  # noqa: F811
     tenant, p = owner
     data = model_repo.archive_bytes(GOOD)
     s3_store.put_object(Bucket="msp-models", Key="shared/echo.tar.gz", Body=data)
@@ -53,7 +54,7 @@ def test_a_store_object_is_fetched_and_validated_like_an_upload(owner, s3_store)
     assert list(ModelRepository.objects.values_list("name", flat=True)) == ["from-s3"]
 
 
-def test_size_limit_and_archive_validation(owner, s3_store, settings):
+def test_size_limit_and_archive_validation(owner, s3_store, settings):  # noqa: F811
     tenant, p = owner
     s3_store.put_object(Bucket="msp-models", Key="shared/evil.tar.gz",
                         Body=model_repo.archive_bytes({**GOOD, "../../etc/x": "x"}))
