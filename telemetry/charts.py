@@ -113,7 +113,7 @@ def period(params: dict | None) -> Period:
 
 
 def _gpu_label(gpu: Gpu) -> str:
-    return f"{gpu.node.hostname}/gpu{gpu.index}"
+    return gpu.label
 
 
 def bucket_step(per: Period, points: int = MAX_POINTS) -> int:
@@ -218,7 +218,7 @@ def gpu_heatmap(per: Period, principal: Principal):
     else:
         gpus = list(Gpu.objects.order_by("node__hostname", "index").values_list("pk", "node__hostname", "index"))
         keys = {pk: i for i, (pk, _h, _i) in enumerate(gpus)}
-        labels = [f"{host}/gpu{index}" for _pk, host, index in gpus]
+        labels = [Gpu.label_for(host, index) for _pk, host, index in gpus]
         key = "gpu_id"
     cells = activity(per, key, step=step)
     ts = sorted({c["t"] for c in cells})
