@@ -103,6 +103,7 @@ class GpuState:
     instances: Iterable[Instance | tuple[int | None, int, int]] = ()
     dedicated_tenant_id: int | None = None
     dedication_sticky: bool = False
+    label: str = ""  # how people name this GPU (models.Gpu.label); empty: "GPU <id> (node <id>)"
 
 
 @dataclass(frozen=True)
@@ -511,6 +512,11 @@ class _Gpu:
     sticky: bool
     state: int
     instances: dict[int, Instance] = field(default_factory=dict)  # start -> instance
+    label: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.label or f"GPU {self.gpu_id} (node {self.node_id})"
 
 
 class Fleet:
@@ -552,6 +558,7 @@ class Fleet:
             sid = t.add[sid][(i.profile_id, i.start)]
         g = _Gpu(gpu.gpu_id, gpu.geometry, gpu.node_id, owner, gpu.dedication_sticky, sid)
         g.instances = {i.start: i for i in insts}
+        g.label = gpu.label
         self._gpus[gpu.gpu_id] = g
         self._pool(gpu.geometry, owner).add(t, sid, gpu.gpu_id)
         self._model_count[gpu.geometry] = self._model_count.get(gpu.geometry, 0) + 1
@@ -801,7 +808,7 @@ class Fleet:
         others = candidates - 1
         tail = f"{others} other candidate{'s' if others != 1 else ''}"
         if self.policy == FIRST_FIT:
-            return f"{t.geo.name} GPU {g.gpu_id} (node {g.node_id}): {fill}; first fit, start {start}; {tail}"
+            return f"{t.geo.name} {g.name}: {fill}; first fit, start {start}; {tail}"
         if pid is WHOLE_GPU:
             what = "whole GPU"
         elif nxt is None:
@@ -809,7 +816,7 @@ class Fleet:
         else:
             what = f"start {start} keeps {nxt} placeable"
         loss = t.loss[sid][pid]
-        return f"{t.geo.name} GPU {g.gpu_id} (node {g.node_id}): {fill}; {what} (fragmentation cost {loss}); {tail}"
+        return f"{t.geo.name} {g.name}: {fill}; {what} (fragmentation cost {loss}); {tail}"
 
     def _no_capacity(self, t: _Tables, request: Request, shape: _Shape, own: _Pool | None) -> NoCapacity:
         geo = request.geometry

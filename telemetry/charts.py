@@ -217,7 +217,7 @@ def gpu_heatmap(per: Period, principal: Principal):
     else:
         gpus = list(Gpu.objects.order_by("node__hostname", "index").values_list("pk", "node__hostname", "index"))
         keys = {pk: i for i, (pk, _h, _i) in enumerate(gpus)}
-        labels = [f"{host}/gpu{index}" for _pk, host, index in gpus]
+        labels = [Gpu.label_for(host, index) for _pk, host, index in gpus]
         key = "gpu_id"
     cells = activity(per, key, step=step)
     ts = sorted({c["t"] for c in cells})
@@ -248,7 +248,7 @@ def mig_slot_map(per: Period, principal: Principal):
     code = {t: i + 1 for i, t in enumerate(tenants)}
     rows = []
     for pk, host, index, model, mig in gpus:
-        rows.append({"gpu": f"{host}/gpu{index}", "model": model, "mig": mig,
+        rows.append({"gpu": Gpu.label_for(host, index), "model": model, "mig": mig,
                      "slots": [held.get((pk, s), (None, None))[0] for s in range(8)],
                      "profiles": [held.get((pk, s), (None, None))[1] for s in range(8)]})
     z = [[code.get(t, 0) for t in r["slots"]] for r in rows]

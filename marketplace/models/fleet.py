@@ -73,7 +73,16 @@ class Gpu(models.Model):
         constraints = [models.UniqueConstraint(fields=["node", "index"], name="gpu_index_unique_per_node")]
 
     def __str__(self) -> str:
-        return f"{self.node.hostname}/gpu{self.index}"
+        return self.label
+
+    @staticmethod
+    def label_for(hostname: str, index: int) -> str:
+        """The one way every page names a GPU: its node and its NVML index, as nvidia-smi shows it."""
+        return f"{hostname} · GPU {index}"
+
+    @property
+    def label(self) -> str:
+        return Gpu.label_for(self.node.hostname, self.index)
 
 
 class GpuInstance(models.Model):

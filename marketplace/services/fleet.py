@@ -87,6 +87,7 @@ def _gpu_states(gpus) -> list[engine.GpuState]:
             instances=[(i.placement.profile.profile_id if i.placement_id else None, i.start, i.tenant_id)
                        for i in gpu.instances.all()],
             dedicated_tenant_id=gpu.dedicated_tenant_id, dedication_sticky=gpu.dedicated_sticky,
+            label=gpu.label,
         ))
     return states
 
@@ -96,7 +97,7 @@ def candidate_gpus(gpu_model: GpuModel, whole_gpu: bool):
     return (
         Gpu.objects.filter(gpu_model=gpu_model, state=Gpu.State.OK, node__state=Node.State.READY,
                            mig_mode=not whole_gpu)
-        .select_related("gpu_model")
+        .select_related("gpu_model", "node")
         .prefetch_related("instances__placement__profile")
     )
 

@@ -25,3 +25,13 @@ def unit_price(value, currency=None):
 @register.filter
 def count(value):
     return formatting.count(value)
+
+
+@register.filter
+def gpu_label(value, index=None):
+    """``{{ gpu|gpu_label }}`` (a Gpu) or ``{{ hostname|gpu_label:index }}``: the one GPU naming."""
+    from marketplace.models import Gpu
+
+    if isinstance(value, Gpu):
+        return value.label
+    return Gpu.label_for(value, index) if index is not None else value

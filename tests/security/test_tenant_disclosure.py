@@ -39,7 +39,7 @@ RIVAL_PK = 4_400_123
 RIVAL_GPUS = 3
 # Phrases of the engine's diagnostics that carry fleet figures or internal ids.
 LEAKY_PHRASES = ("GPUs of this model", "other tenants", "dedicated to tenant", "candidate", "fragmentation",
-                 "(node ", "in the fleet", "shared GPU is left")
+                 "(node ", " · GPU ", "in the fleet", "shared GPU is left")
 
 
 def _number(n: int) -> re.Pattern:
@@ -192,7 +192,7 @@ def test_operator_sees_the_placement_diagnostic(fw, operator, as_user):
     a = active_allocation(fw)
     body = as_user(operator).get(f"/api/v1/allocations/{a.pk}/").json()
     assert body["node"] == SECRET_HOST and body["gpu_uuid"] in fw["gpu_uuids"] and body["start"] is not None
-    diagnostic = f"(node {NODE_PK})"
+    diagnostic = f"{SECRET_HOST} · GPU "  # the one GPU naming: node hostname and NVML index
     assert diagnostic in body["placement_detail"] and "candidate" in body["placement_detail"]
     placed = next(e for e in body["events"] if e["to_state"] == "placed")
     assert diagnostic in placed["detail"]
@@ -206,7 +206,7 @@ def test_gpu_instances_of_a_tenant_hide_fleet_internals(fw, world, as_key, opera
     row = r.json()["results"][0]
     assert row["gi_id"] is None and row["ci_id"] is None and row["reason"] == "" and row["mig_uuid"] == a.mig_uuid
     op = as_user(operator).get("/api/v1/fleet/instances/").json()["results"][0]
-    assert op["node"] == SECRET_HOST and op["gi_id"] is not None and f"(node {NODE_PK})" in op["reason"]
+    assert op["node"] == SECRET_HOST and op["gi_id"] is not None and f"{SECRET_HOST} · GPU " in op["reason"]
 
 
 def test_portal_slice_page_hides_fleet_internals(fw, client):
@@ -225,7 +225,7 @@ def test_console_shows_the_diagnostic(fw, operator, client):
     a = active_allocation(fw)
     client.force_login(operator)
     text = client.get(reverse("console:allocation_detail", args=[a.pk])).content.decode()
-    assert f"(node {NODE_PK})" in text and SECRET_HOST in text
+    assert f"{SECRET_HOST} · GPU " in text
 
 
 def test_existing_leaky_events_are_rewritten_by_the_migration(fw):

@@ -255,7 +255,7 @@ def test_fleet_utilization_and_heatmap_numbers(h100_node, op_p):
     assert body["data"]["by_model"]["h100-sxm-80gb"]["avg"] == [40.0, 70.0]
     assert body["figure"]["data"][0]["y"] == [40.0, 70.0]
     heat = charts.figure_json("gpu-heatmap", op_p, params)["data"]
-    assert heat["gpus"][:2] == ["node-a/gpu0", "node-a/gpu1"]
+    assert heat["gpus"][:2] == ["node-a · GPU 0", "node-a · GPU 1"]
     assert heat["z"][0] == [20.0, 40.0] and heat["z"][1] == [60.0, 100.0] and heat["z"][2] == [None, None]
 
 
@@ -264,9 +264,9 @@ def test_mig_slot_map_shows_who_holds_which_slots(shop, op_p):
     a = shop["alpha"]["alloc"].instance
     b = shop["bravo"]["alloc"].instance
     rows = {r["gpu"]: r for r in data["gpus"]}
-    row_a = rows[f"node-a/gpu{a.gpu.index}"]
+    row_a = rows[f"node-a · GPU {a.gpu.index}"]
     assert [row_a["slots"][s] for s in range(a.start, a.start + a.size)] == ["alpha"] * 4
-    assert rows[f"node-a/gpu{b.gpu.index}"]["slots"][b.start] == "bravo"
+    assert rows[f"node-a · GPU {b.gpu.index}"]["slots"][b.start] == "bravo"
     assert data["used"] == 5 and data["free"] == 64 - 5 and data["tenants"] == ["alpha", "bravo"]
 
 
