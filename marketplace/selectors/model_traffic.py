@@ -40,12 +40,12 @@ def traffic_by_deployment(deployment_ids, since: datetime) -> dict[int, dict]:
               .annotate(req=Sum("requests"), tin=Sum("input_tokens"), tout=Sum("output_tokens"))):
         out[r["deployment_id"]].update(requests=int(r["req"] or 0), input_tokens=int(r["tin"] or 0),
                                        output_tokens=int(r["tout"] or 0))
-    for r in (TritonServedHourly.objects.filter(deployment_id__in=ids, hour__gte=start).values("deployment_id")
-              .annotate(f=Sum("failures"))):
-        out[r["deployment_id"]]["errors"] = int(r["f"] or 0)
-    for r in (UsageEvent.objects.filter(deployment_id__in=ids, ts__gte=since, latency_ms__isnull=False)
-              .values("deployment_id").annotate(avg=Avg("latency_ms"))):
-        out[r["deployment_id"]]["latency_avg_ms"] = round(r["avg"]) if r["avg"] is not None else None
+    for dep_id, failures in (TritonServedHourly.objects.filter(deployment_id__in=ids, hour__gte=start)
+                             .values("deployment_id").annotate(f=Sum("failures")).values_list("deployment_id", "f")):
+        out[dep_id]["errors"] = int(failures or 0)
+    for dep_id, avg in (UsageEvent.objects.filter(deployment_id__in=ids, ts__gte=since, latency_ms__isnull=False)
+                        .values("deployment_id").annotate(avg=Avg("latency_ms")).values_list("deployment_id", "avg")):
+        out[dep_id]["latency_avg_ms"] = round(avg) if avg is not None else None
     return out
 
 
@@ -54,7 +54,7 @@ def deployment_windows(deployment, now: datetime) -> list[dict]:
     errors, error rate and average latency — three queries (conditional aggregates, one per source)."""
     starts = {label: now - span for label, span in WINDOWS}
     usage = UsageHourly.objects.filter(deployment=deployment, hour__gte=_hour_floor(min(starts.values())))
-    agg = {}
+    agg: dict[str, Sum] = {}
     for label, start in starts.items():
         q = Q(hour__gte=_hour_floor(start))
         agg |= {_k(label, what): Sum(what, filter=q) for what in ("requests", "input_tokens", "output_tokens")}
