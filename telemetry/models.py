@@ -207,7 +207,8 @@ class EnergyHourly(models.Model):
     """Energy of one completed UTC hour, apportioned once by the downsampling job (telemetry.services.energy
     rollup_hours) so that long-range power charts sum rows instead of re-reading every sample. A row with
     a GPU: that GPU's kWh in the hour and the part no slice held (``unallocated_kwh``); a row without: one
-    allocation's (or tenant's) compute-share kWh across the fleet in the hour."""
+    allocation's (or tenant's) compute-share kWh across the fleet in the hour; one row with neither and 0 kWh
+    marks the hour as rolled up."""
 
     id = models.BigAutoField(primary_key=True)
     hour = models.DateTimeField(help_text="start of the UTC hour")

@@ -216,6 +216,7 @@ def rollup_hours(now: datetime | None = None, max_hours: int = 72, grace: timede
         rows = [EnergyHourly(hour=h, gpu_id=g, kwh=k, unallocated_kwh=rep.gpu_unallocated_kwh.get(g, 0.0))
                 for g, k in rep.gpu_kwh.items() if k]
         rows += [EnergyHourly(hour=h, allocation_id=a, tenant_id=t, kwh=k) for (a, t), k in rep.held_kwh.items() if k]
+        rows.append(EnergyHourly(hour=h))  # the hour is rolled up (even when nothing was drawn): charts count these
         with transaction.atomic():
             EnergyHourly.objects.filter(hour=h).delete()
             EnergyHourly.objects.bulk_create(rows, batch_size=2000)

@@ -402,6 +402,15 @@ def test_energy_rollup_sums_to_the_samples_and_serves_long_ranges(h100_node, pri
     assert rolled.tenant_kwh[alloc.tenant_id] == pytest.approx(direct.tenant_kwh[alloc.tenant_id])
     for g in gpus:
         assert rolled.gpu_kwh[g.pk] == pytest.approx(direct.gpu_kwh[g.pk])
+    # an hour with no samples is rolled up too (a marker row), so a range across it still reads the rollup
+    GpuSample.objects.filter(ts__gte=t0 + timedelta(hours=4), ts__lt=t0 + timedelta(hours=5)).delete()
+    EnergyHourly.objects.all().delete()
+    energy.rollup_hours(now=t0 + timedelta(hours=10, minutes=15))
+    assert EnergyHourly.objects.filter(hour=t0 + timedelta(hours=4), gpu__isnull=True, allocation__isnull=True,
+                                       tenant__isnull=True).exists()
+    expected = energy.apportion(start, end).total_kwh
+    with django_assert_max_num_queries(10):
+        assert energy.apportion_range(start, end).total_kwh == pytest.approx(expected)
     # a range the rollup does not cover reads the samples
     assert energy.apportion_range(t0 - timedelta(hours=5), end).total_kwh == pytest.approx(
         energy.apportion(t0 - timedelta(hours=5), end).total_kwh)
