@@ -226,15 +226,18 @@ def rollup_hours(now: datetime | None = None, max_hours: int = 72, grace: timede
 
 
 def apportion_range(start: datetime, end: datetime, coarsest: str = Resolution.RAW) -> EnergyReport:
-    """`apportion` for a chart: a long range sums the hourly rollup for its whole hours (when every one of
-    them is rolled up) and apportions only the partial hours at its edges from the samples; a short one,
-    or one the rollup does not cover yet, reads the samples throughout."""
+    """`apportion` for a chart: a long range sums the hourly rollup for its whole hours that are rolled up
+    (from its first whole hour on, without a gap) and apportions only the rest (the partial hour at its
+    start, the hours since the last rollup) from the samples; a short one, or one whose start the rollup
+    does not cover, reads the samples throughout."""
     lo, hi = _ceil_hour(start), _floor_hour(end)
     if hi - lo < ROLLUP_FROM:
         return apportion(start, end, coarsest=coarsest)
-    hours = EnergyHourly.objects.filter(hour__gte=lo, hour__lt=hi).aggregate(n=Count("hour", distinct=True))["n"]
-    if hours < (hi - lo) / HOUR:
+    got = EnergyHourly.objects.filter(hour__gte=lo, hour__lt=hi).aggregate(n=Count("hour", distinct=True),
+                                                                           first=Min("hour"), last=Max("hour"))
+    if got["first"] != lo or got["n"] != (got["last"] - lo) / HOUR + 1:
         return apportion(start, end, coarsest=coarsest)
+    hi = got["last"] + HOUR  # rolled up to here; the samples cover the rest
     report = EnergyReport(start, end)
     for gpu_id in Gpu.objects.values_list("pk", flat=True):
         report.gpu_kwh[gpu_id] = 0.0
