@@ -356,6 +356,7 @@ class SpendView(GenericAPIView):
     pagination_class = Pagination
     serializer_class = SpendRowSerializer
     queryset = Tenant.objects.none()  # for the schema; get() reads selectors.spend
+    filter_backends: list = []  # its filters are SpendQuery's (no ordering or search)
 
     @extend_schema(parameters=[SpendQuery], responses={200: SpendRowSerializer(many=True)})
     def get(self, request):

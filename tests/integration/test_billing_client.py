@@ -62,14 +62,14 @@ def test_generated_client_calls_the_billing_endpoints(generated_client, live_ser
     api = c.AuthenticatedClient(base_url=live_server.url, token=secret, raise_on_unexpected_status=True)
 
     from tessera_billing_client.api.v1 import (
-        v1_billing_spend_retrieve,
+        v1_billing_spend_list,
         v1_billing_usage_retrieve,
         v1_invoices_export_retrieve,
     )
     from tessera_billing_client.models import (
         Error,
         InvoiceExport,
-        Spend,
+        PaginatedSpendRowList,
         UsageSummary,
         V1BillingUsageRetrieveGroupBy,
         V1InvoicesExportRetrieveFormat,
@@ -80,8 +80,8 @@ def test_generated_client_calls_the_billing_endpoints(generated_client, live_ser
     assert isinstance(usage, UsageSummary)
     assert [(r.input_tokens, r.requests) for r in usage.results] == [(1_000_000, 3)]
 
-    spend = v1_billing_spend_retrieve.sync(client=api)
-    assert isinstance(spend, Spend) and spend.results[0].tenant == "integrator"
+    spend = v1_billing_spend_list.sync(client=api)  # paginated, like every list
+    assert isinstance(spend, PaginatedSpendRowList) and spend.count == 1 and spend.results[0].tenant == "integrator"
 
     export = v1_invoices_export_retrieve.sync(inv.pk, client=api, format_=V1InvoicesExportRetrieveFormat.JSON)
     assert isinstance(export, InvoiceExport)
