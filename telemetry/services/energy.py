@@ -39,10 +39,6 @@ def price_per_kwh() -> Decimal:
     return Decimal(str(getattr(settings, "TESSERA_ENERGY_PRICE_PER_KWH", "0.12")))
 
 
-def _increase(prev: float, cur: float) -> float:
-    return cur - prev if cur >= prev else cur
-
-
 @dataclass
 class EnergyReport:
     start: datetime
