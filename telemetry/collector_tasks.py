@@ -26,9 +26,10 @@ def collect_gpu_fleet() -> int:
 @shared_task(name="tessera.downsample_telemetry", acks_late=True, time_limit=600)
 def downsample_telemetry() -> dict:
     """Beat (control queue): roll raw samples up into 5-minute and hourly averages, apportion the energy of
-    each hour that has ended (EnergyHourly), then prune by retention (never a bucket that has not been
-    rolled up). Idempotent."""
+    each hour that has ended (EnergyHourly) and sum each complete day (EnergyDaily), then prune by retention
+    (never a bucket that has not been rolled up). Idempotent."""
     rolled = downsample.downsample()
     energy_hours = energy.rollup_hours()
+    energy_days = energy.rollup_days()
     pruned = downsample.prune()
-    return {"rolled": rolled, "energy_hours": energy_hours, "pruned": pruned}
+    return {"rolled": rolled, "energy_hours": energy_hours, "energy_days": energy_days, "pruned": pruned}

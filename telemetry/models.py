@@ -224,3 +224,24 @@ class EnergyHourly(models.Model):
 
     def __str__(self) -> str:
         return f"{self.hour:%Y-%m-%d %H}: {self.kwh:.3f} kWh"
+
+
+class EnergyDaily(models.Model):
+    """EnergyHourly summed per completed UTC day (telemetry.services.energy.rollup_days), once all 24 of its
+    hours are rolled up: month-long power charts sum 30 rows per GPU and allocation instead of 720. The
+    same rows as EnergyHourly (a GPU's, an allocation's or tenant's, and one marker with neither)."""
+
+    id = models.BigAutoField(primary_key=True)
+    day = models.DateTimeField(help_text="start of the UTC day")
+    gpu = models.ForeignKey("marketplace.Gpu", null=True, blank=True, on_delete=models.CASCADE, related_name="+")
+    allocation = models.ForeignKey("marketplace.Allocation", null=True, blank=True, on_delete=models.SET_NULL,
+                                   related_name="+")
+    tenant = models.ForeignKey("tenants.Tenant", null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    kwh = models.FloatField(default=0.0)
+    unallocated_kwh = models.FloatField(default=0.0)
+
+    class Meta:
+        indexes = [models.Index(fields=["day"])]
+
+    def __str__(self) -> str:
+        return f"{self.day:%Y-%m-%d}: {self.kwh:.3f} kWh"

@@ -18,16 +18,17 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from decimal import ROUND_HALF_UP, Decimal
 
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import Case, Count, F, Max, Min, Q, Sum, When
+from django.db.models import Case, Count, F, Max, Min, Q, QuerySet, Sum, When
+from django.db.models.functions import TruncDay
 from django.utils import timezone
 
 from marketplace.models import Allocation, Gpu, GpuModel, Tier
-from telemetry.models import EnergyHourly, GpuSample, MigSample, Resolution, UsageHourly
+from telemetry.models import EnergyDaily, EnergyHourly, GpuSample, MigSample, Resolution, UsageHourly
 
 J_PER_KWH = 3_600_000.0
 STEP = {Resolution.RAW: timedelta(0), Resolution.FIVE_MIN: timedelta(minutes=5), Resolution.HOUR: timedelta(hours=1)}
@@ -221,35 +222,93 @@ def rollup_hours(now: datetime | None = None, max_hours: int = 72, grace: timede
     return done
 
 
-def apportion_range(start: datetime, end: datetime, coarsest: str = Resolution.RAW) -> EnergyReport:
-    """`apportion` for a chart: a long range sums the hourly rollup for its whole hours that are rolled up
-    (from its first whole hour on, without a gap) and apportions only the rest (the partial hour at its
-    start, the hours since the last rollup) from the samples; a short one, or one whose start the rollup
-    does not cover, reads the samples throughout."""
-    lo, hi = _ceil_hour(start), _floor_hour(end)
-    if hi - lo < ROLLUP_FROM:
-        return apportion(start, end, coarsest=coarsest)
-    got = EnergyHourly.objects.filter(hour__gte=lo, hour__lt=hi).aggregate(n=Count("hour", distinct=True),
-                                                                           first=Min("hour"), last=Max("hour"))
-    if got["first"] != lo or got["n"] != (got["last"] - lo) / HOUR + 1:
-        return apportion(start, end, coarsest=coarsest)
-    hi = got["last"] + HOUR  # rolled up to here; the samples cover the rest
-    report = EnergyReport(start, end)
-    for gpu_id in Gpu.objects.values_list("pk", flat=True):
-        report.gpu_kwh[gpu_id] = 0.0
-    rolled = EnergyHourly.objects.filter(hour__gte=lo, hour__lt=hi)
+DAY = timedelta(days=1)
+
+
+def _floor_day(t: datetime) -> datetime:
+    return t.replace(hour=0, minute=0, second=0, microsecond=0)
+
+
+#: the row of a rollup (hourly or daily) that marks its hour or day as rolled up
+MARKER = Q(gpu__isnull=True, allocation__isnull=True, tenant__isnull=True)
+
+
+def rollup_days() -> int:
+    """Sum each UTC day whose 24 hours are all in EnergyHourly (and that is not rolled up yet) into
+    EnergyDaily, with a marker row; a day is replaced whole, so running it again is harmless. Returns
+    the days written."""
+    mark = EnergyDaily.objects.aggregate(m=Max("day"))["m"]
+    hours = EnergyHourly.objects.filter(MARKER)
+    if mark is not None:
+        hours = hours.filter(hour__gte=mark + DAY)
+    days = [d for d, n in (hours.annotate(d=TruncDay("hour", tzinfo=UTC)).values("d").order_by("d")
+                           .annotate(n=Count("hour", distinct=True)).values_list("d", "n")) if n == 24]
+    for day in days:
+        rolled = EnergyHourly.objects.filter(hour__gte=day, hour__lt=day + DAY).exclude(MARKER)
+        rows = [EnergyDaily(day=day, gpu_id=g, kwh=k or 0.0, unallocated_kwh=u or 0.0) for g, k, u in (
+            rolled.filter(gpu__isnull=False).values("gpu_id").order_by()
+            .annotate(k=Sum("kwh"), u=Sum("unallocated_kwh")).values_list("gpu_id", "k", "u"))]
+        rows += [EnergyDaily(day=day, allocation_id=a, tenant_id=t, kwh=k or 0.0) for a, t, k in (
+            rolled.filter(gpu__isnull=True).values("allocation_id", "tenant_id").order_by()
+            .annotate(k=Sum("kwh")).values_list("allocation_id", "tenant_id", "k"))]
+        rows.append(EnergyDaily(day=day))  # the marker: the day is rolled up
+        with transaction.atomic():
+            EnergyDaily.objects.filter(day=day).delete()
+            EnergyDaily.objects.bulk_create(rows, batch_size=2000)
+    return len(days)
+
+
+def _add_rolled(report: EnergyReport, rolled: QuerySet) -> None:
+    """Sum rollup rows (EnergyHourly or EnergyDaily) into `report`: two grouped queries."""
     for gpu_id, kwh, unheld in (rolled.filter(gpu__isnull=False).values("gpu_id").order_by()
                                 .annotate(k=Sum("kwh"), u=Sum("unallocated_kwh")).values_list("gpu_id", "k", "u")):
-        report.gpu_kwh[gpu_id] = kwh or 0.0
-        report.gpu_unallocated_kwh[gpu_id] = unheld or 0.0
+        report.gpu_kwh[gpu_id] = report.gpu_kwh.get(gpu_id, 0.0) + (kwh or 0.0)
+        report.gpu_unallocated_kwh[gpu_id] += unheld or 0.0
         report.unallocated_kwh += unheld or 0.0
-    for alloc, tenant, kwh in (rolled.filter(gpu__isnull=True).values("allocation_id", "tenant_id").order_by()
-                               .annotate(k=Sum("kwh")).values_list("allocation_id", "tenant_id", "k")):
+    for alloc, tenant, kwh in (rolled.filter(gpu__isnull=True).exclude(MARKER).values("allocation_id", "tenant_id")
+                               .order_by().annotate(k=Sum("kwh")).values_list("allocation_id", "tenant_id", "k")):
         report.held_kwh[(alloc, tenant)] += kwh or 0.0
         if alloc is not None:
             report.allocation_kwh[alloc] += kwh or 0.0
         if tenant is not None:
             report.tenant_kwh[tenant] += kwh or 0.0
+
+
+def _covered_run(rows: QuerySet, field: str, lo: datetime, hi: datetime, step: timedelta
+                 ) -> tuple[datetime, datetime] | None:
+    """The span [first, last + step) of rollup markers in [lo, hi) when they have no gap; else None."""
+    got = rows.filter(**{f"{field}__gte": lo, f"{field}__lt": hi}).aggregate(
+        n=Count(field, distinct=True), first=Min(field), last=Max(field))
+    if got["first"] is None or got["n"] != (got["last"] - got["first"]) / step + 1:
+        return None
+    return got["first"], got["last"] + step
+
+
+def apportion_range(start: datetime, end: datetime, coarsest: str = Resolution.RAW) -> EnergyReport:
+    """`apportion` for a chart: a long range sums the energy rollups for its whole hours that are rolled up
+    (from its first whole hour on, without a gap): the daily rollup for its whole days that have one, the
+    hourly rollup for the other hours; only the rest (the partial hour at its start, the hours since the
+    last rollup) is apportioned from the samples. A short one, or one whose start the hourly rollup does
+    not cover, reads the samples throughout."""
+    lo, hi = _ceil_hour(start), _floor_hour(end)
+    if hi - lo < ROLLUP_FROM:
+        return apportion(start, end, coarsest=coarsest)
+    hourly = _covered_run(EnergyHourly.objects.all(), "hour", lo, hi, HOUR)
+    if hourly is None or hourly[0] != lo:
+        return apportion(start, end, coarsest=coarsest)
+    hi = hourly[1]  # rolled up to here; the samples cover the rest
+    report = EnergyReport(start, end)
+    for gpu_id in Gpu.objects.values_list("pk", flat=True):
+        report.gpu_kwh[gpu_id] = 0.0
+    d_lo = _floor_day(lo) if _floor_day(lo) == lo else _floor_day(lo) + DAY
+    daily = (_covered_run(EnergyDaily.objects.filter(MARKER), "day", d_lo, _floor_day(hi), DAY)
+             if _floor_day(hi) - d_lo >= DAY else None)
+    if daily is None:
+        _add_rolled(report, EnergyHourly.objects.filter(hour__gte=lo, hour__lt=hi))
+    else:
+        _add_rolled(report, EnergyDaily.objects.filter(day__gte=daily[0], day__lt=daily[1]))
+        _add_rolled(report, EnergyHourly.objects.filter(Q(hour__gte=lo, hour__lt=daily[0])
+                                                        | Q(hour__gte=daily[1], hour__lt=hi)))
     if start < lo:
         report.add(apportion(start, lo, coarsest=Resolution.FIVE_MIN))
     if hi < end:

@@ -228,12 +228,14 @@ def main() -> None:
         seed_usage(args.events)
         seed_samples()
     Invoice.objects.filter(status="draft").delete()  # the beat opens and rates this month's drafts
-    from telemetry.models import EnergyHourly
+    from telemetry.models import EnergyDaily, EnergyHourly
     from telemetry.services import energy
 
     t1 = time.perf_counter()
     EnergyHourly.objects.all().delete()
+    EnergyDaily.objects.all().delete()
     hours = energy.rollup_hours(max_hours=24 * 31)  # what the downsampling job keeps up to date each hour
+    days = energy.rollup_days()  # and each complete day
     energy_s = time.perf_counter() - t1
     built_s = time.perf_counter() - t0
     t1 = time.perf_counter()
@@ -247,8 +249,8 @@ def main() -> None:
               "slice samples": MigSample.objects.count()}
     print(f"database {connection.vendor}; seeded in {built_s:.0f} s: " + ", ".join(f"{v:,} {k}"
                                                                                  for k, v in counts.items()))
-    print(f"energy rollup: {hours} hours apportioned in {energy_s:.0f} s ({energy_s / max(hours, 1) * 1000:.0f} ms "
-          f"per hour, the downsampling job's work each hour)")
+    print(f"energy rollup: {hours} hours apportioned and {days} days summed in {energy_s:.0f} s "
+          f"({energy_s / max(hours, 1) * 1000:.0f} ms per hour, the downsampling job's work each hour)")
     client = Client()
     client.force_login(data["op"])
     month = billing.month_of(now)

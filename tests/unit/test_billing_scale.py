@@ -416,6 +416,48 @@ def test_energy_rollup_sums_to_the_samples_and_serves_long_ranges(h100_node, pri
         energy.apportion(t0 - timedelta(hours=5), end).total_kwh)
 
 
+def test_energy_daily_rollup_stands_for_its_hours_in_long_ranges(h100_node, priced, django_assert_max_num_queries):
+    from telemetry.models import EnergyDaily, EnergyHourly
+    from telemetry.services import energy
+
+    day0 = (timezone.now() - timedelta(days=3)).replace(hour=0, minute=0, second=0, microsecond=0)
+    t0 = day0 - timedelta(hours=5)  # the hourly rollup starts mid-day: that day is never complete
+    gpu = Gpu.objects.order_by("index").first()
+    alloc = AllocationFactory(order=OrderFactory(tier=priced))
+    rows, mig = [], []
+    for m in range(0, 60 * 60 + 1, 10):  # 60 hours, a sample every 10 minutes
+        ts = t0 + timedelta(minutes=m)
+        rows.append(GpuSample(gpu=gpu, resolution=Resolution.RAW, ts=ts, activity=0.5, memory_used_mb=1,
+                              memory_total_mb=2, power_w=500, energy_j=1e6 + m * 120_000 + (m // 600) * 7_000,
+                              temperature_c=50, sm_clock_mhz=1900))
+        if m % 20 == 0:  # a 3g slice a third of the time
+            mig.append(MigSample(gpu=gpu, mig_uuid="MIG-a", gi_id=1, compute_slices=3, allocation=alloc,
+                                 tenant=alloc.tenant, resolution=Resolution.RAW, ts=ts, memory_used_mb=1,
+                                 memory_total_mb=2))
+    GpuSample.objects.bulk_create(rows)
+    MigSample.objects.bulk_create(mig)
+    assert energy.rollup_hours(now=t0 + timedelta(hours=60, minutes=15), max_hours=100) == 60
+    assert energy.rollup_days() == 2  # day0 and day0 + 1: the first and last days are partial
+    assert energy.rollup_days() == 0  # nothing new: idempotent
+    assert sorted(EnergyDaily.objects.filter(energy.MARKER).values_list("day", flat=True)) == [
+        day0, day0 + timedelta(days=1)]
+    start, end = t0 + timedelta(minutes=30), t0 + timedelta(hours=59, minutes=40)
+    direct = energy.apportion(start, end)
+    # the days' rows stand for their hours: without the hours' own rows (their markers stay) the answer holds
+    EnergyHourly.objects.filter(hour__gte=day0, hour__lt=day0 + timedelta(days=2)).exclude(energy.MARKER).delete()
+    with django_assert_max_num_queries(13):  # markers, days, hours, the two edges from the samples
+        rolled = energy.apportion_range(start, end)
+    assert direct.total_kwh > 0 and direct.allocation_kwh[alloc.pk] > 0
+    assert rolled.total_kwh == pytest.approx(direct.total_kwh)
+    assert rolled.unallocated_kwh == pytest.approx(direct.unallocated_kwh)
+    assert rolled.gpu_kwh[gpu.pk] == pytest.approx(direct.gpu_kwh[gpu.pk])
+    assert rolled.allocation_kwh[alloc.pk] == pytest.approx(direct.allocation_kwh[alloc.pk])
+    assert rolled.tenant_kwh[alloc.tenant_id] == pytest.approx(direct.tenant_kwh[alloc.tenant_id])
+    # a gap in the daily rollup: the hours are read instead (here: missing, so less than the samples)
+    EnergyDaily.objects.filter(day=day0).delete()
+    assert energy.apportion_range(start, end).total_kwh < direct.total_kwh
+
+
 def test_every_billing_read_makes_the_same_queries_for_more_tenants(priced, as_user, operator):
     """Beyond the lists above: filtered spend pages, the credit-note list, every usage grouping, and one
     invoice's detail and exports (JSON, CSV) — at 2 and 8 tenants."""
