@@ -29,7 +29,7 @@ from plotly.subplots import make_subplots
 
 from marketplace.formatting import plotly_unit_price_format
 from marketplace.models import Allocation, Gpu, GpuSlot, InvoiceLine, Node, Tier
-from marketplace.services.billing import amount_between, amount_by_bucket, rated_lines_many
+from marketplace.services.billing import amount_between, amount_by_bucket, spread_lines_many
 from telemetry.models import GpuSample, Resolution, UsageHourly
 from telemetry.services import energy
 from telemetry.sqlbuckets import EpochBucket, from_epoch
@@ -284,7 +284,7 @@ def tier_spend(per: Period) -> dict[int, dict]:
     out: dict[int, dict] = defaultdict(lambda: {"requests": 0, "tokens": 0, "token_amount": Decimal(0),
                                                  "slice_amount": Decimal(0), "commitment_amount": Decimal(0)})
     priced = set()
-    for tid, lines in rated_lines_many(_tenants_used(per), per.start, per.end).items():
+    for tid, lines in spread_lines_many(_tenants_used(per), per.start, per.end).items():
         for d, currency in lines:
             if currency != per.currency:
                 continue
@@ -426,7 +426,7 @@ def tenant_usage(per: Period, principal: Principal, params: dict | None = None):
     currency: dict[int, str] = {}
     wanted = (params.get("currency") or "").upper() or None  # given: only the tenants billed in it
     # the invoices' own rating, in each invoice's currency, its token pieces cut at the buckets
-    rated = rated_lines_many(_tenants_used(per, slug), per.start, per.end, step=int(step.total_seconds()))
+    rated = spread_lines_many(_tenants_used(per, slug), per.start, per.end, step=int(step.total_seconds()))
     for tid, lines in rated.items():
         for d, cur in lines:
             currency.setdefault(tid, cur)

@@ -252,31 +252,40 @@ class Rated:
 Pieces = tuple[int, datetime, datetime]
 
 
+def _piece(pieces: Pieces) -> Case:
+    """SQL: the piece of an hourly row (see token_groups)."""
+    step, lo, hi = pieces
+    hour = timedelta(hours=1)
+    return Case(When(hour__lt=lo - hour, then=Value(-1)), When(hour__gte=hi + hour, then=Value(-2)),
+                When(Q(hour__lt=lo) | Q(hour__gte=hi), then=EpochBucket("hour", 3600)),
+                default=EpochBucket("hour", step), output_field=BigIntegerField())
+
+
+TIER, PLAN_KIND = "deployment__allocation__tier_id", "deployment__allocation__order__plan_kind"
+
+
 def token_groups(rows: QuerySet, book: PlanBook, month_start: datetime, pieces: Pieces | None = None, *,
-                 by_tenant: bool = False):
+                 by_tenant: bool = False, by_deployment: bool = True):
     """UsageHourly `rows` summed by the database per (deployment, adapter, tier, plan kind, plan in force,
     late: before `month_start`, month[, piece]): the rating's token input, however many hours there are.
     pieces = (step, lo, hi): also per UTC time bucket of `step` seconds inside [lo, hi), each hour a period's
     edges cut (just outside [lo, hi)) its own piece, and the hours before and after in one piece each.
-    Yields dicts with the sums, first/last hour and the number of hours."""
-    tier, kind = "deployment__allocation__tier_id", "deployment__allocation__order__plan_kind"
+    by_deployment=False: summed over deployments and adapters (what spreading a month's lines over time
+    needs). Yields dicts with the sums, first/last hour and the number of hours."""
     qs = rows.annotate(
-        plan_id=book.case(tier, kind, "hour"),
+        plan_id=book.case(TIER, PLAN_KIND, "hour"),
         late=Case(When(hour__lt=month_start, then=Value(True)), default=Value(False), output_field=BooleanField()),
         month=TruncMonth("hour", tzinfo=UTC))
-    keys = ["deployment_id", "adapter", tier, kind, "plan_id", "late", "month"] + (["tenant_id"] if by_tenant else [])
+    keys = ((["deployment_id", "adapter"] if by_deployment else []) + [TIER, PLAN_KIND, "plan_id", "late", "month"]
+            + (["tenant_id"] if by_tenant else []))
     if pieces:
-        step, lo, hi = pieces
-        hour = timedelta(hours=1)
-        qs = qs.annotate(piece=Case(When(hour__lt=lo - hour, then=Value(-1)), When(hour__gte=hi + hour, then=Value(-2)),
-                                    When(Q(hour__lt=lo) | Q(hour__gte=hi), then=EpochBucket("hour", 3600)),
-                                    default=EpochBucket("hour", step), output_field=BigIntegerField()))
+        qs = qs.annotate(piece=_piece(pieces))
         keys.append("piece")
     for g in (qs.values(*keys).annotate(
             input_tokens=Sum("input_tokens"), output_tokens=Sum("output_tokens"),
             billed_input_tokens=Sum("billed_input_tokens"), billed_output_tokens=Sum("billed_output_tokens"),
             requests=Sum("requests"), first=Min("hour"), last=Max("hour"), hours=Count("pk")).order_by(*keys)):
-        g["tier_id"], g["plan_kind"] = g.pop(tier), g.pop(kind)
+        g["tier_id"], g["plan_kind"] = g.pop(TIER), g.pop(PLAN_KIND)
         yield g
 
 
@@ -394,17 +403,25 @@ def rate_month(inp: MonthInputs, start: datetime, end: datetime, now: datetime
     return out, list(unpriced), late_reserved
 
 
-def rate_months_many(tenants: list[Tenant], period_start: date, now: datetime,
-                     pieces: Pieces | None = None) -> dict[int, tuple[list[Draft], str]]:
-    """The month's own lines (no adjustments, credits or corrections: what the charts count) of many
-    tenants, each rated by `rate_month` exactly as its invoice is, in its invoice's currency, with a
-    fixed number of queries: one per currency in use for the usage, plus a handful."""
-    start, end = bounds(period_start)
+def _month_books(tenants: list[Tenant], period_start: date) -> tuple[dict[int, str], dict[str, PlanBook]]:
+    """Each tenant's currency for the month (its invoice's, else its own) and a plan book per currency."""
     ids = [t.pk for t in tenants]
     invoiced = dict(Invoice.objects.filter(tenant_id__in=ids, period_start=period_start)
                     .values_list("tenant_id", "currency"))
     currency = {t.pk: invoiced.get(t.pk) or t.currency for t in tenants}
-    books = PlanBook.many(set(currency.values()))
+    return currency, PlanBook.many(set(currency.values()))
+
+
+def rate_months_many(tenants: list[Tenant], period_start: date, now: datetime,
+                     pieces: Pieces | None = None, *, tokens: Q | None = None
+                     ) -> dict[int, tuple[list[Draft], str]]:
+    """The month's own lines (no adjustments, credits or corrections: what the charts count) of many
+    tenants, each rated by `rate_month` exactly as its invoice is, in its invoice's currency, with a
+    fixed number of queries: one per currency in use for the usage, plus a handful. tokens: only the
+    usage rows it matches are rated (default: all)."""
+    start, end = bounds(period_start)
+    ids = [t.pk for t in tenants]
+    currency, books = _month_books(tenants, period_start)
     allocs: dict[int, list[Allocation]] = defaultdict(list)
     for a in _active_allocations(start, end, now).filter(tenant_id__in=ids):
         allocs[a.tenant_id].append(a)
@@ -412,7 +429,7 @@ def rate_months_many(tenants: list[Tenant], period_start: date, now: datetime,
     for cur, book in books.items():
         mine = [t for t in ids if currency[t] == cur]
         rows = UsageHourly.objects.filter(tenant_id__in=mine, hour__gte=start, hour__lt=end)
-        for g in token_groups(rows, book, start, pieces, by_tenant=True):
+        for g in token_groups(rows if tokens is None else rows.filter(tokens), book, start, pieces, by_tenant=True):
             groups[g.pop("tenant_id")].append(g)
     every = [g for gs in groups.values() for g in gs]
     tiers = Tier.objects.in_bulk({g["tier_id"] for g in every})
@@ -500,9 +517,7 @@ def rated_lines_many(tenants: list[Tenant], start: datetime, end: datetime, now:
     it). Spread a line over [start, end) or over UTC buckets of `step` seconds inside it with
     `amount_between` (exact: token pieces are cut there)."""
     now = now or timezone.now()
-    lo = start.replace(minute=0, second=0, microsecond=0)
-    lo = lo if lo == start else lo + timedelta(hours=1)
-    hi = end.replace(minute=0, second=0, microsecond=0)
+    lo, hi = _whole_hours(start, end)
     out: dict[int, list[tuple[Draft, str]]] = defaultdict(list)
     if not tenants:
         return out
@@ -511,6 +526,62 @@ def rated_lines_many(tenants: list[Tenant], start: datetime, end: datetime, now:
         for tid, (drafts, currency) in rate_months_many(tenants, m, min(now, m_end), (step, lo, hi)).items():
             out[tid].extend((d, currency) for d in drafts if d.kind not in NOT_THIS_MONTH)
     return out
+
+
+TOKEN_KINDS = (L.INPUT_TOKENS, L.OUTPUT_TOKENS)
+
+
+def spread_lines_many(tenants: list[Tenant], start: datetime, end: datetime, now: datetime | None = None,
+                      step: int = 10**9) -> dict[int, list[tuple[Draft, str]]]:
+    """`rated_lines_many` for charts, with a fixed number of queries per month whatever the fleet: the same
+    month rating, but its token lines summed per tier and plan in force (a chart never shows a deployment's
+    line) and cut into pieces from the hourly rollups near [start, end) only. Each month's token lines of
+    reserved plans are still rated per line (they decide the commitment top-ups, on rounded amounts); the
+    on-demand ones need no month total. `amount_between` and `amount_by_bucket` of what it returns equal
+    those of `rated_lines_many` (token amounts are linear: the same tokens at the same plans)."""
+    now = now or timezone.now()
+    lo, hi = _whole_hours(start, end)
+    hour = timedelta(hours=1)
+    out: dict[int, list[tuple[Draft, str]]] = defaultdict(list)
+    if not tenants:
+        return out
+    ids = [t.pk for t in tenants]
+    reserved = Q(**{PLAN_KIND: PricePlan.Kind.RESERVED})
+    for m in _months(start, min(end, now)):
+        m_start, m_end = bounds(m)
+        month = rate_months_many(tenants, m, min(now, m_end), tokens=reserved)
+        for tid, (drafts, currency) in month.items():
+            out[tid].extend((d, currency) for d in drafts if d.kind not in NOT_THIS_MONTH and d.kind not in TOKEN_KINDS)
+        currency = {tid: cur for tid, (_, cur) in month.items()}
+        books = PlanBook.many(set(currency.values()))
+        groups: list[tuple[str, dict]] = []
+        for cur, book in books.items():
+            rows = UsageHourly.objects.filter(tenant_id__in=[t for t in ids if currency[t] == cur],
+                                              hour__gte=max(m_start, lo - hour), hour__lt=min(m_end, hi + hour))
+            groups += [(cur, g) for g in token_groups(rows, book, m_start, (step, lo, hi), by_tenant=True,
+                                                      by_deployment=False)]
+        tiers = Tier.objects.in_bulk({g["tier_id"] for _, g in groups})
+        lines: dict[tuple, Draft] = {}
+        for cur, g in groups:
+            plan = books[cur].plan(g["plan_id"])
+            if plan is None:  # no price in force: the invoice alerts; a chart has nothing to add
+                continue
+            for kind, tokens in ((L.INPUT_TOKENS, g["input_tokens"]), (L.OUTPUT_TOKENS, g["output_tokens"])):
+                if tokens <= 0:
+                    continue
+                key = (g["tenant_id"], kind, plan.pk)
+                d = lines.get(key)
+                if d is None:
+                    d = lines[key] = Draft(kind, tiers[g["tier_id"]], plan, "", "1M tokens")
+                    out[g["tenant_id"]].append((d, cur))
+                d.add(Decimal(tokens) / MILLION, g["first"], g["last"] + hour)
+    return out
+
+
+def _whole_hours(start: datetime, end: datetime) -> tuple[datetime, datetime]:
+    """[lo, hi): the whole UTC hours inside [start, end)."""
+    lo = start.replace(minute=0, second=0, microsecond=0)
+    return (lo if lo == start else lo + timedelta(hours=1)), end.replace(minute=0, second=0, microsecond=0)
 
 
 def amount_between(d: Draft, lo: datetime, hi: datetime) -> Decimal:

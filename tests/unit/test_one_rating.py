@@ -4,6 +4,7 @@ billed in EUR is charted in EUR at its EUR prices, not on a USD axis."""
 
 from __future__ import annotations
 
+from collections import defaultdict
 from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
 
@@ -21,6 +22,7 @@ D = Decimal
 T0 = datetime(2026, 10, 1, tzinfo=UTC)
 NOV1 = datetime(2026, 11, 1, tzinfo=UTC)
 OPERATOR = Principal(is_operator=True)
+TINY = D("1e-20")
 
 
 @pytest.fixture
@@ -81,3 +83,51 @@ def test_planner_list_price_is_the_ratings_prices(reserved_tenant):
     plan = billing.PlanBook("USD").at(tier.pk, "on_demand", datetime.now(UTC))
     # 2 slices for an hour + 1M tokens (half input at 0.10, half output at 0.40 per 1M): 4.00 + 0.25
     assert billing.list_price_per_hour(plan, 2, 1_000_000, 0.5) == pytest.approx(4.25)
+
+
+def test_charts_spread_the_same_money_as_the_invoices_lines(reserved_tenant, tiers):
+    """spread_lines_many (the charts': token lines summed per plan, pieces read near the range only) gives
+    every range and bucket the same amounts as rated_lines_many (the invoices' lines, each deployment's)."""
+    t, tier = reserved_tenant
+    other = TenantFactory(slug="ondemand", currency="USD")
+    on_demand = Order.objects.create(tenant=other, tier=tier, plan_kind="on_demand")
+    a = Allocation.objects.create(order=on_demand, tenant=other, tier=tier, state="active", activated_at=T0)
+    # a price change inside the range
+    base = PricePlan.objects.get(tier=tier, kind="on_demand", currency="USD")
+    PricePlan.objects.create(tier=tier, kind="on_demand", currency="USD", effective_from=T0 + timedelta(hours=30),
+                             price_per_slice_hour=D("2.5000"), price_per_1m_input_tokens=D("0.7000"),
+                             price_per_1m_output_tokens=base.price_per_1m_output_tokens + D("0.0300"))
+    deps = [ModelDeployment.objects.create(allocation=a, tenant=other, name=f"m{i}", backend="python", spec={},
+                                           memory_mb=10, state="ready") for i in range(3)]
+    resv_dep = ModelDeployment.objects.get(tenant=t)
+    for h in range(0, 60):
+        for i, dep in enumerate(deps):
+            if (h + i) % 3:
+                UsageHourly.objects.create(tenant=other, deployment=dep, hour=T0 + timedelta(hours=h),
+                                           adapter="chat" if i == 2 and h % 2 else "",
+                                           input_tokens=1_000 * (h + 1) + 17 * i, output_tokens=333 * (i + 1) + h,
+                                           requests=3)
+        if h % 4 == 2:
+            UsageHourly.objects.create(tenant=t, deployment=resv_dep, hour=T0 + timedelta(hours=h),
+                                       input_tokens=70_001 + h, output_tokens=9_999, requests=1)
+    tenants = [t, other]
+    now = T0 + timedelta(days=40)
+    for start, end in ((T0 + timedelta(hours=2, minutes=20), T0 + timedelta(hours=41, minutes=35)),
+                       (T0 - timedelta(days=3), T0 + timedelta(days=33)),
+                       (T0 + timedelta(hours=29), T0 + timedelta(hours=31))):
+        exact = billing.rated_lines_many(tenants, start, end, now)
+        fast = billing.spread_lines_many(tenants, start, end, now)
+        for tid in (t.pk, other.pk):
+            want = sum(billing.amount_between(d, start, end) for d, _ in exact[tid])
+            assert want != 0 and abs(sum(billing.amount_between(d, start, end) for d, _ in fast[tid]) - want) < TINY
+        for step in (timedelta(hours=1), timedelta(days=1)):
+            exact = billing.rated_lines_many(tenants, start, end, now, step=int(step.total_seconds()))
+            fast = billing.spread_lines_many(tenants, start, end, now, step=int(step.total_seconds()))
+            for tid in (t.pk, other.pk):
+                want, got = defaultdict(Decimal), defaultdict(Decimal)
+                for lines, into in ((exact[tid], want), (fast[tid], got)):
+                    for d, _ in lines:
+                        for b, x in billing.amount_by_bucket(d, start, end, step).items():
+                            into[b] += x
+                assert set(got) == set(want) and any(want.values())
+                assert all(abs(got[b] - want[b]) < TINY for b in want)  # equal but for Decimal's 28th digit
