@@ -268,9 +268,11 @@ def mig_slot_map(per: Period, principal: Principal):
 
 def _tenants_used(per: Period, tenant_ids=None) -> list[Tenant]:
     """Tenants with usage or an allocation active in the period (the ones there is anything to rate)."""
-    used = set(UsageHourly.objects.filter(hour__gte=per.start, hour__lt=per.end).values_list("tenant_id", flat=True))
+    used = set(UsageHourly.objects.filter(hour__gte=per.start, hour__lt=per.end).order_by()
+               .values_list("tenant_id", flat=True).distinct())
     used |= set(Allocation.objects.filter(activated_at__isnull=False, activated_at__lt=per.end)
-                .filter(Q(released_at__isnull=True) | Q(released_at__gt=per.start)).values_list("tenant_id", flat=True))
+                .filter(Q(released_at__isnull=True) | Q(released_at__gt=per.start)).order_by()
+                .values_list("tenant_id", flat=True).distinct())
     if tenant_ids is not None:
         used &= set(tenant_ids)
     return list(Tenant.objects.filter(pk__in=used).order_by("pk"))

@@ -851,23 +851,26 @@ def periods_used(now: datetime | None = None, since: datetime | None = None,
 def ensure_invoices(now: datetime | None = None, tenant: Tenant | None = None,
                     since: datetime | None = None) -> list[Invoice]:
     """Create the missing invoice (a draft, in the tenant's currency) of every period in which a
-    tenant used something or held capacity. Returns the invoices created. since: see periods_used."""
+    tenant used something or held capacity, with one INSERT. Returns the invoices opened (a concurrent
+    run's among them, if it opened one of the same at the same time). since: see periods_used."""
     now = now or timezone.now()
     used = periods_used(now, since, tenant)
     if tenant is not None:
         used = {tenant.pk: used.get(tenant.pk, set())}
     have = set(Invoice.objects.filter(tenant_id__in=list(used)).values_list("tenant_id", "period_start"))
-    tenants = {t.pk: t for t in Tenant.objects.filter(pk__in=list(used))}
-    created = []
-    for tenant_id, months in sorted(used.items()):
-        for m in sorted(months):
-            if (tenant_id, m) not in have:
-                inv, made = Invoice.objects.get_or_create(
-                    tenant_id=tenant_id, period_start=m,
-                    defaults={"period_end": next_month(m), "currency": tenants[tenant_id].currency})
-                if made:
-                    log.info("invoice opened", extra={"tenant": tenant_id, "period": str(m)})
-                    created.append(inv)
+    missing = sorted((t, m) for t, months in used.items() for m in months if (t, m) not in have)
+    if not missing:
+        return []
+    currency = dict(Tenant.objects.filter(pk__in={t for t, _ in missing}).values_list("pk", "currency"))
+    # one INSERT for all (another run may have opened some meanwhile: the unique constraint skips those)
+    Invoice.objects.bulk_create([Invoice(tenant_id=t, period_start=m, period_end=next_month(m), currency=currency[t])
+                                 for t, m in missing], ignore_conflicts=True, batch_size=1000)
+    wanted = Q()
+    for m in {m for _, m in missing}:
+        wanted |= Q(period_start=m, tenant_id__in=[t for t, mm in missing if mm == m])
+    created = list(Invoice.objects.filter(wanted, status=Invoice.Status.DRAFT).order_by("tenant_id", "period_start"))
+    for inv in created:
+        log.info("invoice opened", extra={"tenant": inv.tenant_id, "period": str(inv.period_start)})
     return created
 
 

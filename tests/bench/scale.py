@@ -199,6 +199,9 @@ def main() -> None:
         import django
 
         django.setup()
+        from django.core.management import call_command
+
+        call_command("migrate", verbosity=0)  # the scratch set may predate a migration
     else:
         scratch = setup_django("tessera_bench_scale", "tessera-bench-scale-")
     from django.conf import settings
