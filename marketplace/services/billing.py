@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
 from decimal import ROUND_HALF_UP, Decimal
@@ -270,21 +271,24 @@ def token_groups(rows: QuerySet, book: PlanBook, month_start: datetime, pieces: 
     late: before `month_start`, month[, piece]): the rating's token input, however many hours there are.
     pieces = (step, lo, hi): also per UTC time bucket of `step` seconds inside [lo, hi), each hour a period's
     edges cut (just outside [lo, hi)) its own piece, and the hours before and after in one piece each.
-    by_deployment=False: summed over deployments and adapters (what spreading a month's lines over time
-    needs). Yields dicts with the sums, first/last hour and the number of hours."""
-    qs = rows.annotate(
-        plan_id=book.case(TIER, PLAN_KIND, "hour"),
-        late=Case(When(hour__lt=month_start, then=Value(True)), default=Value(False), output_field=BooleanField()),
-        month=TruncMonth("hour", tzinfo=UTC))
-    keys = ((["deployment_id", "adapter"] if by_deployment else []) + [TIER, PLAN_KIND, "plan_id", "late", "month"]
-            + (["tenant_id"] if by_tenant else []))
+    by_deployment=False: only the token sums and first/last hour per tier, plan kind, plan in force[, tenant]
+    [, piece] (what spreading a month's lines over time needs; `rows` within one month). Yields dicts with
+    the sums, first/last hour and the number of hours."""
+    qs = rows.annotate(plan_id=book.case(TIER, PLAN_KIND, "hour"))
+    keys = [TIER, PLAN_KIND, "plan_id"] + (["tenant_id"] if by_tenant else [])
+    sums = {"input_tokens": Sum("input_tokens"), "output_tokens": Sum("output_tokens"),
+            "first": Min("hour"), "last": Max("hour")}
+    if by_deployment:  # what an invoice needs besides: the line keys, late usage, what was billed before
+        qs = qs.annotate(
+            late=Case(When(hour__lt=month_start, then=Value(True)), default=Value(False), output_field=BooleanField()),
+            month=TruncMonth("hour", tzinfo=UTC))
+        keys = ["deployment_id", "adapter", *keys, "late", "month"]
+        sums.update(billed_input_tokens=Sum("billed_input_tokens"), billed_output_tokens=Sum("billed_output_tokens"),
+                    requests=Sum("requests"), hours=Count("pk"))
     if pieces:
         qs = qs.annotate(piece=_piece(pieces))
         keys.append("piece")
-    for g in (qs.values(*keys).annotate(
-            input_tokens=Sum("input_tokens"), output_tokens=Sum("output_tokens"),
-            billed_input_tokens=Sum("billed_input_tokens"), billed_output_tokens=Sum("billed_output_tokens"),
-            requests=Sum("requests"), first=Min("hour"), last=Max("hour"), hours=Count("pk")).order_by(*keys)):
+    for g in qs.values(*keys).annotate(**sums).order_by(*keys):
         g["tier_id"], g["plan_kind"] = g.pop(TIER), g.pop(PLAN_KIND)
         yield g
 
@@ -302,15 +306,34 @@ class MonthInputs:
 
     currency: str
     book: PlanBook
-    allocs: list[Allocation]
+    allocs: list[Held]
     groups: list[dict]
     tiers: dict[int, Tier]
     names: dict[int, str]
 
 
+@dataclass(frozen=True)
+class Held:
+    """An allocation as rating sees it: its tier and plan kind, and when it was active (stopped: released,
+    or failed at its last change; None: still active)."""
+
+    tier_id: int
+    plan_kind: str
+    activated_at: datetime
+    stopped_at: datetime | None
+
+
+def _held(allocations: QuerySet) -> Iterator[tuple[int, Held]]:
+    """(tenant id, Held) of each allocation: one query, no model instances."""
+    for tenant_id, tier_id, kind, state, activated, released, updated in allocations.values_list(
+            "tenant_id", "tier_id", "order__plan_kind", "state", "activated_at", "released_at", "updated_at"):
+        yield tenant_id, Held(tier_id, kind, activated,
+                              released or (updated if state == Allocation.State.FAILED else None))
+
+
 def _active_allocations(start: datetime, end: datetime, now: datetime) -> QuerySet:
     return (Allocation.objects.filter(activated_at__isnull=False, activated_at__lt=min(end, now))
-            .filter(Q(released_at__isnull=True) | Q(released_at__gt=start)).select_related("tier", "order"))
+            .filter(Q(released_at__isnull=True) | Q(released_at__gt=start)))
 
 
 def rate(tenant: Tenant, period_start: date, now: datetime | None = None, currency: str | None = None,
@@ -324,7 +347,7 @@ def rate(tenant: Tenant, period_start: date, now: datetime | None = None, curren
     start, end = bounds(period_start)
     currency = currency or period_currency(tenant, period_start)
     book = PlanBook(currency)
-    allocs = list(_active_allocations(start, end, now).filter(tenant=tenant))
+    allocs = [h for _, h in _held(_active_allocations(start, end, now).filter(tenant=tenant))]
     # tokens: this month's hourly rollups, plus late usage of finalized months (adjustments)
     finalized = list(Invoice.objects.filter(tenant=tenant, status=Invoice.Status.FINALIZED,
                                             period_start__lt=period_start).values_list("period_start", flat=True))
@@ -337,7 +360,7 @@ def rate(tenant: Tenant, period_start: date, now: datetime | None = None, curren
     rows = UsageHourly.objects.filter(tenant=tenant).filter(this_month | (late & pending_late) if finalized
                                                              else this_month)
     groups = list(token_groups(rows, book, start, pieces))
-    tiers = Tier.objects.in_bulk({g["tier_id"] for g in groups})
+    tiers = Tier.objects.in_bulk({g["tier_id"] for g in groups} | {a.tier_id for a in allocs})
     names = dict(ModelDeployment.objects.filter(pk__in={g["deployment_id"] for g in groups})
                  .values_list("pk", "name"))
     drafts, unpriced, late_reserved = rate_month(MonthInputs(currency, book, allocs, groups, tiers, names),
@@ -358,17 +381,17 @@ def rate_month(inp: MonthInputs, start: datetime, end: datetime, now: datetime
     drafts: dict[tuple, Draft] = {}
     held: dict[int, list[tuple[datetime, datetime]]] = defaultdict(list)  # reserved capacity held, per tier
     for a in inp.allocs:
-        stopped = a.released_at or (a.updated_at if a.state == Allocation.State.FAILED else None)
-        a_from, a_to = max(a.activated_at, start), min(stopped or now, end, now)
-        if a.order.plan_kind == PricePlan.Kind.RESERVED and a_from < a_to:
+        tier = inp.tiers[a.tier_id]
+        a_from, a_to = max(a.activated_at, start), min(a.stopped_at or now, end, now)
+        if a.plan_kind == PricePlan.Kind.RESERVED and a_from < a_to:
             held[a.tier_id].append((a_from, a_to))
-        spans = book.spans(a.tier_id, a.order.plan_kind, a_from, a_to)
+        spans = book.spans(a.tier_id, a.plan_kind, a_from, a_to)
         if a_from < a_to and sum((hi - lo for _, lo, hi in spans), timedelta(0)) < a_to - a_from:
-            unpriced[f"{a.tier.name}: {a.order.plan_kind} slice-hours with no {currency} price in force"] = None
+            unpriced[f"{tier.name}: {a.plan_kind} slice-hours with no {currency} price in force"] = None
         for plan, lo, hi in spans:
             key = (L.SLICE_HOURS, a.tier_id, plan.pk)
             d = drafts.get(key) or drafts.setdefault(key, Draft(
-                L.SLICE_HOURS, a.tier, plan, f"{a.tier.name}: slice-hours at {plan.price_per_slice_hour}/h "
+                L.SLICE_HOURS, tier, plan, f"{tier.name}: slice-hours at {plan.price_per_slice_hour}/h "
                 f"({plan.get_kind_display().lower()})", "hour"))
             d.add(Decimal((hi - lo).total_seconds()) / 3600, lo, hi)
     late_reserved: dict[tuple[date, int], Decimal] = defaultdict(Decimal)
@@ -422,9 +445,9 @@ def rate_months_many(tenants: list[Tenant], period_start: date, now: datetime,
     start, end = bounds(period_start)
     ids = [t.pk for t in tenants]
     currency, books = _month_books(tenants, period_start)
-    allocs: dict[int, list[Allocation]] = defaultdict(list)
-    for a in _active_allocations(start, end, now).filter(tenant_id__in=ids):
-        allocs[a.tenant_id].append(a)
+    allocs: dict[int, list[Held]] = defaultdict(list)
+    for tenant_id, h in _held(_active_allocations(start, end, now).filter(tenant_id__in=ids)):
+        allocs[tenant_id].append(h)
     groups: dict[int, list[dict]] = defaultdict(list)
     for cur, book in books.items():
         mine = [t for t in ids if currency[t] == cur]
@@ -432,7 +455,7 @@ def rate_months_many(tenants: list[Tenant], period_start: date, now: datetime,
         for g in token_groups(rows if tokens is None else rows.filter(tokens), book, start, pieces, by_tenant=True):
             groups[g.pop("tenant_id")].append(g)
     every = [g for gs in groups.values() for g in gs]
-    tiers = Tier.objects.in_bulk({g["tier_id"] for g in every})
+    tiers = Tier.objects.in_bulk({g["tier_id"] for g in every} | {a.tier_id for al in allocs.values() for a in al})
     names = dict(ModelDeployment.objects.filter(pk__in={g["deployment_id"] for g in every})
                  .values_list("pk", "name"))
     out = {}
