@@ -242,13 +242,12 @@ TEMPLATES = [
     },
 ]
 
-DATABASES = {
-    "default": dj_database_url.parse(
-        env_str("DATABASE_URL") or f"sqlite:///{VAR_DIR / 'tessera.sqlite3'}",
-        conn_max_age=env_int("DB_CONN_MAX_AGE", 60),
-        conn_health_checks=True,
-    )
-}
+DATABASE_URL = env_str("DATABASE_URL") or f"sqlite:///{VAR_DIR / 'tessera.sqlite3'}"
+DB_CONN_MAX_AGE = env_int("DB_CONN_MAX_AGE", 60)
+try:
+    DATABASES = {"default": dj_database_url.parse(DATABASE_URL, conn_max_age=DB_CONN_MAX_AGE, conn_health_checks=True)}
+except ValueError as exc:  # an unknown scheme (the URL may hold a password: only its scheme is shown)
+    raise ImproperlyConfigured(f"DATABASE_URL: unknown scheme {DATABASE_URL.partition(':')[0]!r}") from exc
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     # A file, not memory, for the test database: the real-worker tests run Celery in another process.
     DATABASES["default"]["TEST"] = {"NAME": str(VAR_DIR / "test.sqlite3")}
