@@ -494,6 +494,17 @@ def test_client_round_trip_and_idempotent_create(nv):
         assert client.slices(0) == []
 
 
+def test_create_latency_comes_from_the_argument_not_the_environment(monkeypatch, tmp_path):
+    slept: list[float] = []
+    monkeypatch.setattr(nvml_sim.time, "sleep", slept.append)
+    monkeypatch.setenv("TESSERA_NVML_SIM_CREATE_LATENCY_S", "30")  # not read: settings pass it in
+    for latency in (0.0, 2.5):
+        sim = SimNvml(fleet=H100, state_path=tmp_path / f"{latency}.json", create_latency_s=latency)
+        sim.nvmlInit()
+        create(sim, 0, 19, 0)
+    assert slept == [2.5]
+
+
 def test_get_backend_selection(request, tmp_path):
     dj = request.getfixturevalue("settings")  # pytest-django's (``settings`` here is hypothesis')
     # the TESSERA_NVML_* settings (parsed from the environment in marketplace.settings) configure the simulator
