@@ -1,56 +1,188 @@
-"""Tessera settings, read from the environment.
+"""Tessera settings: every environment variable the product reads is parsed here, once, at import.
 
-DATABASE_URL           default: SQLite file var/tessera.sqlite3
-REDIS_URL              Redis for the Celery broker/results and the cache (unset: embedded broker)
-CELERY_BROKER_URL      overrides the broker (default: REDIS_URL, else kombu's filesystem transport)
-SECRET_KEY             required when DEBUG is off outside the demo; else a key kept in var/secret_key
-DEBUG                  0/1 (default 0)
-ALLOWED_HOSTS          comma-separated (default localhost,127.0.0.1,[::1],testserver)
-TESSERA_NVML_BACKEND   sim | pynvml (default sim)
-TESSERA_TRITON_BACKEND sim | http (default sim)
-TESSERA_SERVING_RUNTIME process | docker | sim (default: sim with the sim backend, else process)
-LOG_FORMAT             json | text (default json)
-TESSERA_SECURE         0/1: HTTPS-only cookies, HSTS, SSL redirect (see the Security section)
+Each variable goes through one of the strict parsers below (``env_str``, ``env_int``, ``env_float``, ``env_bool``,
+``env_list``, ``env_path``, ...): a value that does not parse raises ``ImproperlyConfigured`` naming the variable
+and the value. Nothing else in the product reads ``os.environ``; importing this module creates no folder and
+writes no file (the var/ folders are made by the app at start, see ``marketplace.apps``). The README's
+"Configuration (environment)" table lists every variable (a test checks it against ``ENVIRONMENT_VARIABLES``).
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import os
-import secrets
+from collections.abc import Callable
+from decimal import Decimal, InvalidOperation
 from pathlib import Path
+from typing import Any, TypeVar
 
 import dj_database_url
+from django.core.exceptions import ImproperlyConfigured
 
-BASE_DIR = Path(__file__).resolve().parent.parent
-VAR_DIR = Path(os.environ.get("TESSERA_VAR_DIR", BASE_DIR / "var"))
-VAR_DIR.mkdir(parents=True, exist_ok=True)
+T = TypeVar("T")
+
+# Every variable read below, in reading order (the README's table is checked against it).
+ENVIRONMENT_VARIABLES: list[str] = []
+
+
+def _raw(name: str) -> str | None:
+    """The variable's value (None when unset); every reader goes through here."""
+    ENVIRONMENT_VARIABLES.append(name)
+    return os.environ.get(name)
+
+
+def _typed(name: str, default: T, parse: Callable[[str], T], expected: str) -> T:
+    """Unset or empty: the default; else ``parse(value)``, or ImproperlyConfigured naming the variable."""
+    value = _raw(name)
+    if value is None or not value.strip():
+        return default
+    try:
+        return parse(value.strip())
+    except (ValueError, ArithmeticError) as exc:
+        raise ImproperlyConfigured(f"{name}={value!r}: expected {expected}") from exc
+
+
+def env_str(name: str, default: str = "") -> str:
+    """The value as given (set but empty stays empty: some variables disable a feature that way)."""
+    value = _raw(name)
+    return default if value is None else value
+
+
+def env_int(name: str, default: int, *, minimum: int | None = 0) -> int:
+    def parse(text: str) -> int:
+        number = int(text)
+        if minimum is not None and number < minimum:
+            raise ValueError(text)
+        return number
+
+    return _typed(name, default, parse, "an integer" if minimum is None else f"an integer >= {minimum}")
+
+
+def env_float(name: str, default: float, *, minimum: float | None = 0.0) -> float:
+    def parse(text: str) -> float:
+        number = float(text)
+        if number != number or number in (float("inf"), float("-inf")):
+            raise ValueError(text)
+        if minimum is not None and number < minimum:
+            raise ValueError(text)
+        return number
+
+    return _typed(name, default, parse, "a number" if minimum is None else f"a number >= {minimum:g}")
+
+
+def env_decimal(name: str, default: str) -> str:
+    """A decimal number, kept as its text (the consumers make a Decimal of it)."""
+    def parse(text: str) -> str:
+        _decimal(text)
+        return text
+
+    return _typed(name, default, parse, "a decimal number >= 0")
+
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
 
 
 def env_bool(name: str, default: bool = False) -> bool:
-    value = os.environ.get(name)
-    if value is None or value == "":
-        return default
-    return value.strip().lower() in {"1", "true", "yes", "on"}
+    """1/0, true/false, yes/no, on/off (any case); anything else raises."""
+    def parse(text: str) -> bool:
+        if text.lower() in _TRUE:
+            return True
+        if text.lower() in _FALSE:
+            return False
+        raise ValueError(text)
+
+    return _typed(name, default, parse, "one of 1/0, true/false, yes/no, on/off")
 
 
-def env_list(name: str, default: str) -> list[str]:
-    return [x.strip() for x in os.environ.get(name, default).split(",") if x.strip()]
+def env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
+    """One of ``choices`` (case-insensitive, stored lower-case)."""
+    def parse(text: str) -> str:
+        if text.lower() not in choices:
+            raise ValueError(text)
+        return text.lower()
+
+    return _typed(name, default, parse, "one of " + ", ".join(choices))
 
 
-def _secret_key() -> str:
-    key = os.environ.get("SECRET_KEY")
-    if key:
-        return key
-    # Development/demo convenience: a random key kept outside the repository (var/ is ignored).
-    path = VAR_DIR / "secret_key"
-    if not path.exists():
-        path.write_text(secrets.token_urlsafe(50))
-        path.chmod(0o600)
-    return path.read_text().strip()
+def env_list(name: str, default: str = "") -> list[str]:
+    """Comma-separated; blanks dropped."""
+    value = _raw(name)
+    return [x.strip() for x in (default if value is None else value).split(",") if x.strip()]
 
 
+def env_int_list(name: str) -> list[int]:
+    """Comma-separated integers >= 0."""
+    def parse(text: str) -> list[int]:
+        numbers = [int(x) for x in text.split(",") if x.strip()]
+        if any(n < 0 for n in numbers):
+            raise ValueError(text)
+        return numbers
+
+    return _typed(name, [], parse, "comma-separated integers >= 0")
+
+
+def env_mapping(name: str, check: Callable[[str], object]) -> dict[str, str]:
+    """``"key=value,key=value"``; each value must pass ``check`` (which raises ValueError/ArithmeticError)."""
+    def parse(text: str) -> dict[str, str]:
+        table: dict[str, str] = {}
+        for item in text.split(","):
+            if not item.strip():
+                continue
+            key, sep, val = item.partition("=")
+            if not sep or not key.strip() or not val.strip():
+                raise ValueError(item)
+            check(val.strip())
+            table[key.strip()] = val.strip()
+        return table
+
+    return _typed(name, {}, parse, "comma-separated key=value pairs")
+
+
+def env_path(name: str, default: Path) -> Path:
+    """A filesystem path (not created here)."""
+    value = _raw(name)
+    return Path(value) if value is not None and value.strip() else default
+
+
+def _decimal(text: str) -> Decimal:
+    try:
+        number = Decimal(text)
+    except InvalidOperation as exc:
+        raise ValueError(text) from exc
+    if not number.is_finite() or number < 0:
+        raise ValueError(text)
+    return number
+
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+VAR_DIR = env_path("TESSERA_VAR_DIR", BASE_DIR / "var")  # made by the app at start (marketplace.apps)
 DEBUG = env_bool("DEBUG", False)
-SECRET_KEY = _secret_key()
+# TESSERA_SECURE=1 in production (HTTPS): secure cookies, HSTS, HTTPS redirect; and SECRET_KEY is required.
+TESSERA_SECURE = env_bool("TESSERA_SECURE", False)
+
+
+def _secret_key(configured: str) -> str:
+    """SECRET_KEY if set; else the key an earlier version kept in var/secret_key, if that file exists (read,
+    never written); else, in production (TESSERA_SECURE=1), refuse to start; else (demo, tests, development)
+    a key derived from the var folder's path: stable across restarts (sessions and the slices' derived
+    secrets survive) and shared by every process of one installation, but guessable, so the
+    ``django-insecure-`` prefix makes ``manage.py check --deploy`` warn about it."""
+    if configured:
+        return configured
+    legacy = VAR_DIR / "secret_key"
+    if legacy.is_file():
+        key = legacy.read_text().strip()
+        if key:
+            return key
+    if TESSERA_SECURE:
+        raise ImproperlyConfigured("SECRET_KEY is required when TESSERA_SECURE=1 (production)")
+    digest = hashlib.sha256(f"tessera-development-key:{VAR_DIR.resolve()}".encode()).hexdigest()
+    return f"django-insecure-{digest}"
+
+
+SECRET_KEY = _secret_key(env_str("SECRET_KEY", ""))
 ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", "localhost,127.0.0.1,[::1],testserver")
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", "")
 
@@ -110,13 +242,12 @@ TEMPLATES = [
     },
 ]
 
-DATABASES = {
-    "default": dj_database_url.parse(
-        os.environ.get("DATABASE_URL") or f"sqlite:///{VAR_DIR / 'tessera.sqlite3'}",
-        conn_max_age=int(os.environ.get("DB_CONN_MAX_AGE", "60")),
-        conn_health_checks=True,
-    )
-}
+DATABASE_URL = env_str("DATABASE_URL") or f"sqlite:///{VAR_DIR / 'tessera.sqlite3'}"
+DB_CONN_MAX_AGE = env_int("DB_CONN_MAX_AGE", 60)
+try:
+    DATABASES = {"default": dj_database_url.parse(DATABASE_URL, conn_max_age=DB_CONN_MAX_AGE, conn_health_checks=True)}
+except ValueError as exc:  # an unknown scheme (the URL may hold a password: only its scheme is shown)
+    raise ImproperlyConfigured(f"DATABASE_URL: unknown scheme {DATABASE_URL.partition(':')[0]!r}") from exc
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     # A file, not memory, for the test database: the real-worker tests run Celery in another process.
     DATABASES["default"]["TEST"] = {"NAME": str(VAR_DIR / "test.sqlite3")}
@@ -143,9 +274,12 @@ USE_TZ = True
 
 STATIC_URL = "/static/"
 STATIC_ROOT = VAR_DIR / "static"
-STATIC_ROOT.mkdir(parents=True, exist_ok=True)
-STATICFILES_DIRS = [d for d in [BASE_DIR / "static"] if d.exists()] + [
-    ("vendor/plotly", Path(__import__("plotly").__file__).parent / "package_data")]  # the wheel's plotly.min.js
+_PLOTLY = importlib.util.find_spec("plotly")  # its wheel's plotly.min.js is served (not imported here)
+if _PLOTLY is None or _PLOTLY.origin is None:
+    raise ImproperlyConfigured("the plotly package is not installed")
+_PLOTLY_JS = Path(_PLOTLY.origin).parent / "package_data"
+STATICFILES_DIRS: list[Path | tuple[str, Path]] = [d for d in [BASE_DIR / "static"] if d.exists()]
+STATICFILES_DIRS.append(("vendor/plotly", _PLOTLY_JS))
 STORAGES = {
     "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
     # hashed names (cached for a year, immutable) with gzip and brotli copies, written by collectstatic
@@ -154,22 +288,22 @@ STORAGES = {
 }
 WHITENOISE_USE_FINDERS = True
 
-REDIS_URL = os.environ.get("REDIS_URL", "")
+REDIS_URL = env_str("REDIS_URL")
 
 if REDIS_URL:
     CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": REDIS_URL}}
 else:
     CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
 
-EMAIL_BACKEND = os.environ.get("EMAIL_BACKEND", "django.core.mail.backends.console.EmailBackend")
-DEFAULT_FROM_EMAIL = os.environ.get("DEFAULT_FROM_EMAIL", "tessera@localhost")
+EMAIL_BACKEND = env_str("EMAIL_BACKEND", "django.core.mail.backends.console.EmailBackend")
+DEFAULT_FROM_EMAIL = env_str("DEFAULT_FROM_EMAIL", "tessera@localhost")
 
 # --- Celery -----------------------------------------------------------------------------------
 BROKER_DIR = VAR_DIR / "broker"
-CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL") or REDIS_URL or "filesystem://"
-if CELERY_BROKER_URL.startswith("filesystem://"):
-    for sub in ("queue", "processed", "control"):
-        (BROKER_DIR / sub).mkdir(parents=True, exist_ok=True)
+CELERY_BROKER_URL = env_str("CELERY_BROKER_URL") or REDIS_URL or "filesystem://"
+CELERY_VISIBILITY_TIMEOUT = env_int("CELERY_VISIBILITY_TIMEOUT", 3600, minimum=1)
+CELERY_BROKER_TRANSPORT_OPTIONS: dict[str, Any]
+if CELERY_BROKER_URL.startswith("filesystem://"):  # the folders are made by the app at start (marketplace.apps)
     CELERY_BROKER_TRANSPORT_OPTIONS = {
         "data_folder_in": str(BROKER_DIR / "queue"),
         "data_folder_out": str(BROKER_DIR / "queue"),
@@ -181,11 +315,11 @@ else:
     # acks_late: a task whose worker died is delivered again after this many seconds.
     # unacked_restore_*: running workers look for such tasks every ~10 s (kombu's default is ~100 s).
     CELERY_BROKER_TRANSPORT_OPTIONS = {
-        "visibility_timeout": int(os.environ.get("CELERY_VISIBILITY_TIMEOUT", "3600")),
+        "visibility_timeout": CELERY_VISIBILITY_TIMEOUT,
         "unacked_restore_throttle": 1,
         "unacked_restore_interval": 10,
     }
-CELERY_RESULT_BACKEND = os.environ.get("CELERY_RESULT_BACKEND") or REDIS_URL or "django-db"
+CELERY_RESULT_BACKEND = env_str("CELERY_RESULT_BACKEND") or REDIS_URL or "django-db"
 CELERY_RESULT_EXTENDED = True
 CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
@@ -194,40 +328,48 @@ CELERY_TASK_DEFAULT_QUEUE = "control"
 CELERY_TASK_TIME_LIMIT = 300
 CELERY_TIMEZONE = "UTC"
 CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
+# The periodic tasks' intervals (seconds).
+TESSERA_TELEMETRY_INTERVAL_S = env_float("TESSERA_TELEMETRY_INTERVAL_S", 60.0, minimum=0.1)
+TESSERA_DOWNSAMPLE_INTERVAL_S = env_float("TESSERA_DOWNSAMPLE_INTERVAL_S", 300.0, minimum=0.1)
+TESSERA_RATING_INTERVAL_S = env_float("TESSERA_RATING_INTERVAL_S", 300.0, minimum=0.1)
+TESSERA_RECONCILE_INTERVAL_S = env_float("TESSERA_RECONCILE_INTERVAL_S", 60.0, minimum=0.1)
+TESSERA_SCRAPE_INTERVAL_S = env_float("TESSERA_SCRAPE_INTERVAL_S", 60.0, minimum=0.1)
+TESSERA_USAGE_CONSUME_INTERVAL_S = env_float("TESSERA_USAGE_CONSUME_INTERVAL_S", 5.0, minimum=0.1)
+TESSERA_DEMO_TRAFFIC = env_bool("TESSERA_DEMO_TRAFFIC", False)  # set by `manage.py demo`
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_BEAT_SCHEDULE = {
     "collect-gpu-telemetry": {
         "task": "tessera.collect_gpu_fleet",
-        "schedule": float(os.environ.get("TESSERA_TELEMETRY_INTERVAL_S", "60")),
+        "schedule": TESSERA_TELEMETRY_INTERVAL_S,
         "options": {"queue": "control"},
     },
     "downsample-telemetry": {
         "task": "tessera.downsample_telemetry",
-        "schedule": float(os.environ.get("TESSERA_DOWNSAMPLE_INTERVAL_S", "300")),
+        "schedule": TESSERA_DOWNSAMPLE_INTERVAL_S,
         "options": {"queue": "control"},
     },
     "rate-and-check-spend": {
         "task": "tessera.rate_and_check_spend",
-        "schedule": float(os.environ.get("TESSERA_RATING_INTERVAL_S", "300")),
+        "schedule": TESSERA_RATING_INTERVAL_S,
         "options": {"queue": "control"},
     },
     "reconcile-fleet": {
         "task": "tessera.reconcile_fleet",
-        "schedule": float(os.environ.get("TESSERA_RECONCILE_INTERVAL_S", "60")),
+        "schedule": TESSERA_RECONCILE_INTERVAL_S,
         "options": {"queue": "control"},
     },
     "scrape-triton": {
         "task": "tessera.scrape_triton_fleet",
-        "schedule": float(os.environ.get("TESSERA_SCRAPE_INTERVAL_S", "60")),
+        "schedule": TESSERA_SCRAPE_INTERVAL_S,
         "options": {"queue": "control"},
     },
     "consume-usage": {  # the gateway's usage stream into the database (or run `manage.py usage_consumer`)
         "task": "tessera.consume_usage",
-        "schedule": float(os.environ.get("TESSERA_USAGE_CONSUME_INTERVAL_S", "5")),
+        "schedule": TESSERA_USAGE_CONSUME_INTERVAL_S,
         "options": {"queue": "control", "expires": 30},
     },
 }
-if env_bool("TESSERA_DEMO_TRAFFIC"):  # the demo's simulated inference gateway (its tasks live in the demo app)
+if TESSERA_DEMO_TRAFFIC:  # the demo's simulated inference gateway (its tasks live in the demo app)
     INSTALLED_APPS.append("marketplace.demo")
     CELERY_BEAT_SCHEDULE["demo-gateway"] = {"task": "tessera.demo_gateway_fleet", "schedule": 60.0,
                                             "options": {"queue": "control"}}
@@ -285,51 +427,57 @@ SPECTACULAR_SETTINGS = {
 }
 
 # --- Tessera ---------------------------------------------------------------------------------
-TESSERA_NVML_BACKEND = os.environ.get("TESSERA_NVML_BACKEND", "sim")
-TESSERA_TRITON_BACKEND = os.environ.get("TESSERA_TRITON_BACKEND", "sim")
-TESSERA_SIM_DIR = Path(os.environ.get("TESSERA_SIM_DIR", VAR_DIR / "sim"))  # simulated GPUs' state
-TESSERA_TRITON_REPO_ROOT = Path(os.environ.get("TESSERA_TRITON_REPO_ROOT", VAR_DIR / "triton"))  # on the node
-TESSERA_NODE_HOSTNAME = os.environ.get("TESSERA_NODE_HOSTNAME", "")  # set on a real GPU node's worker
-TESSERA_PROVISION_STUCK_AFTER_S = int(os.environ.get("TESSERA_PROVISION_STUCK_AFTER_S", "300"))
+TESSERA_NVML_BACKEND = env_choice("TESSERA_NVML_BACKEND", "sim", ("sim", "pynvml"))
+TESSERA_TRITON_BACKEND = env_choice("TESSERA_TRITON_BACKEND", "sim", ("sim", "http"))
+TESSERA_SIM_DIR = env_path("TESSERA_SIM_DIR", VAR_DIR / "sim")  # simulated GPUs' state
+# The NVML simulator (TESSERA_NVML_BACKEND=sim) without a registered node's own arguments: its GPUs
+# ("h100-sxm-80gb*4,h200-sxm-141gb*4"; empty: eight H100), state file, node name, GPUs with MIG off (indices)
+# and how long creating a GPU instance takes (fault tests).
+TESSERA_NVML_SIM_FLEET = env_str("TESSERA_NVML_SIM_FLEET")
+TESSERA_NVML_SIM_STATE = env_str("TESSERA_NVML_SIM_STATE")
+TESSERA_NVML_SIM_NODE = env_str("TESSERA_NVML_SIM_NODE")
+TESSERA_NVML_SIM_MIG_OFF = env_int_list("TESSERA_NVML_SIM_MIG_OFF")
+TESSERA_NVML_SIM_CREATE_LATENCY_S = env_float("TESSERA_NVML_SIM_CREATE_LATENCY_S", 0.0)
+TESSERA_TRITON_REPO_ROOT = env_path("TESSERA_TRITON_REPO_ROOT", VAR_DIR / "triton")  # on the node
+TESSERA_NODE_HOSTNAME = env_str("TESSERA_NODE_HOSTNAME")  # set on a real GPU node's worker
+TESSERA_PROVISION_STUCK_AFTER_S = env_int("TESSERA_PROVISION_STUCK_AFTER_S", 300)
 # Serving runtime (on the node): how each slice's Triton server is run. process | docker | sim; default sim
 # with the simulated Triton backend, else process.
-TESSERA_SERVING_RUNTIME = (os.environ.get("TESSERA_SERVING_RUNTIME")
-                           or ("sim" if TESSERA_TRITON_BACKEND == "sim" else "process")).strip().lower()
-TESSERA_TRITONSERVER = os.environ.get("TESSERA_TRITONSERVER", "")  # the binary; empty: nvidia-pytriton's
-TESSERA_TRITON_PYTHON = os.environ.get("TESSERA_TRITON_PYTHON", "")  # the python backend's Python; empty: ours
+TESSERA_SERVING_RUNTIME = env_choice("TESSERA_SERVING_RUNTIME", "sim" if TESSERA_TRITON_BACKEND == "sim" else "process",
+                                     ("process", "docker", "sim"))
+TESSERA_TRITONSERVER = env_str("TESSERA_TRITONSERVER")  # the binary; empty: nvidia-pytriton's
+TESSERA_TRITON_PYTHON = env_str("TESSERA_TRITON_PYTHON")  # the python backend's Python; empty: ours
 # where the node stages tritonserver for the per-slice users; empty: <TESSERA_TRITON_REPO_ROOT>/.runtime
-TESSERA_SERVING_RUNTIME_DIR = os.environ.get("TESSERA_SERVING_RUNTIME_DIR", "")
+TESSERA_SERVING_RUNTIME_DIR = env_str("TESSERA_SERVING_RUNTIME_DIR")
 TESSERA_SERVING_ISOLATE = env_bool("TESSERA_SERVING_ISOLATE", True)  # a Unix user per server (worker is root)
-TESSERA_TRITON_IMAGE = os.environ.get("TESSERA_TRITON_IMAGE", "nvcr.io/nvidia/tritonserver:24.10-py3")
+TESSERA_TRITON_IMAGE = env_str("TESSERA_TRITON_IMAGE", "nvcr.io/nvidia/tritonserver:24.10-py3")
 TESSERA_SIM_TRITON_HTTP = env_bool("TESSERA_SIM_TRITON_HTTP", False)  # simulated servers answer HTTP too
-TESSERA_SERVING_START_TIMEOUT_S = float(os.environ.get("TESSERA_SERVING_START_TIMEOUT_S", "120"))
-TESSERA_DEPLOY_WAIT_S = float(os.environ.get("TESSERA_DEPLOY_WAIT_S", "300"))  # a model waits for its server
-TESSERA_RECONCILE_INTERVAL_S = int(os.environ.get("TESSERA_RECONCILE_INTERVAL_S", "60"))
+TESSERA_SERVING_START_TIMEOUT_S = env_float("TESSERA_SERVING_START_TIMEOUT_S", 120.0)
+TESSERA_DEPLOY_WAIT_S = env_float("TESSERA_DEPLOY_WAIT_S", 300.0)  # a model waits for its server
 # Inference gateway (manage.py gateway): where tenants call their models, and its limits.
-TESSERA_GATEWAY_URL = os.environ.get("TESSERA_GATEWAY_URL", "http://127.0.0.1:8001").rstrip("/")  # shown to tenants
-TESSERA_GATEWAY_INTERNAL_URL = os.environ.get("TESSERA_GATEWAY_INTERNAL_URL", "").rstrip("/") or TESSERA_GATEWAY_URL
-TESSERA_GATEWAY_REFRESH_S = float(os.environ.get("TESSERA_GATEWAY_REFRESH_S", "2"))  # keys, routes, limits reload
-TESSERA_GATEWAY_RPM = int(os.environ.get("TESSERA_GATEWAY_RPM", "600"))  # per key, unless the key sets its own
-TESSERA_GATEWAY_TPM = int(os.environ.get("TESSERA_GATEWAY_TPM", "1000000"))  # per key, unless the key sets its own
-TESSERA_GATEWAY_MAX_BODY = int(os.environ.get("TESSERA_GATEWAY_MAX_BODY", str(16 * 1024 * 1024)))
-TESSERA_GATEWAY_UPSTREAM_TIMEOUT_S = float(os.environ.get("TESSERA_GATEWAY_UPSTREAM_TIMEOUT_S", "300"))
+DEFAULT_GATEWAY_URL = "http://127.0.0.1:8001"  # `manage.py demo --gateway-addr` replaces it when unset
+TESSERA_GATEWAY_URL = env_str("TESSERA_GATEWAY_URL", DEFAULT_GATEWAY_URL).rstrip("/")  # shown to tenants
+TESSERA_GATEWAY_INTERNAL_URL = env_str("TESSERA_GATEWAY_INTERNAL_URL").rstrip("/") or TESSERA_GATEWAY_URL
+TESSERA_GATEWAY_REFRESH_S = env_float("TESSERA_GATEWAY_REFRESH_S", 2.0)  # keys, routes, limits reload
+TESSERA_GATEWAY_RPM = env_int("TESSERA_GATEWAY_RPM", 600)  # per key, unless the key sets its own
+TESSERA_GATEWAY_TPM = env_int("TESSERA_GATEWAY_TPM", 1000000)  # per key, unless the key sets its own
+TESSERA_GATEWAY_MAX_BODY = env_int("TESSERA_GATEWAY_MAX_BODY", 16 * 1024 * 1024)
+TESSERA_GATEWAY_UPSTREAM_TIMEOUT_S = env_float("TESSERA_GATEWAY_UPSTREAM_TIMEOUT_S", 300.0)
 TESSERA_GATEWAY_TRY_TTL_S = 600  # the portal's "Try it" tokens
-TESSERA_USAGE_STREAM = os.environ.get("TESSERA_USAGE_STREAM", "tessera:usage")  # Redis stream of served usage
-TESSERA_USAGE_SPOOL_DIR = Path(os.environ.get("TESSERA_USAGE_SPOOL_DIR", VAR_DIR / "usage-spool"))  # without Redis
-TESSERA_METERING_TOLERANCE = float(os.environ.get("TESSERA_METERING_TOLERANCE", "0.02"))  # metered vs served
+TESSERA_USAGE_STREAM = env_str("TESSERA_USAGE_STREAM", "tessera:usage")  # Redis stream of served usage
+TESSERA_USAGE_SPOOL_DIR = env_path("TESSERA_USAGE_SPOOL_DIR", VAR_DIR / "usage-spool")  # without Redis
+TESSERA_METERING_TOLERANCE = env_float("TESSERA_METERING_TOLERANCE", 0.02)  # metered vs served
 TESSERA_API_KEY_LAST_USED_RESOLUTION_S = 60  # write last_used_at at most once a minute per key
 TESSERA_INVITATION_TTL_DAYS = 7
 # Capacity planner: what one GPU-hour costs the MSP (hardware amortisation + hosting, power excluded),
 # per GPU model key: "h100-sxm-80gb=1.89,h200-sxm-141gb=2.50" (defaults: public marketplace rental
 # prices of 2025-26, an upper bound for an owner's cost; set your own).
-TESSERA_PLANNER_GPU_HOUR_COST = {
-    k.strip(): v.strip() for k, _, v in (item.partition("=") for item in
-                                         os.environ.get("TESSERA_PLANNER_GPU_HOUR_COST", "").split(",")) if v.strip()}
+TESSERA_PLANNER_GPU_HOUR_COST = env_mapping("TESSERA_PLANNER_GPU_HOUR_COST", _decimal)
 
 # Energy price per kWh (the plans' currency): power cost per 1K tokens, the planner's power cost.
-TESSERA_ENERGY_PRICE_PER_KWH = os.environ.get("TESSERA_ENERGY_PRICE_PER_KWH", "0.12")
+TESSERA_ENERGY_PRICE_PER_KWH = env_decimal("TESSERA_ENERGY_PRICE_PER_KWH", "0.12")
 # Modelled throughput of a whole GPU per TB/s of memory bandwidth (tokens/s); a slice gets its compute share.
-TESSERA_TOKENS_PER_S_PER_TBPS = float(os.environ.get("TESSERA_TOKENS_PER_S_PER_TBPS", "3000"))
+TESSERA_TOKENS_PER_S_PER_TBPS = env_float("TESSERA_TOKENS_PER_S_PER_TBPS", 3000.0)
 
 # Webhook targets in these networks (CIDRs) are allowed although internal (loopback, private, ...).
 TESSERA_WEBHOOK_ALLOW_NETWORKS = env_list("TESSERA_WEBHOOK_ALLOW_NETWORKS", "")
@@ -337,9 +485,9 @@ TESSERA_WEBHOOK_ALLOW_NETWORKS = env_list("TESSERA_WEBHOOK_ALLOW_NETWORKS", "")
 # --- Security --------------------------------------------------------------------------------
 # API throttling (DRF, counters in the Django cache: Redis in production). Per API key (prefix),
 # else per signed-in user, else per client IP. "<n>/<sec|min|hour|day>"; empty disables.
-TESSERA_API_RATE = os.environ.get("TESSERA_API_RATE", "600/min")
-TESSERA_USAGE_INGEST_RATE = os.environ.get("TESSERA_USAGE_INGEST_RATE", "120/min")  # POST /api/v1/usage/events/
-TESSERA_ANON_RATE = os.environ.get("TESSERA_ANON_RATE", "60/min")
+TESSERA_API_RATE = env_str("TESSERA_API_RATE", "600/min")
+TESSERA_USAGE_INGEST_RATE = env_str("TESSERA_USAGE_INGEST_RATE", "120/min")  # POST /api/v1/usage/events/
+TESSERA_ANON_RATE = env_str("TESSERA_ANON_RATE", "60/min")
 REST_FRAMEWORK["DEFAULT_THROTTLE_RATES"] = {
     "api": TESSERA_API_RATE or None,
     "usage_ingest": TESSERA_USAGE_INGEST_RATE or None,
@@ -347,14 +495,18 @@ REST_FRAMEWORK["DEFAULT_THROTTLE_RATES"] = {
 }
 # Login lockout (web /login/ and /admin/login/): after MAX_FAILURES failed attempts for one
 # (e-mail, client IP) within the window, that pair is locked for LOCKOUT_MINUTES.
-TESSERA_LOGIN_MAX_FAILURES = int(os.environ.get("TESSERA_LOGIN_MAX_FAILURES", "5"))
-TESSERA_LOGIN_LOCKOUT_MINUTES = int(os.environ.get("TESSERA_LOGIN_LOCKOUT_MINUTES", "15"))
+TESSERA_LOGIN_MAX_FAILURES = env_int("TESSERA_LOGIN_MAX_FAILURES", 5, minimum=1)
+TESSERA_LOGIN_LOCKOUT_MINUTES = env_int("TESSERA_LOGIN_LOCKOUT_MINUTES", 15)
 AUTHENTICATION_BACKENDS = ["tenants.lockout.LockoutModelBackend"]
 # Behind a TLS-terminating proxy the client IP is the first X-Forwarded-For hop when this is on.
 TESSERA_TRUST_X_FORWARDED_FOR = env_bool("TESSERA_TRUST_X_FORWARDED_FOR", False)
+# /metrics for a scraper: "Authorization: Bearer <token>" (empty: staff sessions only).
+TESSERA_METRICS_TOKEN = env_str("TESSERA_METRICS_TOKEN")
 
-# TESSERA_SECURE=1 in production (HTTPS): secure cookies, HSTS, HTTPS redirect.
-TESSERA_SECURE = env_bool("TESSERA_SECURE", False)
+# TESSERA_SECURE (read at the top): secure cookies, HSTS, HTTPS redirect.
+_HSTS_SECONDS = env_int("SECURE_HSTS_SECONDS", 31536000)
+_HSTS_PRELOAD = env_bool("SECURE_HSTS_PRELOAD", True)  # check --deploy W021; 0 to opt out
+_SSL_REDIRECT = env_bool("SECURE_SSL_REDIRECT", True)
 SESSION_COOKIE_HTTPONLY = True
 SECURE_CONTENT_TYPE_NOSNIFF = True
 X_FRAME_OPTIONS = "DENY"
@@ -363,10 +515,10 @@ SECURE_CROSS_ORIGIN_OPENER_POLICY = "same-origin"
 if TESSERA_SECURE:
     SESSION_COOKIE_SECURE = True
     CSRF_COOKIE_SECURE = True
-    SECURE_HSTS_SECONDS = int(os.environ.get("SECURE_HSTS_SECONDS", "31536000"))
+    SECURE_HSTS_SECONDS = _HSTS_SECONDS
     SECURE_HSTS_INCLUDE_SUBDOMAINS = True
-    SECURE_HSTS_PRELOAD = env_bool("SECURE_HSTS_PRELOAD", True)  # check --deploy W021; 0 to opt out
-    SECURE_SSL_REDIRECT = env_bool("SECURE_SSL_REDIRECT", True)
+    SECURE_HSTS_PRELOAD = _HSTS_PRELOAD
+    SECURE_SSL_REDIRECT = _SSL_REDIRECT
     SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
     # /healthz is probed over plain HTTP inside the cluster.
     SECURE_REDIRECT_EXEMPT = [r"^healthz$", r"^metrics$"]
@@ -385,8 +537,8 @@ TESSERA_CSP = {
 TESSERA_CSP_REPORT_ONLY = env_bool("TESSERA_CSP_REPORT_ONLY", False)
 
 # --- Logging (structured) ----------------------------------------------------------------------
-LOG_FORMAT = os.environ.get("LOG_FORMAT", "json")
-LOG_LEVEL = os.environ.get("LOG_LEVEL", "INFO")
+LOG_FORMAT = env_choice("LOG_FORMAT", "json", ("json", "text"))
+LOG_LEVEL = env_choice("LOG_LEVEL", "info", ("debug", "info", "warning", "error", "critical")).upper()
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
@@ -405,18 +557,18 @@ LOGGING = {
 # --- Models: tenants' own Triton repositories and the MSP's model store (README: "Models on slices") ---
 # Where uploaded repositories are unpacked: the web app writes, node workers read (a shared filesystem in
 # production, e.g. NFS, mounted at the same path on web and nodes).
-TESSERA_UPLOAD_ROOT = Path(os.environ.get("TESSERA_UPLOAD_ROOT", VAR_DIR / "uploads"))
+TESSERA_UPLOAD_ROOT = env_path("TESSERA_UPLOAD_ROOT", VAR_DIR / "uploads")
 # The MSP's model store: library weights and repositories tenants may import (read-only, same path everywhere).
-TESSERA_MODEL_STORE_ROOT = Path(os.environ.get("TESSERA_MODEL_STORE_ROOT", VAR_DIR / "model-store"))
-TESSERA_UPLOAD_MAX_BYTES = int(os.environ.get("TESSERA_UPLOAD_MAX_BYTES", str(2 * 1024**3)))  # archive size
+TESSERA_MODEL_STORE_ROOT = env_path("TESSERA_MODEL_STORE_ROOT", VAR_DIR / "model-store")
+TESSERA_UPLOAD_MAX_BYTES = env_int("TESSERA_UPLOAD_MAX_BYTES", 2 * 1024**3, minimum=1)  # archive size
 # An S3-compatible model store (README: "Models on slices"): when a bucket is set, a tenant's store_path is an
 # object key under the prefix, fetched with boto3 (no URL from the tenant: the endpoint is the operator's).
-TESSERA_MODEL_STORE_S3_ENDPOINT = os.environ.get("TESSERA_MODEL_STORE_S3_ENDPOINT", "")
-TESSERA_MODEL_STORE_S3_BUCKET = os.environ.get("TESSERA_MODEL_STORE_S3_BUCKET", "")
-TESSERA_MODEL_STORE_S3_PREFIX = os.environ.get("TESSERA_MODEL_STORE_S3_PREFIX", "")
-TESSERA_MODEL_STORE_S3_REGION = os.environ.get("TESSERA_MODEL_STORE_S3_REGION", "us-east-1")
-TESSERA_MODEL_STORE_S3_ACCESS_KEY_ID = os.environ.get("TESSERA_MODEL_STORE_S3_ACCESS_KEY_ID", "")
-TESSERA_MODEL_STORE_S3_SECRET_ACCESS_KEY = os.environ.get("TESSERA_MODEL_STORE_S3_SECRET_ACCESS_KEY", "")
-TESSERA_REPO_MAX_EXPANDED_BYTES = int(os.environ.get("TESSERA_REPO_MAX_EXPANDED_BYTES", str(8 * 1024**3)))
-TESSERA_REPO_MAX_FILES = int(os.environ.get("TESSERA_REPO_MAX_FILES", "2000"))
+TESSERA_MODEL_STORE_S3_ENDPOINT = env_str("TESSERA_MODEL_STORE_S3_ENDPOINT", "")
+TESSERA_MODEL_STORE_S3_BUCKET = env_str("TESSERA_MODEL_STORE_S3_BUCKET", "")
+TESSERA_MODEL_STORE_S3_PREFIX = env_str("TESSERA_MODEL_STORE_S3_PREFIX", "")
+TESSERA_MODEL_STORE_S3_REGION = env_str("TESSERA_MODEL_STORE_S3_REGION", "us-east-1")
+TESSERA_MODEL_STORE_S3_ACCESS_KEY_ID = env_str("TESSERA_MODEL_STORE_S3_ACCESS_KEY_ID", "")
+TESSERA_MODEL_STORE_S3_SECRET_ACCESS_KEY = env_str("TESSERA_MODEL_STORE_S3_SECRET_ACCESS_KEY", "")
+TESSERA_REPO_MAX_EXPANDED_BYTES = env_int("TESSERA_REPO_MAX_EXPANDED_BYTES", 8 * 1024**3, minimum=1)
+TESSERA_REPO_MAX_FILES = env_int("TESSERA_REPO_MAX_FILES", 2000, minimum=1)
 DATA_UPLOAD_MAX_NUMBER_FILES = 1

@@ -6,7 +6,6 @@ rollups and the collector's error table, GPU readings from the latest raw sample
 from __future__ import annotations
 
 import hmac
-import os
 from collections import defaultdict
 from datetime import timedelta
 
@@ -56,7 +55,7 @@ def render(now=None) -> str:
     out = Exposition()
 
     gpus = list(Gpu.objects.select_related("node", "gpu_model").order_by("node__hostname", "index"))
-    per_model = defaultdict(lambda: defaultdict(int))
+    per_model: defaultdict[str, defaultdict[str, int]] = defaultdict(lambda: defaultdict(int))
     for g in gpus:
         per_model[g.gpu_model.key][g.state] += 1
     out.family("tessera_gpus", "gauge", "GPUs in the fleet by model and state.",
@@ -84,12 +83,12 @@ def render(now=None) -> str:
     usage = list(UsageHourly.objects.values("tenant__slug").annotate(
         i=Sum("input_tokens"), o=Sum("output_tokens"), r=Sum("requests")).order_by("tenant__slug"))
     out.family("tessera_tenant_tokens_total", "counter", "Metered tokens per tenant (hourly rollups).",
-               [({"tenant": u["tenant__slug"], "direction": d}, u[k] or 0) for u in usage
-                for d, k in (("input", "i"), ("output", "o"))])
+               [({"tenant": u["tenant__slug"], "direction": d}, n or 0) for u in usage
+                for d, n in (("input", u["i"]), ("output", u["o"]))])
     out.family("tessera_tenant_requests_total", "counter", "Metered inference requests per tenant.",
                [({"tenant": u["tenant__slug"]}, u["r"] or 0) for u in usage])
 
-    latest = {}
+    latest: dict[int, GpuSample] = {}
     for s in (GpuSample.objects.filter(resolution=Resolution.RAW, ts__gte=now - LATEST_WITHIN)
               .order_by("gpu_id", "-ts")):
         latest.setdefault(s.gpu_id, s)
@@ -119,7 +118,7 @@ def render(now=None) -> str:
 
 def token_ok(header: str | None) -> bool:
     """True when the Authorization header carries TESSERA_METRICS_TOKEN (unset: never)."""
-    expected = getattr(settings, "TESSERA_METRICS_TOKEN", None) or os.environ.get("TESSERA_METRICS_TOKEN")
+    expected = settings.TESSERA_METRICS_TOKEN
     if not expected or not header or not header.startswith("Bearer "):
         return False
     return hmac.compare_digest(header[7:].strip().encode(), str(expected).encode())

@@ -22,7 +22,7 @@ import ctypes
 from dataclasses import dataclass, field
 from typing import Any
 
-from marketplace.hardware import setting
+from marketplace.hardware import setting, setting_value
 
 BACKEND_ENV = "TESSERA_NVML_BACKEND"
 BACKENDS = ("sim", "pynvml")
@@ -44,6 +44,8 @@ def get_backend(name: str | None = None) -> Any:
             fleet=setting("TESSERA_NVML_SIM_FLEET"),
             state_path=setting("TESSERA_NVML_SIM_STATE"),
             node=setting("TESSERA_NVML_SIM_NODE"),
+            mig_off=setting_value("TESSERA_NVML_SIM_MIG_OFF", []),
+            create_latency_s=float(setting_value("TESSERA_NVML_SIM_CREATE_LATENCY_S", 0.0)),
         )
     raise ValueError(f"unknown NVML backend {name!r}; expected one of {BACKENDS}")
 

@@ -32,15 +32,16 @@ Handles are real pynvml ctypes pointer types (``c_nvmlDevice_t``, ``c_nvmlGpuIns
 instance was destroyed is stale and gives InvalidArgument, as on a real GPU.
 
 State (MIG mode, GIs, CIs, energy counters, simulated load) lives in a JSON file when a state path
-is given (constructor or env ``TESSERA_NVML_SIM_STATE``): written atomically (temp file +
+is given (constructor; setting ``TESSERA_NVML_SIM_STATE``): written atomically (temp file +
 ``os.replace``) under an ``fcntl`` lock, and re-read whenever the file changed, so two processes
 or a restarted worker see the same GPU state, as a real GPU keeps its instances. Without a path the
 state is in memory only. If the stored fleet (models and node name) differs from the configured
 one, the stored state is discarded: it is different hardware.
 
-Fleet spec: ``"h100-sxm-80gb*4,h200-sxm-141gb*4"`` (env ``TESSERA_NVML_SIM_FLEET``; default eight
-H100), node name from env ``TESSERA_NVML_SIM_NODE`` (default ``sim-node``), GPUs with MIG off from
-env ``TESSERA_NVML_SIM_MIG_OFF`` (comma-separated indices) or the ``mig_enabled`` argument.
+Fleet spec: ``"h100-sxm-80gb*4,h200-sxm-141gb*4"`` (default eight H100), node name (default ``sim-node``),
+GPUs with MIG off (``mig_off`` indices or the ``mig_enabled`` argument): constructor arguments, which
+``nvml.get_backend`` takes from the settings ``TESSERA_NVML_SIM_FLEET``, ``TESSERA_NVML_SIM_NODE`` and
+``TESSERA_NVML_SIM_MIG_OFF``. The simulator itself reads no environment variable.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ def _err(code: int) -> _pynvml.NVMLError:
 def parse_fleet(spec: str | Iterable[str] | None) -> list[str]:
     """``"h100-sxm-80gb*4,h200-sxm-141gb*2"`` or a list of keys -> list of geometry keys (validated)."""
     if spec is None:
-        spec = os.environ.get("TESSERA_NVML_SIM_FLEET") or DEFAULT_FLEET
+        spec = DEFAULT_FLEET
     if isinstance(spec, str):
         items: list[str] = []
         for part in spec.split(","):
@@ -217,12 +218,15 @@ class SimNvml:
         node: str | None = None,
         mig_enabled: bool | Mapping[int, bool] | Iterable[bool] | None = None,
         clock: Callable[[], float] = time.time,
+        *,
+        mig_off: Iterable[int] = (),
+        create_latency_s: float = 0.0,
     ) -> None:
         self.fleet = parse_fleet(fleet)
-        self.node = node or os.environ.get("TESSERA_NVML_SIM_NODE") or DEFAULT_NODE
-        if state_path is None:
-            state_path = os.environ.get("TESSERA_NVML_SIM_STATE") or None
+        self.node = node or DEFAULT_NODE
         self.state_path = Path(state_path) if state_path else None
+        self.create_latency_s = create_latency_s
+        self._mig_off = frozenset(mig_off)
         self._mig_default = self._mig_modes(mig_enabled)
         self._clock = clock
         self._refcount = 0
@@ -237,8 +241,7 @@ class SimNvml:
     def _mig_modes(self, mig_enabled: Any) -> list[int]:
         n = len(self.fleet)
         if mig_enabled is None:
-            off = {int(x) for x in os.environ.get("TESSERA_NVML_SIM_MIG_OFF", "").split(",") if x.strip()}
-            return [0 if i in off else 1 for i in range(n)]
+            return [0 if i in self._mig_off else 1 for i in range(n)]
         if isinstance(mig_enabled, bool):
             return [int(mig_enabled)] * n
         if isinstance(mig_enabled, Mapping):
@@ -710,10 +713,9 @@ class SimNvml:
     def _latency(self) -> None:
         """Real GI creation takes a while (the driver reconfigures the GPU); the state is already
         committed when the call is still running, so a process killed now leaves the GI behind.
-        TESSERA_NVML_SIM_CREATE_LATENCY_S (default 0) sets how long the call takes."""
-        delay = float(os.environ.get("TESSERA_NVML_SIM_CREATE_LATENCY_S", "0") or 0)
-        if delay > 0:
-            time.sleep(delay)
+        ``create_latency_s`` (setting TESSERA_NVML_SIM_CREATE_LATENCY_S, default 0) sets how long the call takes."""
+        if self.create_latency_s > 0:
+            time.sleep(self.create_latency_s)
 
     def nvmlDeviceGetGpuInstances(self, device: Any, profileId: int, gpuInstancesRef: Any, countRef: Any) -> int:
         gpu, _gi, _ci = self._dev(device)
@@ -1189,18 +1191,17 @@ def module(
     fleet: str | Iterable[str] | None = None,
     state_path: str | os.PathLike[str] | None = None,
     node: str | None = None,
+    mig_off: Iterable[int] = (),
+    create_latency_s: float = 0.0,
 ) -> SimNvml:
-    """The process-wide simulator (what ``import pynvml`` would be), configured from the arguments
-    or the environment; a new one is made when the configuration changes."""
+    """The process-wide simulator (what ``import pynvml`` would be), configured from the arguments (the
+    ``TESSERA_NVML_SIM_*`` settings, see ``nvml.get_backend``); a new one is made when they change."""
     global _MODULE, _MODULE_KEY
-    key = (
-        tuple(parse_fleet(fleet)),
-        str(state_path or os.environ.get("TESSERA_NVML_SIM_STATE") or ""),
-        node or os.environ.get("TESSERA_NVML_SIM_NODE") or DEFAULT_NODE,
-        os.environ.get("TESSERA_NVML_SIM_MIG_OFF", ""),
-    )
+    off = tuple(sorted(set(mig_off)))
+    key = (tuple(parse_fleet(fleet)), str(state_path or ""), node or DEFAULT_NODE, off, create_latency_s)
     with _MODULE_LOCK:
         if _MODULE is None or key != _MODULE_KEY:
-            _MODULE = SimNvml(fleet=list(key[0]), state_path=key[1] or None, node=key[2])
+            _MODULE = SimNvml(fleet=list(key[0]), state_path=key[1] or None, node=key[2], mig_off=off,
+                              create_latency_s=create_latency_s)
             _MODULE_KEY = key
         return _MODULE

@@ -37,7 +37,8 @@ def nvml_backend(node: Node):
         with _lock:
             sim = _sims.get(key)
             if sim is None:
-                sim = _sims[key] = SimNvml(fleet=fleet, node=node.hostname, state_path=key[3], mig_enabled=mig)
+                sim = _sims[key] = SimNvml(fleet=fleet, node=node.hostname, state_path=key[3], mig_enabled=mig,
+                                           create_latency_s=settings.TESSERA_NVML_SIM_CREATE_LATENCY_S)
         return sim
     local = getattr(settings, "TESSERA_NODE_HOSTNAME", "")
     if local and local != node.hostname:

@@ -41,7 +41,7 @@ def node_workers(services) -> dict:
 
 def env_names_read_by_the_code() -> set[str]:
     names: set[str] = set()
-    pattern = re.compile(r"""(?:environ\.get|environ\[|getenv|env_bool|env_list|setdefault)\(?\s*"""
+    pattern = re.compile(r"""(?:environ\.get|environ\[|getenv|env_[a-z_]+|setdefault)\(?\s*"""
                          r"""["']([A-Z][A-Z0-9_]+)""")
     for d in APP_DIRS:
         for path in (ROOT / d).rglob("*.py"):

@@ -494,21 +494,32 @@ def test_client_round_trip_and_idempotent_create(nv):
         assert client.slices(0) == []
 
 
-def test_get_backend_selection(monkeypatch, tmp_path):
-    import os
+def test_create_latency_comes_from_the_argument_not_the_environment(monkeypatch, tmp_path):
+    slept: list[float] = []
+    monkeypatch.setattr(nvml_sim.time, "sleep", slept.append)
+    monkeypatch.setenv("TESSERA_NVML_SIM_CREATE_LATENCY_S", "30")  # not read: settings pass it in
+    for latency in (0.0, 2.5):
+        sim = SimNvml(fleet=H100, state_path=tmp_path / f"{latency}.json", create_latency_s=latency)
+        sim.nvmlInit()
+        create(sim, 0, 19, 0)
+    assert slept == [2.5]
 
-    from marketplace.hardware import nvml as nvml_mod
 
-    # read the environment only (a configured Django would supply TESSERA_NVML_BACKEND from settings)
-    monkeypatch.setattr(nvml_mod, "setting", lambda name: os.environ.get(name) or None)
-    monkeypatch.setenv("TESSERA_NVML_SIM_FLEET", f"{H200}*3")
-    monkeypatch.setenv("TESSERA_NVML_SIM_STATE", str(tmp_path / "env-state.json"))
-    monkeypatch.delenv("TESSERA_NVML_BACKEND", raising=False)
+def test_get_backend_selection(request, tmp_path):
+    dj = request.getfixturevalue("settings")  # pytest-django's (``settings`` here is hypothesis')
+    # the TESSERA_NVML_* settings (parsed from the environment in marketplace.settings) configure the simulator
+    dj.TESSERA_NVML_BACKEND = ""
+    dj.TESSERA_NVML_SIM_FLEET = f"{H200}*3"
+    dj.TESSERA_NVML_SIM_STATE = str(tmp_path / "env-state.json")
+    dj.TESSERA_NVML_SIM_MIG_OFF = [1]
+    dj.TESSERA_NVML_SIM_CREATE_LATENCY_S = 0.0
     nv = get_backend()
     assert isinstance(nv, SimNvml) and nv.fleet == [H200] * 3
-    assert get_backend("sim") is nv is nvml_sim.module(fleet=f"{H200}*3", state_path=tmp_path / "env-state.json")
+    assert get_backend("sim") is nv is nvml_sim.module(fleet=f"{H200}*3", state_path=tmp_path / "env-state.json",
+                                                        mig_off=[1])
+    assert nv._mig_default == [1, 0, 1]
     assert get_backend("pynvml") is pynvml
-    monkeypatch.setenv("TESSERA_NVML_BACKEND", "pynvml")
+    dj.TESSERA_NVML_BACKEND = "pynvml"
     assert get_backend() is pynvml
     with pytest.raises(ValueError):
         get_backend("cuda")

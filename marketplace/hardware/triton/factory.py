@@ -27,7 +27,7 @@ def get_triton_backend(kind: str | None = None, url: str | None = None, repo_dir
                        tokens_per_s: float | None = None, headers: dict[str, str] | None = None) -> TritonBackend:
     """``"sim"`` -> the process-wide simulator for ``repo_dir`` (same object for the same folder and memory,
     so a load in one task is seen by the next); ``"http"`` -> a new ``HttpTritonBackend(url, metrics_url)``.
-    ``kind`` defaults to the ``TESSERA_TRITON_BACKEND`` setting/environment variable, else "sim".
+    ``kind`` defaults to the ``TESSERA_TRITON_BACKEND`` setting, else "sim".
     """
     kind = (kind or setting(BACKEND_ENV) or "sim").strip().lower()
     if kind == "http":

@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 
+from django.conf import settings
 from django.core.management import call_command
 from django.core.management.base import BaseCommand
 
@@ -31,7 +32,10 @@ class Command(BaseCommand):
                             help="stop after this many seconds (smoke tests)")
 
     def handle(self, *args, **opts):
-        os.environ.setdefault("TESSERA_GATEWAY_URL", f"http://{opts['gateway_addr']}")
+        # The gateway's public URL: TESSERA_GATEWAY_URL when set, else the gateway this demo starts (its child
+        # processes read it from their environment).
+        self.gateway_url = gateway_url(opts["gateway_addr"])
+        os.environ["TESSERA_GATEWAY_URL"] = self.gateway_url
         call_command("migrate", interactive=False, verbosity=0)
         self.stdout.write("database migrated")
         result = self._seed_logins()
@@ -78,8 +82,6 @@ class Command(BaseCommand):
     def _seed_logins(self):
         """Seed the demo; the logins of the first run are kept in var/demo-logins.json (mode 0600), so a restart
         keeps the passwords and can show the API keys again."""
-        from django.conf import settings
-
         path = settings.VAR_DIR / "demo-logins.json"
         saved = json.loads(path.read_text()) if path.exists() else {}
         result = seed_demo(saved.get("operator_password"), saved.get("user_password"))
@@ -126,7 +128,7 @@ class Command(BaseCommand):
         host, _, port = addr.rpartition(":")
         cmd = [sys.executable, "manage.py", "gateway", "--host", host or "127.0.0.1", "--port", port]
         self.stdout.write(f"inference gateway: http://{addr}/v1 (OpenAI-compatible), http://{addr}/v2 (KServe)")
-        return subprocess.Popen(cmd, env=os.environ.copy())
+        return subprocess.Popen(cmd)  # inherits the environment set above
 
     def _start_worker(self):
         from marketplace.models import Node
@@ -136,7 +138,7 @@ class Command(BaseCommand):
         cmd = [sys.executable, "-m", "celery", "-A", "marketplace", "worker", "-B", "-P", "solo",
                "-Q", queues, "--loglevel", "WARNING", "-n", "demo@%h"]
         self.stdout.write(f"embedded worker: {' '.join(cmd[2:])}")
-        return subprocess.Popen(cmd, env=os.environ.copy())
+        return subprocess.Popen(cmd)  # inherits the environment set above
 
     def _print_logins(self, result, addr, title="Tessera demo"):
         w = self.stdout.write
@@ -145,7 +147,7 @@ class Command(BaseCommand):
         w(f"  web app        http://{addr}/  (operators land in the console, tenant users in the portal)")
         w(f"  Django admin   http://{addr}/admin/")
         w(f"  API docs       http://{addr}/api/docs/")
-        w(f"  gateway        {os.environ.get('TESSERA_GATEWAY_URL', 'http://127.0.0.1:8001')}/v1  "
+        w(f"  gateway        {getattr(self, 'gateway_url', settings.TESSERA_GATEWAY_URL)}/v1  "
           f"(keys with the inference scope; each model's portal page has examples)")
         w(f"  operator login {result.operator_email} / {result.operator_password}")
         w(f"  tenant users   owner@acme.example, ml@acme.example, ops@borealis.example ... / {result.user_password}")
@@ -154,6 +156,13 @@ class Command(BaseCommand):
         if not result.keys:
             w("  API keys: create them in the portal (API keys) or the API.")
         w("")
+
+
+def gateway_url(gateway_addr: str) -> str:
+    """TESSERA_GATEWAY_URL if it was set (not the default), else the address the demo's gateway listens on."""
+    if settings.TESSERA_GATEWAY_URL != settings.DEFAULT_GATEWAY_URL:
+        return settings.TESSERA_GATEWAY_URL
+    return f"http://{gateway_addr}"
 
 
 def _interrupt(signum, frame):
