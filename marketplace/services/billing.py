@@ -257,8 +257,9 @@ def _piece(pieces: Pieces) -> Case:
     """SQL: the piece of an hourly row (see token_groups)."""
     step, lo, hi = pieces
     hour = timedelta(hours=1)
+    minus = Value(-1, output_field=BigIntegerField())
     return Case(When(hour__lt=lo - hour, then=Value(-1)), When(hour__gte=hi + hour, then=Value(-2)),
-                When(Q(hour__lt=lo) | Q(hour__gte=hi), then=EpochBucket("hour", 3600)),
+                When(Q(hour__lt=lo) | Q(hour__gte=hi), then=EpochBucket("hour", 3600) * minus),  # -(its epoch)
                 default=EpochBucket("hour", step), output_field=BigIntegerField())
 
 
@@ -270,21 +271,20 @@ def token_groups(rows: QuerySet, book: PlanBook, month_start: datetime, pieces: 
     """UsageHourly `rows` summed by the database per (deployment, adapter, tier, plan kind, plan in force,
     late: before `month_start`, month[, piece]): the rating's token input, however many hours there are.
     pieces = (step, lo, hi): also per UTC time bucket of `step` seconds inside [lo, hi), each hour a period's
-    edges cut (just outside [lo, hi)) its own piece, and the hours before and after in one piece each.
-    by_deployment=False: only the token sums and first/last hour per tier, plan kind, plan in force[, tenant]
-    [, piece] (what spreading a month's lines over time needs; `rows` within one month). Yields dicts with
-    the sums, first/last hour and the number of hours."""
+    edges cut (just outside [lo, hi)) its own piece (-its epoch), and the hours before and after in one
+    piece each (-1, -2). Yields dicts with the sums, first/last hour and the number of hours.
+    by_deployment=False: only the token sums per tier, plan kind, plan in force[, tenant][, piece] (what
+    spreading a month's lines over time needs; `rows` within one month)."""
     qs = rows.annotate(plan_id=book.case(TIER, PLAN_KIND, "hour"))
     keys = [TIER, PLAN_KIND, "plan_id"] + (["tenant_id"] if by_tenant else [])
-    sums = {"input_tokens": Sum("input_tokens"), "output_tokens": Sum("output_tokens"),
-            "first": Min("hour"), "last": Max("hour")}
+    sums = {"input_tokens": Sum("input_tokens"), "output_tokens": Sum("output_tokens")}
     if by_deployment:  # what an invoice needs besides: the line keys, late usage, what was billed before
         qs = qs.annotate(
             late=Case(When(hour__lt=month_start, then=Value(True)), default=Value(False), output_field=BooleanField()),
             month=TruncMonth("hour", tzinfo=UTC))
         keys = ["deployment_id", "adapter", *keys, "late", "month"]
         sums.update(billed_input_tokens=Sum("billed_input_tokens"), billed_output_tokens=Sum("billed_output_tokens"),
-                    requests=Sum("requests"), hours=Count("pk"))
+                    requests=Sum("requests"), first=Min("hour"), last=Max("hour"), hours=Count("pk"))
     if pieces:
         qs = qs.annotate(piece=_piece(pieces))
         keys.append("piece")
@@ -597,8 +597,17 @@ def spread_lines_many(tenants: list[Tenant], start: datetime, end: datetime, now
                 if d is None:
                     d = lines[key] = Draft(kind, tiers[g["tier_id"]], plan, "", "1M tokens")
                     out[g["tenant_id"]].append((d, cur))
-                d.add(Decimal(tokens) / MILLION, g["first"], g["last"] + hour)
+                d.add(Decimal(tokens) / MILLION, *_piece_span(g["piece"], step, lo, hi))
     return out
+
+
+def _piece_span(piece: int, step: int, lo: datetime, hi: datetime) -> tuple[datetime, datetime]:
+    """The time a piece of `_piece` covers: an edge hour's hour; an inner bucket's part of [lo, hi)."""
+    if piece < 0:
+        a = datetime.fromtimestamp(-piece, tz=UTC)
+        return a, a + timedelta(hours=1)
+    a = datetime.fromtimestamp(piece, tz=UTC)
+    return max(a, lo), min(a + timedelta(seconds=step), hi)
 
 
 def _whole_hours(start: datetime, end: datetime) -> tuple[datetime, datetime]:
@@ -635,6 +644,10 @@ def amount_by_bucket(d: Draft, lo: datetime, hi: datetime, step: timedelta) -> d
         if b <= a:
             if lo <= a < hi:
                 out[start_of(a)] += qty * price
+            continue
+        first = start_of(a)
+        if lo <= a and b <= hi and b <= first + step:  # inside one bucket and the range: all of it there
+            out[first] += qty * price
             continue
         length = seconds(b - a)
         t = start_of(max(a, lo))

@@ -114,7 +114,9 @@ def test_charts_spread_the_same_money_as_the_invoices_lines(reserved_tenant, tie
     now = T0 + timedelta(days=40)
     for start, end in ((T0 + timedelta(hours=2, minutes=20), T0 + timedelta(hours=41, minutes=35)),
                        (T0 - timedelta(days=3), T0 + timedelta(days=33)),
-                       (T0 + timedelta(hours=29), T0 + timedelta(hours=31))):
+                       (T0 + timedelta(hours=29), T0 + timedelta(hours=31)),
+                       # the edge hour before the range is a day bucket's first hour: still its own piece
+                       (T0 + timedelta(minutes=30), T0 + timedelta(days=1, minutes=30))):
         exact = billing.rated_lines_many(tenants, start, end, now)
         fast = billing.spread_lines_many(tenants, start, end, now)
         for tid in (t.pk, other.pk):
