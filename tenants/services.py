@@ -243,6 +243,8 @@ def accept_invitation(user: User, token: str) -> Membership:
     invitation.accepted_at = timezone.now()
     invitation.accepted_by = user
     invitation.save(update_fields=["accepted_at", "accepted_by"])
+    audit.record(Principal(user=user), "invitation.accept", f"invitation:{invitation.pk}", invitation.tenant_id,
+                 email=user.email, role=invitation.role)
     return membership
 
 
@@ -264,7 +266,9 @@ def sign_up_and_accept(token: str, *, full_name: str, password: str) -> Membersh
     except IntegrityError:  # created meanwhile by a concurrent request
         raise Conflict("an account with this e-mail exists: sign in to accept", field="email") from None
     log.info("account created from an invitation", extra={"user": user.pk})
-    return accept_invitation(user, token)
+    membership = accept_invitation(user, token)
+    audit.record(Principal(user=user), "user.sign_up", f"user:{email}", membership.tenant_id)
+    return membership
 
 
 @transaction.atomic

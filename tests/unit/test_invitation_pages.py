@@ -13,7 +13,7 @@ from django.test import Client
 from django.utils import timezone
 
 from tenants import services
-from tenants.models import Invitation, Membership, User
+from tenants.models import AuditEvent, Invitation, Membership, User
 from tenants.roles import Role
 from tenants.scoping import principal_for_user
 from tests.factories import UserFactory
@@ -103,6 +103,8 @@ def test_new_person_sets_a_password_joins_and_lands_in_the_portal(invite, tenant
     inv.refresh_from_db()
     assert inv.status == "accepted" and inv.accepted_by == user
     assert get_user(c) == user  # signed in
+    assert set(AuditEvent.objects.filter(tenant=tenant_a, actor="user:new.person@example.com")
+               .values_list("action", flat=True)) == {"invitation.accept", "user.sign_up"}
     home = c.get(r["Location"])
     assert home.status_code == 200 and "Welcome to Alpha" in home.content.decode()
 
