@@ -7,6 +7,7 @@ expired links answer 410 with a page that says so; an unknown token is a 404 tha
 from __future__ import annotations
 
 import time
+from functools import wraps
 
 from django.conf import settings
 from django.contrib import messages
@@ -70,8 +71,21 @@ def _inviter(invitation: Invitation) -> str:
     return f"{user.full_name} ({user.email})" if user.full_name else user.email
 
 
+def _unlogged(view):
+    """Django logs 4xx answers with their path ("Bad Request: /invitations/<token>/"); a live token must
+    not reach the logs, so these answers are marked as logged (the request log masks the token)."""
+    @wraps(view)
+    def wrapper(request, *args, **kwargs):
+        response = view(request, *args, **kwargs)
+        if response.status_code >= 400:
+            response._has_been_logged = True
+        return response
+    return wrapper
+
+
 @never_cache
 @require_http_methods(["GET", "POST"])
+@_unlogged
 def invitation(request, token: str):
     if _over_rate(request):
         response = render(request, "invitations/gone.html", {

@@ -264,3 +264,18 @@ def test_the_pages_are_rate_limited_per_client(invite, settings):
     assert [c.get("/invitations/guess-1/").status_code for _ in range(3)] == [404] * 3
     r = c.get(url)
     assert r.status_code == 429 and r["Retry-After"] == "60" and "Alpha" not in r.content.decode()
+
+
+def test_the_token_stays_out_of_the_request_log(invite, caplog):
+    _, token, url = invite()
+    with caplog.at_level("INFO", logger="tessera.request"):
+        assert Client().get(url).status_code == 200
+    paths = [getattr(r, "path", "") for r in caplog.records if r.name == "tessera.request"]
+    assert paths == ["/invitations/<token>/"] and token not in caplog.text
+
+
+def test_a_failed_attempt_does_not_log_the_live_token(invite, caplog):
+    _, token, url = invite()
+    with caplog.at_level("INFO"):
+        assert signup(Client(), url, pw="short").status_code == 400
+    assert token not in caplog.text
