@@ -60,6 +60,9 @@ def _gone(request, invitation: Invitation | None):
     else:
         title, text = GONE[invitation.status]
         status, reason = 410, invitation.status
+        if reason == "expired":  # what the invitee saw while it was valid: whom to ask for a new one
+            text = (f"Invitations are valid for a limited time. Ask {_inviter(invitation)} to invite you "
+                    f"to {invitation.tenant.name} again.")
     return render(request, "invitations/gone.html", {"title": title, "text": text, "reason": reason,
                                                      "status": status}, status=status)
 

@@ -5,13 +5,17 @@ the same link opened again is a clear "already used" page. Screenshots of each s
 from __future__ import annotations
 
 import re
+from datetime import timedelta
 
 import pytest
 from django.core import mail
+from django.utils import timezone
 from playwright.sync_api import expect
 
-from tenants.models import Membership
+from tenants import services
+from tenants.models import Invitation, Membership
 from tenants.roles import Role
+from tenants.scoping import principal_for_user
 from tests.factories import MembershipFactory, TenantFactory, UserFactory
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -82,3 +86,37 @@ def test_invitee_follows_the_emailed_link_sets_a_password_and_lands_in_the_porta
         shot(invitee, "invitation-used")
     finally:
         ctx.close()
+
+
+def test_existing_account_wrong_user_and_expired_links(browser, page, shot, login, live_server):
+    """The other ways a link is met: an account that signs in to join, someone signed in as another
+    person (told so, and signed out back to the link), and a link past its date."""
+    alpha = TenantFactory(slug="alpha", name="Alpha Labs")
+    owner = MembershipFactory(tenant=alpha, role=Role.OWNER, user=UserFactory(email="owner@alpha.example")).user
+    erin = UserFactory(email="erin@example.com")
+    p = principal_for_user(owner)
+    _, token = services.invite(p, tenant=alpha, email="erin@example.com", role=Role.VIEWER, send=False)
+    old, old_token = services.invite(p, tenant=alpha, email="old@example.com", send=False)
+    Invitation.objects.filter(pk=old.pk).update(expires_at=timezone.now() - timedelta(hours=1))
+    link = f"{live_server.url}/invitations/{token}/"
+
+    login(page, "owner@alpha.example")  # signed in as someone else
+    page.goto(link)
+    expect(page.locator("#inv-wrong-user")).to_contain_text("erin@example.com")
+    shot(page, "invitation-wrong-user")
+    page.click("#invitation button[type=submit]")  # sign out and continue
+    page.wait_for_url(link)
+    expect(page.locator("#signin-form")).to_be_visible()
+    page.fill("#id_password", "wrong-password")
+    page.click("#signin-form button[type=submit]")
+    expect(page.locator("#password-error")).to_have_text("That password is not right.")
+    shot(page, "invitation-signin")
+    page.fill("#id_password", "pw-Secret-123")
+    page.click("#signin-form button[type=submit]")
+    page.wait_for_url(re.compile(r"/portal/\?tenant=alpha$"))
+    assert Membership.objects.get(user=erin, tenant=alpha).role == Role.VIEWER
+
+    response = page.goto(f"{live_server.url}/invitations/{old_token}/")
+    assert response.status == 410
+    expect(page.locator("h1")).to_have_text("This invitation has expired")
+    shot(page, "invitation-expired")

@@ -234,6 +234,7 @@ def test_expired_link(invite):
     inv, _, url = invite()
     Invitation.objects.filter(pk=inv.pk).update(expires_at=timezone.now() - timedelta(minutes=1))
     _gone(url, 410, "This invitation has expired", "expired")
+    assert "Ask Olive Owner (owner@alpha.example) to invite you to Alpha again." in Client().get(url).content.decode()
     assert not User.objects.filter(email=inv.email).exists()
 
 
@@ -247,6 +248,7 @@ def test_revoked_link(invite, owner):
     inv, _, url = invite()
     services.revoke_invitation(principal_for_user(owner), inv)
     _gone(url, 410, "was withdrawn", "revoked")
+    assert "Alpha" not in Client().get(url).content.decode()  # a withdrawn link no longer names the tenant
     assert not User.objects.filter(email=inv.email).exists()
 
 
