@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import logging
+import re
 import time
 
 log = logging.getLogger("tessera.request")
+# Secrets in paths stay out of the logs: an invitation link's token would let a log reader join.
+SECRET_PATH = re.compile(r"^/invitations/[^/]+/")
 
 
 class RequestLogMiddleware:
@@ -20,7 +23,7 @@ class RequestLogMiddleware:
             "request",
             extra={
                 "method": request.method,
-                "path": request.path,
+                "path": SECRET_PATH.sub("/invitations/<token>/", request.path),
                 "status": response.status_code,
                 "ms": round((time.perf_counter() - started) * 1000, 1),
                 "user_id": getattr(user, "pk", None),

@@ -469,6 +469,11 @@ TESSERA_USAGE_SPOOL_DIR = env_path("TESSERA_USAGE_SPOOL_DIR", VAR_DIR / "usage-s
 TESSERA_METERING_TOLERANCE = env_float("TESSERA_METERING_TOLERANCE", 0.02)  # metered vs served
 TESSERA_API_KEY_LAST_USED_RESOLUTION_S = 60  # write last_used_at at most once a minute per key
 TESSERA_INVITATION_TTL_DAYS = 7
+# The site's public address (https://portal.example.com) for links in e-mails; empty: the address the
+# inviting request came in on (its Host header, which ALLOWED_HOSTS checks).
+TESSERA_SITE_URL = env_str("TESSERA_SITE_URL").rstrip("/")
+# Requests per minute from one client address to the invitation pages (token guessing, password tries).
+TESSERA_INVITATION_PAGE_RATE = env_int("TESSERA_INVITATION_PAGE_RATE", 30)
 # Capacity planner: what one GPU-hour costs the MSP (hardware amortisation + hosting, power excluded),
 # per GPU model key: "h100-sxm-80gb=1.89,h200-sxm-141gb=2.50" (defaults: public marketplace rental
 # prices of 2025-26, an upper bound for an owner's cost; set your own).

@@ -9,7 +9,7 @@ there (a foreign id gives 404, never 403 and never the data).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from django.db import models
@@ -29,6 +29,7 @@ class Principal:
     key_tenant_id: int | None = None
     scopes: frozenset[str] | None = None  # None: a user, whose role decides
     suspended: frozenset[int] = frozenset()  # tenants that may only read and see billing
+    site_url: str = ""  # the site's address as the request saw it ("https://host"): links in e-mails
 
     @property
     def is_authenticated(self) -> bool:
@@ -113,6 +114,13 @@ def principal_for_key(key) -> Principal:
     )
 
 
+def _site_url(request) -> str:
+    try:
+        return request.build_absolute_uri("/").rstrip("/")
+    except Exception:  # DisallowedHost and the like: no link base from this request
+        return ""
+
+
 def principal_for(request) -> Principal:
     """The principal of a Django or DRF request, computed once and cached on the request."""
     django_request = getattr(request, "_request", request)
@@ -126,5 +134,7 @@ def principal_for(request) -> Principal:
         principal = principal_for_key(auth)
     else:
         principal = principal_for_user(getattr(request, "user", None))
+    if principal.is_authenticated:
+        principal = replace(principal, site_url=_site_url(django_request))
     django_request._tessera_principal = principal
     return principal

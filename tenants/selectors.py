@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from django.db.models import Count, Q
 
-from .models import ApiKey, AuditEvent, Invitation, Membership, Tenant
+from . import keys
+from .models import ApiKey, AuditEvent, Invitation, Membership, Tenant, User
 from .scoping import Principal
 
 
@@ -21,6 +22,16 @@ def memberships(principal: Principal):
 
 def invitations(principal: Principal):
     return Invitation.objects.visible_to(principal, "manage_members").select_related("tenant", "invited_by")
+
+
+def invitation_by_token(token: str) -> Invitation | None:
+    """The invitation a link's token opens (any status), or None. Only the token's hash is looked up."""
+    return (Invitation.objects.select_related("tenant", "invited_by")
+            .filter(token_hash=keys.hash_key(token)).first())
+
+
+def has_account(email: str) -> bool:
+    return User.objects.filter(email__iexact=email).exists()
 
 
 def api_keys(principal: Principal):

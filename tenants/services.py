@@ -6,8 +6,12 @@ import logging
 from datetime import timedelta
 
 from django.conf import settings
+from django.contrib.auth.password_validation import validate_password
+from django.core.exceptions import ValidationError
 from django.core.mail import send_mail
 from django.db import IntegrityError, transaction
+from django.template.loader import render_to_string
+from django.urls import reverse
 from django.utils import timezone
 
 from . import audit, keys
@@ -183,24 +187,37 @@ def invite(principal: Principal, *, tenant: Tenant, email: str, role: str = Role
         raise Conflict("an invitation for this e-mail is already pending", field="email") from None
     audit.record(principal, "invitation.create", f"invitation:{invitation.pk}", tenant, email=email, role=role)
     if send:
-        transaction.on_commit(lambda: _send_invitation(invitation, token))
+        site_url = principal.site_url
+        transaction.on_commit(lambda: _send_invitation(invitation, token, site_url))
     return invitation, token
 
 
-def _send_invitation(invitation: Invitation, token: str) -> None:
+DEFAULT_SITE_URL = "http://localhost:8000"
+
+
+def invitation_url(token: str, site_url: str = "") -> str:
+    """The absolute link in the e-mail: TESSERA_SITE_URL, else the inviting request's own address."""
+    base = (settings.TESSERA_SITE_URL or site_url or DEFAULT_SITE_URL).rstrip("/")
+    return base + reverse("invitation", args=[token])
+
+
+def _send_invitation(invitation: Invitation, token: str, site_url: str = "") -> None:
+    inviter = invitation.invited_by
+    context = {
+        "invitation": invitation, "tenant": invitation.tenant, "url": invitation_url(token, site_url),
+        "inviter": (inviter.full_name or inviter.email) if inviter is not None else "",
+        "role": invitation.get_role_display(),
+    }
     send_mail(
-        subject=f"You are invited to {invitation.tenant.name} on Tessera",
-        message=(
-            f"You have been invited to join {invitation.tenant.name} as {invitation.role}.\n"
-            f"Accept with this token (valid until {invitation.expires_at:%Y-%m-%d %H:%M} UTC):\n\n{token}\n"
-        ),
+        subject=render_to_string("invitations/email_subject.txt", context).strip(),
+        message=render_to_string("invitations/email.txt", context),
         from_email=settings.DEFAULT_FROM_EMAIL,
         recipient_list=[invitation.email],
     )
 
 
-@transaction.atomic
-def accept_invitation(user: User, token: str) -> Membership:
+def _pending_invitation(token: str) -> Invitation:
+    """The invitation of `token`, locked, if it can still be accepted; else a ServiceError."""
     invitation = (
         Invitation.objects.select_for_update(of=("self",)).select_related("tenant")
         .filter(token_hash=keys.hash_key(token)).first()
@@ -209,6 +226,13 @@ def accept_invitation(user: User, token: str) -> Membership:
         raise ServiceError("unknown invitation token", field="token")
     if invitation.status != "pending":
         raise ServiceError(f"this invitation is {invitation.status}", field="token")
+    return invitation
+
+
+@transaction.atomic
+def accept_invitation(user: User, token: str) -> Membership:
+    """The one rule for joining a tenant by invitation (the API, the web page and sign-up use it)."""
+    invitation = _pending_invitation(token)
     if invitation.email.lower() != user.email.lower():
         raise ServiceError("this invitation was sent to another e-mail address", field="token")
     membership, created = Membership.objects.get_or_create(
@@ -219,6 +243,31 @@ def accept_invitation(user: User, token: str) -> Membership:
     invitation.accepted_at = timezone.now()
     invitation.accepted_by = user
     invitation.save(update_fields=["accepted_at", "accepted_by"])
+    audit.record(Principal(user=user), "invitation.accept", f"invitation:{invitation.pk}", invitation.tenant_id,
+                 email=user.email, role=invitation.role)
+    return membership
+
+
+@transaction.atomic
+def sign_up_and_accept(token: str, *, full_name: str, password: str) -> Membership:
+    """An invitee without an account: create it (for the invited e-mail, with a password that passes
+    AUTH_PASSWORD_VALIDATORS) and accept the invitation, in one transaction."""
+    email = _pending_invitation(token).email.lower()
+    if User.objects.filter(email__iexact=email).exists():
+        raise Conflict("an account with this e-mail exists: sign in to accept", field="email")
+    full_name = full_name.strip()[:200]
+    try:
+        validate_password(password, user=User(email=email, full_name=full_name))
+    except ValidationError as exc:
+        raise ServiceError(" ".join(exc.messages), field="password") from None
+    try:
+        with transaction.atomic():
+            user = User.objects.create_user(email=email, password=password, full_name=full_name)
+    except IntegrityError:  # created meanwhile by a concurrent request
+        raise Conflict("an account with this e-mail exists: sign in to accept", field="email") from None
+    log.info("account created from an invitation", extra={"user": user.pk})
+    membership = accept_invitation(user, token)
+    audit.record(Principal(user=user), "user.sign_up", f"user:{email}", membership.tenant_id)
     return membership
 
 

@@ -2,6 +2,7 @@ from django.contrib.auth import views as auth_views
 from django.shortcuts import redirect
 from django.urls import include, path
 
+from marketplace.web import invitations
 from tenants.lockout import LockoutAuthenticationForm
 from tenants.scoping import principal_for
 
@@ -22,6 +23,7 @@ urlpatterns = [
     path("password-reset/<uidb64>/<token>/", auth_views.PasswordResetConfirmView.as_view(),
          name="password_reset_confirm"),
     path("password-reset/done/", auth_views.PasswordResetCompleteView.as_view(), name="password_reset_complete"),
+    path("invitations/<str:token>/", invitations.invitation, name="invitation"),
     path("console/", include(("marketplace.web.console_urls", "console"), namespace="console")),
     path("portal/", include(("marketplace.web.portal_urls", "portal"), namespace="portal")),
 ]

@@ -90,7 +90,8 @@ class InvitationSerializer(serializers.ModelSerializer):
 
 
 class AcceptInvitationSerializer(serializers.Serializer):
-    token = serializers.CharField(max_length=200)
+    token = serializers.CharField(max_length=200,
+                                  help_text="the last part of the e-mailed link <site>/invitations/<token>/")
 
 
 class ApiKeySerializer(serializers.ModelSerializer):

@@ -111,7 +111,8 @@ class InvitationViewSet(ScopedViewSetMixin, mixins.ListModelMixin, mixins.Retrie
 
 
 class AcceptInvitationView(APIView):
-    """The signed-in invitee accepts with the token from the e-mail and becomes a member."""
+    """The signed-in invitee accepts with the token from the e-mailed link and becomes a member
+    (people use the link's page, /invitations/<token>/, which also signs up new users)."""
 
     permission_classes = [permissions.IsAuthenticated]
 
