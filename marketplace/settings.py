@@ -49,6 +49,16 @@ def env_str(name: str, default: str = "") -> str:
     return default if value is None else value
 
 
+def env_site_url(name: str) -> str:
+    """An http(s) address without a trailing slash (empty: unset)."""
+    def parse(text: str) -> str:
+        if not text.startswith(("http://", "https://")) or len(text.rstrip("/")) <= len("https://"):
+            raise ValueError(text)
+        return text.rstrip("/")
+
+    return _typed(name, "", parse, "an http:// or https:// address")
+
+
 def env_int(name: str, default: int, *, minimum: int | None = 0) -> int:
     def parse(text: str) -> int:
         number = int(text)
@@ -471,7 +481,7 @@ TESSERA_API_KEY_LAST_USED_RESOLUTION_S = 60  # write last_used_at at most once a
 TESSERA_INVITATION_TTL_DAYS = 7
 # The site's public address (https://portal.example.com) for links in e-mails; empty: the address the
 # inviting request came in on (its Host header, which ALLOWED_HOSTS checks).
-TESSERA_SITE_URL = env_str("TESSERA_SITE_URL").rstrip("/")
+TESSERA_SITE_URL = env_site_url("TESSERA_SITE_URL")
 # Requests per minute from one client address to the invitation pages (token guessing, password tries).
 TESSERA_INVITATION_PAGE_RATE = env_int("TESSERA_INVITATION_PAGE_RATE", 30)
 # Capacity planner: what one GPU-hour costs the MSP (hardware amortisation + hosting, power excluded),
