@@ -326,3 +326,69 @@ def test_members_role_change_and_removal(as_user, world, members_a):
     me = Membership.objects.get(user=members_a["member"])
     assert member.post(f"/portal/members/{me.pk}/remove/").status_code == 302
     assert not Membership.objects.filter(pk=me.pk).exists()
+
+
+def test_service_errors_puts_a_refusal_on_its_field_and_lets_forbidden_through():
+    from django import forms
+
+    from marketplace.web.portal_forms import service_errors
+    from tenants.errors import Forbidden, ServiceError
+
+    class F(forms.Form):
+        name = forms.CharField(required=False)
+        expires_on = forms.DateField(required=False)
+
+    form = F({"name": "x"})
+    assert form.is_valid()
+    with service_errors(form, "name") as failed:
+        pass
+    assert not failed and form.is_valid()
+    with service_errors(form, "name", aliases={"expires_at": "expires_on"}) as failed:
+        raise ServiceError("must be in the future", field="expires_at")
+    assert failed and failed.text == "expires_at: must be in the future"
+    assert form.errors == {"expires_on": ["must be in the future"]} and not form.is_valid()
+    form = F({"name": "x"})
+    form.is_valid()
+    with service_errors(form, "name"):
+        raise ServiceError("no capacity", field="tier")  # a field the form lacks: on the default field
+    assert form.errors == {"name": ["no capacity"]}
+    with pytest.raises(Forbidden), service_errors(form, "name"):
+        raise Forbidden("no")
+    with pytest.raises(ValueError), service_errors(form, "name"):
+        raise ValueError("not a service's refusal")
+
+
+def test_deploy_form_errors_are_shown_next_to_their_fields_and_nothing_is_stored(owner_client, world, tiers):
+    other = make_alloc(world["b"], tiers["1g"])
+    r = owner_client.post(reverse("portal:deployment_create"), {"allocation": other.pk, "name": "x",
+                                                                "context": "lots"})
+    body = r.content.decode()
+    assert r.status_code == 400 and not ModelDeployment.objects.exists()
+    assert r.context["form"].errors == {"allocation": ["choose one of your active slices"],
+                                        "context": ["a whole number"]}
+    assert '<span class="errorlist">a whole number</span></label>' in body
+    assert 'value="lots"' in body and 'value="x"' in body  # what was typed stays
+    mine = make_alloc(world["a"], tiers["1g"])
+    r = owner_client.post(reverse("portal:deployment_create"), {"allocation": mine.pk, "name": "m",
+                                                                "library_model": "nope"})
+    assert r.status_code == 400 and r.context["form"].errors == {
+        "library_model": ["choose a model of the library"]} and not ModelDeployment.objects.exists()
+
+
+def test_invite_and_key_forms_validate_before_any_service_call(owner_client, world):
+    n = Invitation.objects.count()
+    r = owner_client.post(reverse("portal:member_invite"), {"email": "not-an-address", "role": "viewer"})
+    assert r.status_code == 400 and r.context["form"].errors == {"email": ["enter an e-mail address"]}
+    assert '<span class="errorlist">enter an e-mail address</span></label>' in r.content.decode()
+    r = owner_client.post(reverse("portal:member_invite"), {"email": "pat@alpha.example", "role": "emperor"})
+    assert r.status_code == 400 and "role" in r.context["form"].errors and Invitation.objects.count() == n
+    r = owner_client.post(reverse("portal:key_create"), {"name": "ci", "scopes": ["read", "usage:write"]})
+    assert r.status_code == 400 and "scopes" in r.context["form"].errors
+    assert not ApiKey.objects.filter(name="ci").exists()
+
+
+def test_order_quantity_is_checked_by_the_form(owner_client, h100_node, tiers):
+    r = owner_client.post(reverse("portal:order", args=[tiers["1g"].pk]), {"quantity": "many"})
+    assert r.status_code == 400 and "a whole number" in r.content.decode() and not Order.objects.exists()
+    r = owner_client.post(reverse("portal:order", args=[tiers["1g"].pk]), {"quantity": "65"})
+    assert r.status_code == 400 and "must be between 1 and 64" in r.content.decode() and not Order.objects.exists()
