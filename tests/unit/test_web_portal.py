@@ -392,3 +392,38 @@ def test_order_quantity_is_checked_by_the_form(owner_client, h100_node, tiers):
     assert r.status_code == 400 and "a whole number" in r.content.decode() and not Order.objects.exists()
     r = owner_client.post(reverse("portal:order", args=[tiers["1g"].pk]), {"quantity": "65"})
     assert r.status_code == 400 and "must be between 1 and 64" in r.content.decode() and not Order.objects.exists()
+
+
+def test_every_destructive_action_asks_first_the_same_way(owner_client, world, tiers, members_a):
+    """Release, key revoke, model remove, member remove/leave, role change and invitation revoke: one include
+    (a form with data-confirm, which static/tessera/app.js turns into a confirm dialog)."""
+    import re
+
+    a = make_alloc(world["a"], tiers["1g"])
+    dep = make_dep(a, name="chat")
+    make_key(world["a"], name='ci "prod" <b>')
+
+    def confirms(url) -> dict[str, str]:
+        body = owner_client.get(url).content.decode()
+        return dict(re.findall(r'<form method="post" action="([^"]+)" class="[^"]*confirm[^"]*" '
+                               r'data-confirm="([^"]+)"', body))
+
+    assert confirms(reverse("portal:slice", args=[a.pk]))[reverse("portal:slice_release", args=[a.pk])] == \
+        f"Release slice #{a.pk}? Its models are removed."
+    remove = reverse("portal:deployment_remove", args=[dep.pk])
+    question = f"Remove chat? It is unloaded from slice #{a.pk} at once and stops answering requests."
+    assert confirms(reverse("portal:deployment", args=[dep.pk]))[remove] == question
+    assert confirms(reverse("portal:deployments"))[remove] == question
+    keys = confirms(reverse("portal:keys"))
+    assert "Revoke ci &quot;prod&quot; &lt;b&gt;? Clients using it stop working." in keys.values()  # escaped once
+    members = confirms(reverse("portal:members"))
+    viewer = Membership.objects.get(user=members_a[Role.VIEWER])
+    me = Membership.objects.get(user=members_a[Role.OWNER])
+    inv = Invitation.objects.get(tenant=world["a"])
+    assert members[reverse("portal:member_remove", args=[viewer.pk])] == \
+        f"Remove {viewer.user.email} from Alpha? They lose access at once."
+    assert members[reverse("portal:member_remove", args=[me.pk])].startswith("Leave Alpha? You lose access")
+    assert members[reverse("portal:member_role", args=[viewer.pk])] == \
+        f"Change the role of {viewer.user.email}? Their access changes at once."
+    assert members[reverse("portal:invitation_revoke", args=[inv.pk])] == \
+        f"Revoke the invitation for {inv.email}? Its link stops working."
