@@ -109,7 +109,9 @@ def require(request, capability: str, tenant_id: int | None = None) -> None:
 def ctx(request, **extra) -> dict:
     p, t = request.principal, request.tenant
     caps = {c: p.can(c, t.pk) for c in ("read", "deploy", "billing", "manage_keys", "manage_members", "infer")}
-    return {"tenant": t, "tenants": request.portal_tenants, "can": caps, "role": p.role_in(t.pk), **extra}
+    # a suspended tenant may only read and see billing, whatever the role: pages say why, with the operator's reason
+    return {"tenant": t, "tenants": request.portal_tenants, "can": caps, "role": p.role_in(t.pk),
+            "suspended": t.status != Tenant.Status.ACTIVE, **extra}
 
 
 def act(request, call, success: str) -> bool:
@@ -488,8 +490,8 @@ def _keys(request, form=None, status=200):
     qs = ApiKey.objects.visible_to(request.principal, "manage_keys").filter(tenant=request.tenant) \
         .select_related("created_by")
     tbl = table(request, qs, KEY_COLUMNS, default_sort="-created_at")
-    return render(request, "portal/keys.html", ctx(request, table=tbl, scopes=TENANT_SCOPES,
-                                                   form=form or ApiKeyForm()), status=status)
+    return render(request, "portal/keys.html", ctx(request, table=tbl, scopes=TENANT_SCOPES, form=form or ApiKeyForm(),
+                                                   tomorrow=timezone.now().date() + timedelta(days=1)), status=status)
 
 
 @require_POST

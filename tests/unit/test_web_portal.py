@@ -427,3 +427,39 @@ def test_every_destructive_action_asks_first_the_same_way(owner_client, world, t
         f"Change the role of {viewer.user.email}? Their access changes at once."
     assert members[reverse("portal:invitation_revoke", args=[inv.pk])] == \
         f"Revoke the invitation for {inv.email}? Its link stops working."
+
+
+def test_a_suspended_tenant_is_told_why_not_blamed_on_its_role(owner_client, world, operator):
+    from tenants import services as tenant_services
+    from tenants.scoping import principal_for_user as pfu
+
+    tenant_services.suspend_tenant(pfu(operator), world["a"], reason="invoice 2026-0042 is 30 days overdue")
+    for name in ("home", "catalog", "keys"):
+        body = owner_client.get(reverse(f"portal:{name}")).content.decode()
+        assert 'id="suspended-notice"' in body and "invoice 2026-0042 is 30 days overdue" in body, name
+        assert "Your role (owner)" not in body, name
+    assert "Ordering is paused while Alpha is suspended" in owner_client.get(reverse("portal:catalog")).content.decode()
+    tenant_services.activate_tenant(pfu(operator), world["a"])
+    body = owner_client.get(reverse("portal:catalog")).content.decode()
+    assert "suspended-notice" not in body and "cannot-order" not in body
+
+
+def test_key_expiry_is_set_in_the_portal_and_the_new_key_has_a_copy_button(owner_client, world):
+    from datetime import UTC, datetime
+
+    day = (timezone.now() + timedelta(days=30)).date()
+    r = owner_client.post(reverse("portal:key_create"), {"name": "ci", "scopes": ["read"],
+                                                         "expires_on": day.isoformat()})
+    assert r.status_code == 200
+    key = ApiKey.objects.get(name="ci")
+    assert key.expires_at == datetime(day.year, day.month, day.day, tzinfo=UTC)
+    body = r.content.decode()
+    assert 'data-copy="#key-secret"' in body and "tessera/copy.js" in body
+    assert f'id="key-expires">{day:%Y-%m-%d} 00:00 UTC<' in body
+    assert "onclick" not in body  # the CSP forbids inline handlers: the button works from a static file
+    assert f"expires {day:%Y-%m-%d} 00:00 UTC" in owner_client.get(reverse("portal:keys")).content.decode()
+    today = timezone.now().date()
+    r = owner_client.post(reverse("portal:key_create"), {"name": "old", "scopes": ["read"],
+                                                         "expires_on": today.isoformat()})
+    assert r.status_code == 400 and r.context["form"].errors == {"expires_on": ["must be a day after today"]}
+    assert not ApiKey.objects.filter(name="old").exists()
