@@ -23,7 +23,7 @@ from django.views.decorators.http import require_POST
 
 from marketplace import placement as engine
 from marketplace.api.billing import invoice_csv
-from marketplace.models import Allocation, Gpu, ModelDeployment, Node
+from marketplace.models import Allocation, Gpu, ModelDeployment, Node, PricePlan
 from marketplace.models.orders import LIVE_STATES
 from marketplace.selectors import billing as billing_sel
 from marketplace.selectors import models as model_sel
@@ -185,10 +185,10 @@ def _group(gpus):
     return groups
 
 
-def price_of(tier, currency: str):
+def price_of(tier, currency: str, kind: str = PricePlan.Kind.ON_DEMAND):
     now = timezone.now()
     for plan in tier.plans.all():  # prefetched, newest first
-        if plan.currency == currency and plan.kind == "on_demand" and plan.effective_from <= now:
+        if plan.currency == currency and plan.kind == kind and plan.effective_from <= now:
             return plan
     return None
 
@@ -205,8 +205,12 @@ def _catalog(request, errors=None, status=200):
     from marketplace.selectors.catalog import platforms_by_gpu_model
 
     plats = platforms_by_gpu_model(in_fleet_only=True)
-    rows = [{"tier": tr, "plan": price_of(tr, t.currency), "free": free.get(tr.pk, 0),
-             "platforms": plats.get(tr.gpu_model_id, []), "error": (errors or {}).get(tr.pk)} for tr in tiers]
+    rows = []
+    for tr in tiers:
+        reserved = price_of(tr, t.currency, PricePlan.Kind.RESERVED)
+        rows.append({"tier": tr, "plan": price_of(tr, t.currency), "free": free.get(tr.pk, 0),
+                     "reserved": reserved, "estimate": billing_sel.plan_month_estimate(reserved) if reserved else None,
+                     "platforms": plats.get(tr.gpu_model_id, []), "error": (errors or {}).get(tr.pk)})
     return render(request, "portal/catalog.html", ctx(request, rows=rows, availability_cap=AVAILABILITY_CAP),
                   status=status)
 

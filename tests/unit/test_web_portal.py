@@ -463,3 +463,33 @@ def test_key_expiry_is_set_in_the_portal_and_the_new_key_has_a_copy_button(owner
                                                          "expires_on": today.isoformat()})
     assert r.status_code == 400 and r.context["form"].errors == {"expires_on": ["must be a day after today"]}
     assert not ApiKey.objects.filter(name="old").exists()
+
+
+def test_reserved_plans_are_orderable_with_a_monthly_estimate(owner_client, h100_node, tiers, world):
+    import calendar
+    from decimal import Decimal
+
+    from marketplace.models import PricePlan
+
+    PricePlan.objects.create(tier=tiers["3g"], kind="reserved", currency="USD", price_per_slice_hour=Decimal("2.0000"),
+                             price_per_1m_input_tokens=Decimal("0.08"), price_per_1m_output_tokens=Decimal("0.30"),
+                             monthly_commit=Decimal("2000.00"), effective_from=timezone.now() - timedelta(days=1))
+    r = owner_client.get(reverse("portal:catalog"))
+    row = {row["tier"].key: row for row in r.context["rows"]}
+    assert row["h100-1g"]["reserved"] is None and row["h100-1g"]["estimate"] is None
+    today = timezone.now().date()
+    nxt = (today.replace(day=28) + timedelta(days=5)).replace(day=1)
+    hours = calendar.monthrange(nxt.year, nxt.month)[1] * 24
+    est = row["h100-3g"]["estimate"]
+    # one slice all month: 2.00 x 744 h = 1,488.00 < 2,000.00 committed, so the month is topped up to 2,000.00
+    assert (est["hours"], est["slice_hours"], est["total"]) == (hours, Decimal(2 * hours).quantize(Decimal("0.01")),
+                                                                Decimal("2000.00"))
+    assert est["top_up"] == Decimal("2000.00") - est["slice_hours"]
+    body = r.content.decode()
+    assert 'id="reserved-h100-3g"' in body and "2,000.00 USD" in body and '<option value="reserved">' in body
+    r = owner_client.post(reverse("portal:order", args=[tiers["3g"].pk]), {"quantity": "1", "plan_kind": "reserved"})
+    assert r.status_code == 302
+    assert Order.objects.get(tenant=world["a"]).plan_kind == "reserved"
+    r = owner_client.post(reverse("portal:order", args=[tiers["1g"].pk]), {"quantity": "1", "plan_kind": "reserved"})
+    assert r.status_code == 400 and "has no reserved price in USD" in r.content.decode()
+    assert Order.objects.count() == 1
