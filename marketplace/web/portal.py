@@ -432,16 +432,34 @@ def usage(request):
     except ValueError:
         days = 7
     end = timezone.now()
-    start = end - timedelta(days=days)
+    start = (end - timedelta(days=days)).replace(minute=0, second=0, microsecond=0)  # usage is kept per hour
+    bucket = "hour" if days == 1 else "day"  # a day's range reads by hour
     chart = None
     if p.can("billing", t.pk):
         chart = charts.figure_json("tenant-usage", p, {"tenant": t.slug, "start": start.isoformat(),
-                                                       "end": end.isoformat(), "bucket": "day",
+                                                       "end": end.isoformat(), "bucket": bucket,
                                                        "currency": t.currency})
-    rows = usage_summary(p, start, end, "day", {"tenant": t.pk}, capabilities=("read", "billing"))
-    rows.sort(key=lambda r: r["day"], reverse=True)
-    return render(request, "portal/usage.html", ctx(request, chart=chart, rows=rows, days=days,
+    caps = ("read", "billing")
+    rows = usage_summary(p, start, end, bucket, {"tenant": t.pk}, capabilities=caps)
+    mark_partial(rows, bucket, start, end)
+    rows.sort(key=lambda r: r[bucket], reverse=True)
+    per_model = usage_summary(p, start, end, "deployment", {"tenant": t.pk}, capabilities=caps)
+    per_model.sort(key=lambda r: (-(r["input_tokens"] + r["output_tokens"]), r["model"] or "", r["deployment"]))
+    return render(request, "portal/usage.html", ctx(request, chart=chart, rows=rows, days=days, bucket=bucket,
+                                                    per_model=per_model, start=start, end=end,
                                                     day_choices=[1, 7, 30, 90]))
+
+
+def mark_partial(rows: list[dict], bucket: str, start, end) -> None:
+    """Rows whose hour or day the range [start, end) covers only in part get `partial`, saying which part: the
+    first day from the range's first hour, the current day or hour so far."""
+    step = timedelta(hours=1) if bucket == "hour" else timedelta(days=1)
+    for r in rows:
+        at = r[bucket]
+        if at < start:
+            r["partial"] = f"from {start:%H:%M}"
+        elif at + step > end:
+            r["partial"] = f"to {end:%H:%M}, so far"
 
 
 # --- invoices -----------------------------------------------------------------------------------

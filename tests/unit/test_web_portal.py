@@ -493,3 +493,33 @@ def test_reserved_plans_are_orderable_with_a_monthly_estimate(owner_client, h100
     r = owner_client.post(reverse("portal:order", args=[tiers["1g"].pk]), {"quantity": "1", "plan_kind": "reserved"})
     assert r.status_code == 400 and "has no reserved price in USD" in r.content.decode()
     assert Order.objects.count() == 1
+
+
+def test_usage_by_hour_for_a_day_partial_days_marked_and_per_model_and_slice(owner_client, world, tiers):
+    from telemetry.models import UsageHourly
+
+    a1, a2 = make_alloc(world["a"], tiers["1g"]), make_alloc(world["a"], tiers["3g"])
+    chat, code = make_dep(a1, name="chat"), make_dep(a2, name="code")
+    now = timezone.now()
+    hour = now.replace(minute=0, second=0, microsecond=0)
+    for h, dep, tokens in [(0, chat, 1000), (2, chat, 2000), (2, code, 500), (30, code, 7000), (168, code, 5)]:
+        UsageHourly.objects.create(tenant=world["a"], deployment=dep, hour=hour - timedelta(hours=h),
+                                   input_tokens=tokens, output_tokens=10, requests=3, events=3)
+    r = owner_client.get(reverse("portal:usage"), {"days": "1"})
+    assert r.context["bucket"] == "hour"
+    rows = r.context["rows"]
+    assert [x["hour"] for x in rows] == [hour, hour - timedelta(hours=2)]  # by hour; 30 h ago is outside the day
+    assert rows[0]["partial"] == f"to {now:%H:%M}, so far" and "partial" not in rows[1]
+    assert [(x["model"], x["allocation"], x["tier"], x["input_tokens"]) for x in r.context["per_model"]] == [
+        ("chat", a1.pk, "h100-1g", 3000), ("code", a2.pk, "h100-3g", 500)]
+    body = r.content.decode()
+    assert "Hour (UTC)" in body and 'id="usage-by-model"' in body and "3,000" in body
+    assert r.context["chart"] is not None and "partial: to" in body
+    r = owner_client.get(reverse("portal:usage"), {"days": "7"})
+    rows = r.context["rows"]
+    assert r.context["bucket"] == "day" and rows[0]["partial"].endswith("so far")
+    first = r.context["start"]
+    assert first == hour - timedelta(days=7)  # from the hour a week ago
+    if first.hour:  # the week's first day is covered from that hour on
+        assert rows[-1]["day"] < first and rows[-1]["partial"] == f"from {first:%H:%M}"
+    assert [x["input_tokens"] for x in r.context["per_model"]] == [7505, 3000]  # code, then chat
