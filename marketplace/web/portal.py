@@ -35,7 +35,7 @@ from marketplace.web.tables import Column, table
 from telemetry import charts
 from telemetry.selectors import deployment_latency, deployment_served, usage_summary
 from tenants import services as tenant_services
-from tenants.errors import Forbidden, ServiceError
+from tenants.errors import Forbidden
 from tenants.models import ApiKey, Invitation, Membership, Tenant
 from tenants.roles import Role
 from tenants.scoping import principal_for
@@ -691,11 +691,11 @@ def find_tier(request):
         s = FindTierSerializer(data={**data, "currency": t.currency,
                                      "all": q.get("all") == "1"})
         if s.is_valid():
-            try:
+            with service_errors() as failed:
                 options = find(p, s.validated_data)
                 shown = s.validated_data.get("library_model")
-            except ServiceError as exc:
-                errors[exc.field or "library_model"] = exc.message
+            if failed.error is not None:
+                errors[failed.error.field or "library_model"] = failed.error.message
         else:
             errors = {k: "; ".join(str(m) for m in v) for k, v in s.errors.items()}
     tiers_by_key = {x.key: x for x in order_sel.tiers().filter(active=True)}
