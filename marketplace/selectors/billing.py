@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import date
+from decimal import Decimal
 
 from django.db.models import (
     BooleanField,
@@ -20,7 +21,7 @@ from django.db.models import (
 )
 from django.db.models.functions import Coalesce
 
-from marketplace.models import CreditNote, CreditNoteLine, Invoice, InvoiceLine, WebhookEndpoint
+from marketplace.models import CreditNote, CreditNoteLine, Invoice, InvoiceLine, PricePlan, WebhookEndpoint
 from tenants.models import Tenant
 from tenants.scoping import Principal
 
@@ -82,3 +83,26 @@ def credit_notes(principal: Principal):
 
 def webhook_endpoints(principal: Principal):
     return WebhookEndpoint.objects.visible_to(principal, "manage_tenant").select_related("tenant")
+
+
+def plan_month_estimate(plan, slices: int = 1, month: date | None = None) -> dict:
+    """What `slices` slices at `plan` held for a whole calendar month (default: next month, the first whole one
+    an order placed now can hold) are charged before tokens, by the rating's own pieces (nothing is read or
+    written): one slice-hours `billing.Draft` (the plan's price, the invoice's rounding) and, for a reserved
+    plan, `billing.commitment_topups` (the top-up when the slice-hours come to less than the monthly
+    commitment; one commitment however many slices are held at once). Tokens are charged on top."""
+    from django.utils import timezone
+
+    from marketplace.services import billing
+
+    month = month or billing.next_month(billing.month_of(timezone.now()))
+    start, end = billing.bounds(month)
+    hours = billing.seconds(end - start) / 3600
+    line = billing.Draft(InvoiceLine.Kind.SLICE_HOURS, plan.tier, plan, "", "hour")
+    for _ in range(slices):
+        line.add(hours, start, end)
+    held = {plan.tier_id: [(start, end)] * slices} if plan.kind == PricePlan.Kind.RESERVED else {}
+    top_ups = billing.commitment_topups(billing.PlanBook(plan.currency, [plan]), held, [line], start, end)
+    top_up = sum((d.amount for d in top_ups), Decimal(0))
+    return {"month": month, "hours": int(hours), "slices": slices, "slice_hours": line.amount, "top_up": top_up,
+            "total": line.amount + top_up, "commitment": plan.monthly_commit}

@@ -23,7 +23,7 @@ from django.views.decorators.http import require_POST
 
 from marketplace import placement as engine
 from marketplace.api.billing import invoice_csv
-from marketplace.models import Allocation, Gpu, ModelDeployment, Node
+from marketplace.models import Allocation, Gpu, ModelDeployment, Node, PricePlan
 from marketplace.models.orders import LIVE_STATES
 from marketplace.selectors import billing as billing_sel
 from marketplace.selectors import models as model_sel
@@ -35,12 +35,24 @@ from marketplace.web.tables import Column, table
 from telemetry import charts
 from telemetry.selectors import deployment_latency, deployment_served, usage_summary
 from tenants import services as tenant_services
-from tenants.errors import Forbidden, ServiceError
+from tenants.errors import Forbidden
 from tenants.models import ApiKey, Invitation, Membership, Tenant
-from tenants.roles import OPERATOR_ONLY_SCOPES, Role, Scope
+from tenants.roles import Role
 from tenants.scoping import principal_for
 
-TENANT_SCOPES = [c for c in Scope.choices if c[0] not in OPERATOR_ONLY_SCOPES]
+from .portal_forms import (
+    TENANT_SCOPES,
+    AdapterForm,
+    ApiKeyForm,
+    DeploymentForm,
+    InviteForm,
+    OrderForm,
+    RepositoryForm,
+    RoleForm,
+    TryForm,
+    error_summary,
+    service_errors,
+)
 
 SESSION_KEY = "portal_tenant"
 FINAL_SLICE_STATES = {Allocation.State.ACTIVE, Allocation.State.FAILED, Allocation.State.RELEASED}
@@ -97,26 +109,20 @@ def require(request, capability: str, tenant_id: int | None = None) -> None:
 def ctx(request, **extra) -> dict:
     p, t = request.principal, request.tenant
     caps = {c: p.can(c, t.pk) for c in ("read", "deploy", "billing", "manage_keys", "manage_members", "infer")}
-    return {"tenant": t, "tenants": request.portal_tenants, "can": caps, "role": p.role_in(t.pk), **extra}
+    # a suspended tenant may only read and see billing, whatever the role: pages say why, with the operator's reason
+    return {"tenant": t, "tenants": request.portal_tenants, "can": caps, "role": p.role_in(t.pk),
+            "suspended": t.status != Tenant.Status.ACTIVE, **extra}
 
 
 def act(request, call, success: str) -> bool:
     """A POST action's service call: a success or an error message (Forbidden stays a 403)."""
-    try:
+    with service_errors() as failed:
         call()
-    except Forbidden:
-        raise
-    except ServiceError as exc:
-        messages.error(request, error_text(exc))
+    if failed:
+        messages.error(request, failed.text)
         return False
     messages.success(request, success)
     return True
-
-
-def error_text(exc: ServiceError) -> str:
-    if not exc.field or exc.field in ("non_field_errors", "tenant"):
-        return exc.message
-    return f"{exc.field}: {exc.message}"
 
 
 # --- home ---------------------------------------------------------------------------------------
@@ -179,10 +185,10 @@ def _group(gpus):
     return groups
 
 
-def price_of(tier, currency: str):
+def price_of(tier, currency: str, kind: str = PricePlan.Kind.ON_DEMAND):
     now = timezone.now()
     for plan in tier.plans.all():  # prefetched, newest first
-        if plan.currency == currency and plan.kind == "on_demand" and plan.effective_from <= now:
+        if plan.currency == currency and plan.kind == kind and plan.effective_from <= now:
             return plan
     return None
 
@@ -199,8 +205,12 @@ def _catalog(request, errors=None, status=200):
     from marketplace.selectors.catalog import platforms_by_gpu_model
 
     plats = platforms_by_gpu_model(in_fleet_only=True)
-    rows = [{"tier": tr, "plan": price_of(tr, t.currency), "free": free.get(tr.pk, 0),
-             "platforms": plats.get(tr.gpu_model_id, []), "error": (errors or {}).get(tr.pk)} for tr in tiers]
+    rows = []
+    for tr in tiers:
+        reserved = price_of(tr, t.currency, PricePlan.Kind.RESERVED)
+        rows.append({"tier": tr, "plan": price_of(tr, t.currency), "free": free.get(tr.pk, 0),
+                     "reserved": reserved, "estimate": billing_sel.plan_month_estimate(reserved) if reserved else None,
+                     "platforms": plats.get(tr.gpu_model_id, []), "error": (errors or {}).get(tr.pk)})
     return render(request, "portal/catalog.html", ctx(request, rows=rows, availability_cap=AVAILABILITY_CAP),
                   status=status)
 
@@ -211,34 +221,24 @@ def order(request, tier_id):
     t = request.tenant
     require(request, "deploy")
     tier = get_object_or_404(order_sel.tiers().filter(active=True), pk=tier_id)
-    try:
-        quantity = int(request.POST.get("quantity", "1"))
-    except ValueError:
-        quantity = 0
-    try:
-        lib_key = request.POST.get("library_model", "")
-        if lib_key:  # ordered from "find a tier": the model must fit the tier
-            lib = get_object_or_404(model_sel.library(), key=lib_key)
-            model_svc.check_tier_fits(tier, lib, context=_int(request.POST.get("context")),
-                                      concurrency=max(1, _int(request.POST.get("concurrency"), 1)))
-        o = orders.create_order(request.principal, tenant=t, tier=tier, quantity=quantity)
-    except ServiceError as exc:
-        if isinstance(exc, Forbidden):
-            raise
-        messages.error(request, f"Not ordered — {error_text(exc)}")
-        return _catalog(request, errors={tier.pk: exc.message}, status=400)
+    form = OrderForm(request.POST)
+    if form.is_valid():
+        d = form.cleaned_data
+        with service_errors(form, "quantity"):
+            if d["library_model"] is not None:  # ordered from "find a tier": the model must fit the tier
+                model_svc.check_tier_fits(tier, d["library_model"], context=d["context"] or 0,
+                                          concurrency=d["concurrency"] or 1)
+            o = orders.create_order(request.principal, tenant=t, tier=tier, quantity=d["quantity"],
+                                    plan_kind=d["plan_kind"])
+    if not form.is_valid():
+        text = error_summary(form)
+        messages.error(request, f"Not ordered — {text}")
+        return _catalog(request, errors={tier.pk: text}, status=400)
     allocs = list(o.allocations.order_by("pk"))
     messages.success(request, f"Ordered {o.quantity} × {tier.name}.")
     if len(allocs) == 1:
         return redirect("portal:slice", pk=allocs[0].pk)
     return redirect("portal:slices")
-
-
-def _int(value, default: int = 0) -> int:
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return default
 
 
 # --- slices -------------------------------------------------------------------------------------
@@ -327,8 +327,9 @@ def _deployment_list(request, form=None, status=200):
         request, table=tbl, active_slices=list(active), templates=list(deployments.TEMPLATES),
         repositories=list(model_sel.repositories(p).filter(tenant=t).order_by("name")),
         library=list(model_sel.library()), adapters=list(model_sel.adapters(p).filter(tenant=t).order_by("name")),
-        form=form or {"name": "", "allocation": request.GET.get("slice", ""), "template": "tiny-gen",
-                      "library_model": request.GET.get("library_model", ""), "context": "", "concurrency": "1"}),
+        form=form or DeploymentForm(principal=p, tenant=t, initial={
+            "allocation": request.GET.get("slice", ""), "template": "tiny-gen",
+            "library_model": request.GET.get("library_model", ""), "concurrency": 1})),
         status=status)
 
 
@@ -337,49 +338,24 @@ def _deployment_list(request, form=None, status=200):
 def deployment_create(request):
     p, t = request.principal, request.tenant
     require(request, "deploy")
-    form = {k: request.POST.get(k, "").strip() for k in ("name", "allocation", "template", "repository",
-                                                          "library_model", "context", "concurrency")}
-    form["errors"] = {}
-    alloc = order_sel.allocations(p).filter(tenant=t, pk=form["allocation"]).first() \
-        if form["allocation"].isdigit() else None
-    if alloc is None:
-        form["errors"]["allocation"] = "choose one of your active slices"
-    repo = model_sel.repositories(p).filter(tenant=t, pk=form["repository"]).first() \
-        if form["repository"].isdigit() else None
-    lib = model_sel.library().filter(key=form["library_model"]).first() if form["library_model"] else None
-    if form["repository"] and repo is None:
-        form["errors"]["repository"] = "choose one of your repositories"
-    if form["library_model"] and lib is None:
-        form["errors"]["library_model"] = "choose a model of the library"
-    if not form["name"] and repo is None:
-        form["errors"]["name"] = "give the model a name"
-    numbers = {}
-    for k, default in (("context", 0), ("concurrency", 1)):
-        try:
-            numbers[k] = int(form[k]) if form[k] else default
-        except ValueError:
-            form["errors"][k] = "a whole number"
-    if not form["errors"]:
-        try:
-            if repo is not None:
-                dep = deployments.deploy(p, alloc, form["name"], repository=repo)
-            elif lib is not None:
-                chosen = list(model_sel.adapters(p).filter(tenant=t, pk__in=[
-                    x for x in request.POST.getlist("adapters") if x.isdigit()]))
-                dep = deployments.deploy(p, alloc, form["name"], library_model=lib, adapters=chosen, **numbers)
+    form = DeploymentForm(request.POST, principal=p, tenant=t)
+    if form.is_valid():
+        d = form.cleaned_data
+        alloc = d["allocation"]
+        with service_errors(form, "spec"):
+            if d["repository"] is not None:
+                dep = deployments.deploy(p, alloc, d["name"], repository=d["repository"])
+            elif d["library_model"] is not None:
+                dep = deployments.deploy(p, alloc, d["name"], library_model=d["library_model"],
+                                         adapters=list(d["adapters"]), context=d["context"] or 0,
+                                         concurrency=d["concurrency"] or 1)
             else:
-                dep = deployments.deploy(p, alloc, form["name"], template=form["template"] or "tiny-gen")
-        except ServiceError as exc:
-            if isinstance(exc, Forbidden):
-                raise
-            known = ("name", "allocation", "template", "repository", "library_model", "context", "concurrency",
-                     "adapters")
-            form["errors"][exc.field if exc.field in known else "spec"] = exc.message
-        else:
-            messages.success(request, f"Deploying {dep.name} on slice #{alloc.pk}.")
-            return redirect("portal:deployment", pk=dep.pk)
-    messages.error(request, "The model was not deployed: " + "; ".join(form["errors"].values()))
-    return _deployment_list(request, form=form, status=400)
+                dep = deployments.deploy(p, alloc, d["name"], template=d["template"] or "tiny-gen")
+    if not form.is_valid():
+        messages.error(request, "The model was not deployed: " + error_summary(form))
+        return _deployment_list(request, form=form, status=400)
+    messages.success(request, f"Deploying {dep.name} on slice #{alloc.pk}.")
+    return redirect("portal:deployment", pk=dep.pk)
 
 
 def _deployment(request, pk):
@@ -400,7 +376,7 @@ def deployment_detail(request, pk, tried=None, try_form=None, status=200):
     return render(request, "portal/deployment.html", ctx(
         request, dep=dep, moving=moving, gateway_url=settings.TESSERA_GATEWAY_URL, examples=inference.examples(dep),
         served=served, latency=latency, traffic=deployment_windows(dep, timezone.now()),
-        tried=tried, try_form=try_form or {"prompt": "", "max_tokens": 32}),
+        tried=tried, try_form=try_form or TryForm(initial={"max_tokens": 32})),
         status=status)
 
 
@@ -410,17 +386,13 @@ def deployment_try(request, pk):
     """The "Try it" box: one prompt through the gateway, for the signed-in user (a minted short-lived token)."""
     dep = _deployment(request, pk)
     require(request, "infer", dep.tenant_id)
-    form = {"prompt": request.POST.get("prompt", ""), "max_tokens": request.POST.get("max_tokens", "32")}
-    try:
-        limit = int(form["max_tokens"] or 32)
-        tried = inference.try_prompt(request.principal, dep, form["prompt"], limit)
-    except ValueError:
-        messages.error(request, "max tokens: a whole number")
-        return deployment_detail(request, pk, try_form=form, status=400)
-    except Forbidden:
-        raise
-    except ServiceError as exc:
-        messages.error(request, error_text(exc))
+    form = TryForm(request.POST)
+    if form.is_valid():
+        with service_errors(form, "prompt"):
+            tried = inference.try_prompt(request.principal, dep, form.cleaned_data["prompt"],
+                                         form.cleaned_data["max_tokens"] or 32)
+    if not form.is_valid():
+        messages.error(request, error_summary(form))
         return deployment_detail(request, pk, try_form=form, status=400)
     return deployment_detail(request, pk, tried=tried, try_form=form)
 
@@ -460,16 +432,34 @@ def usage(request):
     except ValueError:
         days = 7
     end = timezone.now()
-    start = end - timedelta(days=days)
+    start = (end - timedelta(days=days)).replace(minute=0, second=0, microsecond=0)  # usage is kept per hour
+    bucket = "hour" if days == 1 else "day"  # a day's range reads by hour
     chart = None
     if p.can("billing", t.pk):
         chart = charts.figure_json("tenant-usage", p, {"tenant": t.slug, "start": start.isoformat(),
-                                                       "end": end.isoformat(), "bucket": "day",
+                                                       "end": end.isoformat(), "bucket": bucket,
                                                        "currency": t.currency})
-    rows = usage_summary(p, start, end, "day", {"tenant": t.pk}, capabilities=("read", "billing"))
-    rows.sort(key=lambda r: r["day"], reverse=True)
-    return render(request, "portal/usage.html", ctx(request, chart=chart, rows=rows, days=days,
+    caps = ("read", "billing")
+    rows = usage_summary(p, start, end, bucket, {"tenant": t.pk}, capabilities=caps)
+    mark_partial(rows, bucket, start, end)
+    rows.sort(key=lambda r: r[bucket], reverse=True)
+    per_model = usage_summary(p, start, end, "deployment", {"tenant": t.pk}, capabilities=caps)
+    per_model.sort(key=lambda r: (-(r["input_tokens"] + r["output_tokens"]), r["model"] or "", r["deployment"]))
+    return render(request, "portal/usage.html", ctx(request, chart=chart, rows=rows, days=days, bucket=bucket,
+                                                    per_model=per_model, start=start, end=end,
                                                     day_choices=[1, 7, 30, 90]))
+
+
+def mark_partial(rows: list[dict], bucket: str, start, end) -> None:
+    """Rows whose hour or day the range [start, end) covers only in part get `partial`, saying which part: the
+    first day from the range's first hour, the current day or hour so far."""
+    step = timedelta(hours=1) if bucket == "hour" else timedelta(days=1)
+    for r in rows:
+        at = r[bucket]
+        if at < start:
+            r["partial"] = f"from {start:%H:%M}"
+        elif at + step > end:
+            r["partial"] = f"to {end:%H:%M}, so far"
 
 
 # --- invoices -----------------------------------------------------------------------------------
@@ -522,23 +512,22 @@ def _keys(request, form=None, status=200):
     qs = ApiKey.objects.visible_to(request.principal, "manage_keys").filter(tenant=request.tenant) \
         .select_related("created_by")
     tbl = table(request, qs, KEY_COLUMNS, default_sort="-created_at")
-    return render(request, "portal/keys.html", ctx(request, table=tbl, scopes=TENANT_SCOPES,
-                                                   form=form or {"name": "", "scopes": ["read"]}), status=status)
+    return render(request, "portal/keys.html", ctx(request, table=tbl, scopes=TENANT_SCOPES, form=form or ApiKeyForm(),
+                                                   tomorrow=timezone.now().date() + timedelta(days=1)), status=status)
 
 
 @require_POST
 @portal_view
 def key_create(request):
     require(request, "manage_keys")
-    form = {"name": request.POST.get("name", "").strip(), "scopes": request.POST.getlist("scopes")}
-    try:
-        key, secret = tenant_services.create_api_key(request.principal, tenant=request.tenant,
-                                                     name=form["name"], scopes=form["scopes"])
-    except ServiceError as exc:
-        if isinstance(exc, Forbidden):
-            raise
-        form["errors"] = {exc.field or "name": exc.message}
-        messages.error(request, f"The key was not created — {error_text(exc)}")
+    form = ApiKeyForm(request.POST)
+    if form.is_valid():
+        d = form.cleaned_data
+        with service_errors(form, "name", aliases={"expires_at": "expires_on"}):
+            key, secret = tenant_services.create_api_key(request.principal, tenant=request.tenant, name=d["name"],
+                                                         scopes=d["scopes"], expires_at=form.expires_at)
+    if not form.is_valid():
+        messages.error(request, f"The key was not created — {error_summary(form)}")
         return _keys(request, form=form, status=400)
     response = render(request, "portal/key_created.html", ctx(request, key=key, secret=secret))
     response["Cache-Control"] = "no-store"
@@ -576,29 +565,23 @@ def _members(request, form=None, status=200):
     roles = [(v, label) for v, label in Role.choices if v != Role.OWNER or p.role_in(t.pk) == Role.OWNER]
     return render(request, "portal/members.html", ctx(
         request, table=tbl, invitations=list(pending), roles=roles, is_owner=p.role_in(t.pk) == Role.OWNER,
-        form=form or {"email": "", "role": Role.MEMBER}), status=status)
+        form=form or InviteForm()), status=status)
 
 
 @require_POST
 @portal_view
 def member_invite(request):
     require(request, "manage_members")
-    form = {"email": request.POST.get("email", "").strip(), "role": request.POST.get("role", Role.MEMBER)}
-    if "@" not in form["email"]:
-        form["errors"] = {"email": "enter an e-mail address"}
-    else:
-        try:
-            inv, _token = tenant_services.invite(request.principal, tenant=request.tenant, email=form["email"],
-                                                 role=form["role"])
-        except ServiceError as exc:
-            if isinstance(exc, Forbidden):
-                raise
-            form["errors"] = {exc.field or "email": exc.message}
-        else:
-            messages.success(request, f"Invitation sent to {inv.email} ({inv.role}).")
-            return redirect("portal:members")
-    messages.error(request, "Not invited — " + "; ".join(form["errors"].values()))
-    return _members(request, form=form, status=400)
+    form = InviteForm(request.POST)
+    if form.is_valid():
+        with service_errors(form, "email"):
+            inv, _token = tenant_services.invite(request.principal, tenant=request.tenant,
+                                                 email=form.cleaned_data["email"], role=form.cleaned_data["role"])
+    if not form.is_valid():
+        messages.error(request, "Not invited — " + error_summary(form))
+        return _members(request, form=form, status=400)
+    messages.success(request, f"Invitation sent to {inv.email} ({inv.role}).")
+    return redirect("portal:members")
 
 
 @require_POST
@@ -607,7 +590,11 @@ def member_role(request, pk):
     """Owners/admins change a member's role (owner only by owners; the last owner stays)."""
     m = get_object_or_404(Membership.objects.visible_to(request.principal).select_related("user"), pk=pk)
     use_tenant(request, m.tenant_id)
-    role = request.POST.get("role", "")
+    form = RoleForm(request.POST)
+    if not form.is_valid():
+        messages.error(request, f"The role was not changed — {error_summary(form)}")
+        return redirect(reverse("portal:members"))
+    role = form.cleaned_data["role"]
     act(request, lambda: tenant_services.change_role(request.principal, m, role), f"{m.user.email} is now {role}.")
     return redirect(reverse("portal:members"))
 
@@ -639,8 +626,8 @@ def _repositories(request, form=None, status=200, adapter_form=None):
     repos = model_sel.repositories(request.principal).filter(tenant=request.tenant).order_by("-created_at")
     adapters = model_sel.adapters(request.principal).filter(tenant=request.tenant).order_by("-created_at")
     return render(request, "portal/repositories.html", ctx(
-        request, repositories=list(repos), form=form or {"name": "", "store_path": ""},
-        adapter_form=adapter_form or {"name": "", "base": ""}, adapters=list(adapters),
+        request, repositories=list(repos), form=form or RepositoryForm(),
+        adapter_form=adapter_form or AdapterForm(), adapters=list(adapters),
         bases=list(model_sel.library().filter(backend="vllm")),
         max_mb=settings.TESSERA_UPLOAD_MAX_BYTES // (1024 * 1024)), status=status)
 
@@ -655,27 +642,20 @@ def repositories(request):
 def repository_upload(request):
     p, t = request.principal, request.tenant
     require(request, "deploy")
-    form = {"name": request.POST.get("name", "").strip(), "store_path": request.POST.get("store_path", "").strip(),
-            "errors": {}}
-    upload = request.FILES.get("archive")
-    if bool(upload) == bool(form["store_path"]):
-        form["errors"]["archive"] = "choose an archive (.tar.gz or .zip) or give a model-store path"
-    else:
-        try:
-            if upload:
-                repo = model_svc.upload_repository(p, t, form["name"], upload)
+    form = RepositoryForm(request.POST, request.FILES)
+    if form.is_valid():
+        d = form.cleaned_data
+        with service_errors(form, "archive"):
+            if d["archive"]:
+                repo = model_svc.upload_repository(p, t, d["name"], d["archive"])
             else:
-                repo = model_svc.import_from_store(p, t, form["name"], form["store_path"])
-        except ServiceError as exc:
-            if isinstance(exc, Forbidden):
-                raise
-            form["errors"][exc.field if exc.field in ("name", "store_path") else "archive"] = exc.message
-        else:
-            names = ", ".join(f"{m['name']} ({m['backend']})" for m in repo.manifest)
-            messages.success(request, f"Repository {repo.name} stored: {names}.")
-            return redirect("portal:repositories")
-    messages.error(request, "The repository was not stored: " + "; ".join(form["errors"].values()))
-    return _repositories(request, form=form, status=400)
+                repo = model_svc.import_from_store(p, t, d["name"], d["store_path"])
+    if not form.is_valid():
+        messages.error(request, "The repository was not stored: " + error_summary(form))
+        return _repositories(request, form=form, status=400)
+    names = ", ".join(f"{m['name']} ({m['backend']})" for m in repo.manifest)
+    messages.success(request, f"Repository {repo.name} stored: {names}.")
+    return redirect("portal:repositories")
 
 
 @require_POST
@@ -683,25 +663,16 @@ def repository_upload(request):
 def adapter_upload(request):
     p, t = request.principal, request.tenant
     require(request, "deploy")
-    form = {"name": request.POST.get("name", "").strip(), "base": request.POST.get("base", ""), "errors": {}}
-    base = model_sel.library().filter(key=form["base"]).first()
-    upload = request.FILES.get("archive")
-    if base is None:
-        form["errors"]["base"] = "choose the library model it was trained on"
-    if not upload:
-        form["errors"]["archive"] = "choose the adapter's archive (.tar.gz or .zip)"
-    if not form["errors"]:
-        try:
-            ad = model_svc.upload_adapter(p, t, form["name"], base, upload)
-        except ServiceError as exc:
-            if isinstance(exc, Forbidden):
-                raise
-            form["errors"][exc.field if exc.field in ("name", "base") else "archive"] = exc.message
-        else:
-            messages.success(request, f"LoRA adapter {ad.name} (rank {ad.rank}) stored for {base.name}.")
-            return redirect("portal:repositories")
-    messages.error(request, "The adapter was not stored: " + "; ".join(form["errors"].values()))
-    return _repositories(request, adapter_form=form, status=400)
+    form = AdapterForm(request.POST, request.FILES)
+    if form.is_valid():
+        d = form.cleaned_data
+        with service_errors(form, "archive"):
+            ad = model_svc.upload_adapter(p, t, d["name"], d["base"], d["archive"])
+    if not form.is_valid():
+        messages.error(request, "The adapter was not stored: " + error_summary(form))
+        return _repositories(request, adapter_form=form, status=400)
+    messages.success(request, f"LoRA adapter {ad.name} (rank {ad.rank}) stored for {ad.base.name}.")
+    return redirect("portal:repositories")
 
 
 @portal_view
@@ -720,11 +691,11 @@ def find_tier(request):
         s = FindTierSerializer(data={**data, "currency": t.currency,
                                      "all": q.get("all") == "1"})
         if s.is_valid():
-            try:
+            with service_errors() as failed:
                 options = find(p, s.validated_data)
                 shown = s.validated_data.get("library_model")
-            except ServiceError as exc:
-                errors[exc.field or "library_model"] = exc.message
+            if failed.error is not None:
+                errors[failed.error.field or "library_model"] = failed.error.message
         else:
             errors = {k: "; ".join(str(m) for m in v) for k, v in s.errors.items()}
     tiers_by_key = {x.key: x for x in order_sel.tiers().filter(active=True)}

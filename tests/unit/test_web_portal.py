@@ -326,3 +326,200 @@ def test_members_role_change_and_removal(as_user, world, members_a):
     me = Membership.objects.get(user=members_a["member"])
     assert member.post(f"/portal/members/{me.pk}/remove/").status_code == 302
     assert not Membership.objects.filter(pk=me.pk).exists()
+
+
+def test_service_errors_puts_a_refusal_on_its_field_and_lets_forbidden_through():
+    from django import forms
+
+    from marketplace.web.portal_forms import service_errors
+    from tenants.errors import Forbidden, ServiceError
+
+    class F(forms.Form):
+        name = forms.CharField(required=False)
+        expires_on = forms.DateField(required=False)
+
+    form = F({"name": "x"})
+    assert form.is_valid()
+    with service_errors(form, "name") as failed:
+        pass
+    assert not failed and form.is_valid()
+    with service_errors(form, "name", aliases={"expires_at": "expires_on"}) as failed:
+        raise ServiceError("must be in the future", field="expires_at")
+    assert failed and failed.text == "expires_at: must be in the future"
+    assert form.errors == {"expires_on": ["must be in the future"]} and not form.is_valid()
+    form = F({"name": "x"})
+    form.is_valid()
+    with service_errors(form, "name"):
+        raise ServiceError("no capacity", field="tier")  # a field the form lacks: on the default field
+    assert form.errors == {"name": ["no capacity"]}
+    with pytest.raises(Forbidden), service_errors(form, "name"):
+        raise Forbidden("no")
+    with pytest.raises(ValueError), service_errors(form, "name"):
+        raise ValueError("not a service's refusal")
+
+
+def test_deploy_form_errors_are_shown_next_to_their_fields_and_nothing_is_stored(owner_client, world, tiers):
+    other = make_alloc(world["b"], tiers["1g"])
+    r = owner_client.post(reverse("portal:deployment_create"), {"allocation": other.pk, "name": "x",
+                                                                "context": "lots"})
+    body = r.content.decode()
+    assert r.status_code == 400 and not ModelDeployment.objects.exists()
+    assert r.context["form"].errors == {"allocation": ["choose one of your active slices"],
+                                        "context": ["a whole number"]}
+    assert '<span class="errorlist">a whole number</span></label>' in body
+    assert 'value="lots"' in body and 'value="x"' in body  # what was typed stays
+    mine = make_alloc(world["a"], tiers["1g"])
+    r = owner_client.post(reverse("portal:deployment_create"), {"allocation": mine.pk, "name": "m",
+                                                                "library_model": "nope"})
+    assert r.status_code == 400 and r.context["form"].errors == {
+        "library_model": ["choose a model of the library"]} and not ModelDeployment.objects.exists()
+
+
+def test_invite_and_key_forms_validate_before_any_service_call(owner_client, world):
+    n = Invitation.objects.count()
+    r = owner_client.post(reverse("portal:member_invite"), {"email": "not-an-address", "role": "viewer"})
+    assert r.status_code == 400 and r.context["form"].errors == {"email": ["enter an e-mail address"]}
+    assert '<span class="errorlist">enter an e-mail address</span></label>' in r.content.decode()
+    r = owner_client.post(reverse("portal:member_invite"), {"email": "pat@alpha.example", "role": "emperor"})
+    assert r.status_code == 400 and "role" in r.context["form"].errors and Invitation.objects.count() == n
+    r = owner_client.post(reverse("portal:key_create"), {"name": "ci", "scopes": ["read", "usage:write"]})
+    assert r.status_code == 400 and "scopes" in r.context["form"].errors
+    assert not ApiKey.objects.filter(name="ci").exists()
+
+
+def test_order_quantity_is_checked_by_the_form(owner_client, h100_node, tiers):
+    r = owner_client.post(reverse("portal:order", args=[tiers["1g"].pk]), {"quantity": "many"})
+    assert r.status_code == 400 and "a whole number" in r.content.decode() and not Order.objects.exists()
+    r = owner_client.post(reverse("portal:order", args=[tiers["1g"].pk]), {"quantity": "65"})
+    assert r.status_code == 400 and "must be between 1 and 64" in r.content.decode() and not Order.objects.exists()
+
+
+def test_every_destructive_action_asks_first_the_same_way(owner_client, world, tiers, members_a):
+    """Release, key revoke, model remove, member remove/leave, role change and invitation revoke: one include
+    (a form with data-confirm, which static/tessera/app.js turns into a confirm dialog)."""
+    import re
+
+    a = make_alloc(world["a"], tiers["1g"])
+    dep = make_dep(a, name="chat")
+    make_key(world["a"], name='ci "prod" <b>')
+
+    def confirms(url) -> dict[str, str]:
+        body = owner_client.get(url).content.decode()
+        return dict(re.findall(r'<form method="post" action="([^"]+)" class="[^"]*confirm[^"]*" '
+                               r'data-confirm="([^"]+)"', body))
+
+    assert confirms(reverse("portal:slice", args=[a.pk]))[reverse("portal:slice_release", args=[a.pk])] == \
+        f"Release slice #{a.pk}? Its models are removed."
+    remove = reverse("portal:deployment_remove", args=[dep.pk])
+    question = f"Remove chat? It is unloaded from slice #{a.pk} at once and stops answering requests."
+    assert confirms(reverse("portal:deployment", args=[dep.pk]))[remove] == question
+    assert confirms(reverse("portal:deployments"))[remove] == question
+    keys = confirms(reverse("portal:keys"))
+    assert "Revoke ci &quot;prod&quot; &lt;b&gt;? Clients using it stop working." in keys.values()  # escaped once
+    members = confirms(reverse("portal:members"))
+    viewer = Membership.objects.get(user=members_a[Role.VIEWER])
+    me = Membership.objects.get(user=members_a[Role.OWNER])
+    inv = Invitation.objects.get(tenant=world["a"])
+    assert members[reverse("portal:member_remove", args=[viewer.pk])] == \
+        f"Remove {viewer.user.email} from Alpha? They lose access at once."
+    assert members[reverse("portal:member_remove", args=[me.pk])].startswith("Leave Alpha? You lose access")
+    assert members[reverse("portal:member_role", args=[viewer.pk])] == \
+        f"Change the role of {viewer.user.email}? Their access changes at once."
+    assert members[reverse("portal:invitation_revoke", args=[inv.pk])] == \
+        f"Revoke the invitation for {inv.email}? Its link stops working."
+
+
+def test_a_suspended_tenant_is_told_why_not_blamed_on_its_role(owner_client, world, operator):
+    from tenants import services as tenant_services
+    from tenants.scoping import principal_for_user as pfu
+
+    tenant_services.suspend_tenant(pfu(operator), world["a"], reason="invoice 2026-0042 is 30 days overdue")
+    for name in ("home", "catalog", "keys"):
+        body = owner_client.get(reverse(f"portal:{name}")).content.decode()
+        assert 'id="suspended-notice"' in body and "invoice 2026-0042 is 30 days overdue" in body, name
+        assert "Your role (owner)" not in body, name
+    assert "Ordering is paused while Alpha is suspended" in owner_client.get(reverse("portal:catalog")).content.decode()
+    tenant_services.activate_tenant(pfu(operator), world["a"])
+    body = owner_client.get(reverse("portal:catalog")).content.decode()
+    assert "suspended-notice" not in body and "cannot-order" not in body
+
+
+def test_key_expiry_is_set_in_the_portal_and_the_new_key_has_a_copy_button(owner_client, world):
+    from datetime import UTC, datetime
+
+    day = (timezone.now() + timedelta(days=30)).date()
+    r = owner_client.post(reverse("portal:key_create"), {"name": "ci", "scopes": ["read"],
+                                                         "expires_on": day.isoformat()})
+    assert r.status_code == 200
+    key = ApiKey.objects.get(name="ci")
+    assert key.expires_at == datetime(day.year, day.month, day.day, tzinfo=UTC)
+    body = r.content.decode()
+    assert 'data-copy="#key-secret"' in body and "tessera/copy.js" in body
+    assert f'id="key-expires">{day:%Y-%m-%d} 00:00 UTC<' in body
+    assert "onclick" not in body  # the CSP forbids inline handlers: the button works from a static file
+    assert f"expires {day:%Y-%m-%d} 00:00 UTC" in owner_client.get(reverse("portal:keys")).content.decode()
+    today = timezone.now().date()
+    r = owner_client.post(reverse("portal:key_create"), {"name": "old", "scopes": ["read"],
+                                                         "expires_on": today.isoformat()})
+    assert r.status_code == 400 and r.context["form"].errors == {"expires_on": ["must be a day after today"]}
+    assert not ApiKey.objects.filter(name="old").exists()
+
+
+def test_reserved_plans_are_orderable_with_a_monthly_estimate(owner_client, h100_node, tiers, world):
+    import calendar
+    from decimal import Decimal
+
+    from marketplace.models import PricePlan
+
+    PricePlan.objects.create(tier=tiers["3g"], kind="reserved", currency="USD", price_per_slice_hour=Decimal("2.0000"),
+                             price_per_1m_input_tokens=Decimal("0.08"), price_per_1m_output_tokens=Decimal("0.30"),
+                             monthly_commit=Decimal("2000.00"), effective_from=timezone.now() - timedelta(days=1))
+    r = owner_client.get(reverse("portal:catalog"))
+    row = {row["tier"].key: row for row in r.context["rows"]}
+    assert row["h100-1g"]["reserved"] is None and row["h100-1g"]["estimate"] is None
+    today = timezone.now().date()
+    nxt = (today.replace(day=28) + timedelta(days=5)).replace(day=1)
+    hours = calendar.monthrange(nxt.year, nxt.month)[1] * 24
+    est = row["h100-3g"]["estimate"]
+    # one slice all month: 2.00 x 744 h = 1,488.00 < 2,000.00 committed, so the month is topped up to 2,000.00
+    assert (est["hours"], est["slice_hours"], est["total"]) == (hours, Decimal(2 * hours).quantize(Decimal("0.01")),
+                                                                Decimal("2000.00"))
+    assert est["top_up"] == Decimal("2000.00") - est["slice_hours"]
+    body = r.content.decode()
+    assert 'id="reserved-h100-3g"' in body and "2,000.00 USD" in body and '<option value="reserved">' in body
+    r = owner_client.post(reverse("portal:order", args=[tiers["3g"].pk]), {"quantity": "1", "plan_kind": "reserved"})
+    assert r.status_code == 302
+    assert Order.objects.get(tenant=world["a"]).plan_kind == "reserved"
+    r = owner_client.post(reverse("portal:order", args=[tiers["1g"].pk]), {"quantity": "1", "plan_kind": "reserved"})
+    assert r.status_code == 400 and "has no reserved price in USD" in r.content.decode()
+    assert Order.objects.count() == 1
+
+
+def test_usage_by_hour_for_a_day_partial_days_marked_and_per_model_and_slice(owner_client, world, tiers):
+    from telemetry.models import UsageHourly
+
+    a1, a2 = make_alloc(world["a"], tiers["1g"]), make_alloc(world["a"], tiers["3g"])
+    chat, code = make_dep(a1, name="chat"), make_dep(a2, name="code")
+    now = timezone.now()
+    hour = now.replace(minute=0, second=0, microsecond=0)
+    for h, dep, tokens in [(0, chat, 1000), (2, chat, 2000), (2, code, 500), (30, code, 7000), (168, code, 5)]:
+        UsageHourly.objects.create(tenant=world["a"], deployment=dep, hour=hour - timedelta(hours=h),
+                                   input_tokens=tokens, output_tokens=10, requests=3, events=3)
+    r = owner_client.get(reverse("portal:usage"), {"days": "1"})
+    assert r.context["bucket"] == "hour"
+    rows = r.context["rows"]
+    assert [x["hour"] for x in rows] == [hour, hour - timedelta(hours=2)]  # by hour; 30 h ago is outside the day
+    assert rows[0]["partial"] == f"to {now:%H:%M}, so far" and "partial" not in rows[1]
+    assert [(x["model"], x["allocation"], x["tier"], x["input_tokens"]) for x in r.context["per_model"]] == [
+        ("chat", a1.pk, "h100-1g", 3000), ("code", a2.pk, "h100-3g", 500)]
+    body = r.content.decode()
+    assert "Hour (UTC)" in body and 'id="usage-by-model"' in body and "3,000" in body
+    assert r.context["chart"] is not None and "partial: to" in body
+    r = owner_client.get(reverse("portal:usage"), {"days": "7"})
+    rows = r.context["rows"]
+    assert r.context["bucket"] == "day" and rows[0]["partial"].endswith("so far")
+    first = r.context["start"]
+    assert first == hour - timedelta(days=7)  # from the hour a week ago
+    if first.hour:  # the week's first day is covered from that hour on
+        assert rows[-1]["day"] < first and rows[-1]["partial"] == f"from {first:%H:%M}"
+    assert [x["input_tokens"] for x in r.context["per_model"]] == [7505, 3000]  # code, then chat

@@ -98,3 +98,20 @@ def test_upload_an_adapter_and_deploy_it_with_its_base(owner_client, h100_node, 
         "adapters": [str(ad.pk)]})
     assert r.status_code == 302
     assert list(ModelDeployment.objects.get(name="tuned").adapters.all()) == [ad]
+
+
+def test_repository_and_adapter_forms_show_errors_next_to_their_fields(owner_client, h100_node):
+    from marketplace.models import LoraAdapter
+
+    good = SimpleUploadedFile("r.zip", model_repo.archive_bytes(GOOD, "zip"))
+    r = owner_client.post(reverse("portal:repository_upload"), {"name": "both", "archive": good,
+                                                                 "store_path": "shared/x"})
+    assert r.status_code == 400 and r.context["form"].errors == {
+        "archive": ["choose an archive (.tar.gz or .zip) or give a model-store path"]}
+    assert '<span class="errorlist" id="upload-error">choose an archive' in r.content.decode()
+    assert 'value="shared/x"' in r.content.decode() and not ModelRepository.objects.exists()
+    r = owner_client.post(reverse("portal:adapter_upload"), {"name": "sql", "base": "no-such-model"})
+    assert r.status_code == 400 and r.context["adapter_form"].errors == {
+        "base": ["choose the library model it was trained on"],
+        "archive": ["choose the adapter's archive (.tar.gz or .zip)"]}
+    assert 'id="adapter-error">choose the adapter' in r.content.decode() and not LoraAdapter.objects.exists()
