@@ -25,9 +25,10 @@ import stat
 import tarfile
 import tempfile
 import zipfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import IO, BinaryIO
+from typing import IO, BinaryIO, TypeVar, overload
 
 from marketplace.hardware import triton
 from marketplace.hardware.triton import repository as triton_repository
@@ -306,8 +307,21 @@ def kind_of(head: bytes, filename: str = "") -> str:
     raise RepoError("the archive must be a .tar.gz (or .tgz) or a .zip file", path=filename or None)
 
 
+_Validated = TypeVar("_Validated")
+
+
+@overload
 def import_repository(source: BinaryIO | Path, dest: Path, limits: Limits, *, filename: str = "",
-                      validate=None) -> Repo:
+                      validate: None = None) -> Repo: ...
+
+
+@overload
+def import_repository(source: BinaryIO | Path, dest: Path, limits: Limits, *, filename: str = "",
+                      validate: Callable[[Path], tuple[Path, _Validated]]) -> _Validated: ...
+
+
+def import_repository(source: BinaryIO | Path, dest: Path, limits: Limits, *, filename: str = "",
+                      validate: Callable[[Path], tuple[Path, object]] | None = None) -> object:
     """Unpack ``source`` (an archive file object, or a folder/archive path of the model store) and validate it
     (``validate``: ``validate_tree`` for a Triton repository, ``validate_adapter`` for a LoRA adapter); on
     success it lies at ``dest`` (created), on any refusal nothing is left behind."""
