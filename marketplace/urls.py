@@ -2,7 +2,7 @@
 
 from django.contrib import admin
 from django.http import JsonResponse
-from django.urls import include, path
+from django.urls import URLPattern, URLResolver, include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerSplitView
 
 from marketplace.api.root import ApiRootView
@@ -12,7 +12,7 @@ def healthz(request):
     return JsonResponse({"status": "ok"})
 
 
-api_v1 = [
+api_v1: list[URLPattern | URLResolver] = [
     path("", ApiRootView.as_view(), name="root"),
     path("", include("tenants.api.urls")),
     path("", include("marketplace.api.urls")),

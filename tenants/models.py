@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from decimal import Decimal
+from typing import ClassVar
 
 from django.conf import settings
 from django.contrib.auth.models import AbstractUser, BaseUserManager
@@ -41,13 +42,16 @@ class User(AbstractUser):
     """A person. Logs in with an email address; belongs to tenants through memberships.
     MSP operators are staff users with the tenants.operate permission."""
 
-    username = None
+    # Django's documented way to drop an inherited field; django-stubs types it as AbstractUser's CharField.
+    username = None  # type: ignore[assignment]
     email = models.EmailField("email address", unique=True)
     full_name = models.CharField(max_length=200, blank=True)
 
     USERNAME_FIELD = "email"
-    REQUIRED_FIELDS: list[str] = []
-    objects = UserManager()
+    REQUIRED_FIELDS: ClassVar[list[str]] = []
+    # An email-login manager (create_user(email, ...)), as Django documents for custom user models; the stubs
+    # type AbstractUser.objects as the username-based contrib.auth UserManager.
+    objects: ClassVar[UserManager] = UserManager()  # type: ignore[assignment]
 
     class Meta:
         constraints = [models.UniqueConstraint(Lower("email"), name="user_email_ci_unique")]

@@ -10,7 +10,7 @@ there (a foreign id gives 404, never 403 and never the data).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, ClassVar, Protocol, cast
 
 from django.db import models
 
@@ -36,7 +36,8 @@ class Principal:
         return self.user is not None or self.api_key is not None
 
     def _key_allows(self, capability: str) -> bool:
-        return any(SCOPE_CAPABILITY.get(s) == capability for s in (self.scopes or ()))
+        scopes = self.scopes or frozenset()
+        return any(cap == capability and scope in scopes for scope, cap in SCOPE_CAPABILITY.items())
 
     def can(self, capability: str, tenant_id: int | None = None) -> bool:
         """May this principal exercise `capability` on `tenant_id` (None: on some tenant)?"""
@@ -75,17 +76,26 @@ ANONYMOUS = Principal()
 READ_ONLY_CAPS = frozenset({"read", "billing", "usage", "audit"})
 
 
+class _TenantOwned(Protocol):
+    tenant_path: ClassVar[str]  # e.g. "tenant_id", "allocation__tenant_id"
+
+
 class TenantScopedQuerySet(models.QuerySet):
+    @property
+    def _tenant_path(self) -> str:
+        # Every model whose manager is built from this queryset names its path to the tenant id.
+        return cast("type[_TenantOwned]", self.model).tenant_path
+
     def visible_to(self, principal: Principal, capability: str = "read") -> TenantScopedQuerySet:
         ids = principal.tenant_ids(capability)
         if ids is None:
             return self.all()
         if not ids:
             return self.none()
-        return self.filter(**{f"{self.model.tenant_path}__in": ids})
+        return self.filter(**{f"{self._tenant_path}__in": ids})
 
     def for_tenant(self, tenant_id: int) -> TenantScopedQuerySet:
-        return self.filter(**{self.model.tenant_path: tenant_id})
+        return self.filter(**{self._tenant_path: tenant_id})
 
 
 def principal_for_user(user) -> Principal:
@@ -102,7 +112,7 @@ def principal_for_user(user) -> Principal:
 def principal_for_key(key) -> Principal:
     creator = key.created_by
     is_operator = key.tenant_id is None and creator is not None and creator.is_operator
-    suspended = frozenset()
+    suspended: frozenset[int] = frozenset()
     if key.tenant_id is not None and key.tenant.status != key.tenant.Status.ACTIVE:
         suspended = frozenset({key.tenant_id})
     return Principal(

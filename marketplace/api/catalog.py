@@ -9,6 +9,7 @@ from rest_framework import serializers, viewsets
 
 from marketplace.models import Gpu, GpuInstance, GpuModel, MigProfile, Node, ServerPlatform
 from marketplace.selectors import catalog as selectors
+from tenants.models import Tenant
 from tenants.permissions import SharedRead
 
 from .disclosure import OperatorOnlyFieldsMixin, OperatorOnlyFiltersMixin
@@ -23,7 +24,7 @@ class GpuModelSerializer(serializers.ModelSerializer):
 
 
 class MigProfileSerializer(serializers.ModelSerializer):
-    gpu_model = serializers.SlugRelatedField(slug_field="key", read_only=True)
+    gpu_model: serializers.SlugRelatedField[GpuModel] = serializers.SlugRelatedField(slug_field="key", read_only=True)
     starts = serializers.SerializerMethodField()
 
     class Meta:
@@ -36,7 +37,7 @@ class MigProfileSerializer(serializers.ModelSerializer):
 
 
 class ServerPlatformSerializer(serializers.ModelSerializer):
-    gpu_model = serializers.SlugRelatedField(slug_field="key", read_only=True)
+    gpu_model: serializers.SlugRelatedField[GpuModel] = serializers.SlugRelatedField(slug_field="key", read_only=True)
 
     class Meta:
         model = ServerPlatform
@@ -83,7 +84,8 @@ class ServerPlatformViewSet(CatalogViewSet):
 # --- fleet ---------------------------------------------------------------------------------------
 
 class NodeSerializer(serializers.ModelSerializer):
-    platform = serializers.SlugRelatedField(slug_field="key", read_only=True)
+    platform: serializers.SlugRelatedField[ServerPlatform] = serializers.SlugRelatedField(slug_field="key",
+                                                                                         read_only=True)
     gpu_count = serializers.IntegerField(read_only=True)
     used_slots = serializers.IntegerField(read_only=True)
 
@@ -93,7 +95,7 @@ class NodeSerializer(serializers.ModelSerializer):
 
 
 class SlotInstanceSerializer(OperatorOnlyFieldsMixin, serializers.ModelSerializer):
-    tenant = serializers.SlugRelatedField(slug_field="slug", read_only=True)
+    tenant: serializers.SlugRelatedField[Tenant] = serializers.SlugRelatedField(slug_field="slug", read_only=True)
     profile = serializers.CharField(source="placement.profile.name", default="whole GPU", read_only=True)
     start = serializers.IntegerField(read_only=True, allow_null=True, help_text="operators only (null for tenants)")
     reason = serializers.CharField(read_only=True, help_text="operators only (blank for tenants): why the engine "
@@ -106,9 +108,10 @@ class SlotInstanceSerializer(OperatorOnlyFieldsMixin, serializers.ModelSerialize
 
 
 class GpuSerializer(serializers.ModelSerializer):
-    node = serializers.SlugRelatedField(slug_field="hostname", read_only=True)
-    gpu_model = serializers.SlugRelatedField(slug_field="key", read_only=True)
-    dedicated_tenant = serializers.SlugRelatedField(slug_field="slug", read_only=True)
+    node: serializers.SlugRelatedField[Node] = serializers.SlugRelatedField(slug_field="hostname", read_only=True)
+    gpu_model: serializers.SlugRelatedField[GpuModel] = serializers.SlugRelatedField(slug_field="key", read_only=True)
+    dedicated_tenant: serializers.SlugRelatedField[Tenant] = serializers.SlugRelatedField(slug_field="slug",
+                                                                                          read_only=True)
     used_slots = serializers.IntegerField(read_only=True)
     instances = SlotInstanceSerializer(many=True, read_only=True)
     slot_map = serializers.SerializerMethodField(help_text="tenant slug (or null) for each memory slice 0..7")

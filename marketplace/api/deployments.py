@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import django_filters
 from drf_spectacular.extensions import OpenApiSerializerFieldExtension
 from drf_spectacular.utils import extend_schema
@@ -16,6 +18,11 @@ from marketplace.services import deployments
 from tenants.scoping import principal_for
 
 from .viewsets import ScopedViewSetMixin
+
+if TYPE_CHECKING:
+    from rest_framework.validators import Validator
+
+    from tenants.models import Tenant
 
 
 class ScopedAllocationField(serializers.PrimaryKeyRelatedField):
@@ -108,8 +115,10 @@ class DeploymentSerializer(serializers.ModelSerializer):
                                                  queryset=LibraryModel.objects.filter(active=True),
                                                  help_text="a model of the MSP's library (key): Tessera writes its "
                                                            "vLLM / TensorRT-LLM repository from the fit")
-    context = serializers.IntegerField(required=False, min_value=0, max_value=10**7, default=0,
-                                       help_text="library models: max context in tokens (0: the longest that fits)")
+    # A declared field: DRF's metaclass takes it off the class; the stubs see it replace Field.context.
+    context = serializers.IntegerField(  # type: ignore[assignment]
+        required=False, min_value=0, max_value=10**7, default=0,
+        help_text="library models: max context in tokens (0: the longest that fits)")
     concurrency = serializers.IntegerField(required=False, min_value=1, max_value=100_000, default=1,
                                            help_text="library models: concurrent sequences the cache is sized for")
     adapters = ScopedAdapterField(many=True, required=False,
@@ -118,7 +127,7 @@ class DeploymentSerializer(serializers.ModelSerializer):
     declared_memory_mb = serializers.IntegerField(required=False, write_only=True, min_value=1, default=0,
                                                   help_text="repositories: memory need (default: the configs' "
                                                             "tessera_memory_mb, else the files' size)")
-    tenant = serializers.SlugRelatedField(slug_field="slug", read_only=True)
+    tenant: serializers.SlugRelatedField[Tenant] = serializers.SlugRelatedField(slug_field="slug", read_only=True)
 
     class Meta:
         model = ModelDeployment
@@ -127,7 +136,7 @@ class DeploymentSerializer(serializers.ModelSerializer):
                   "waiting_reason", "failure_reason", "created_at", "updated_at", "ready_at"]
         read_only_fields = ["id", "tenant", "backend", "memory_mb", "state", "waiting_reason", "failure_reason",
                             "created_at", "updated_at", "ready_at"]
-        validators = []
+        validators: list[Validator[dict[str, object]]] = []
 
     def validate(self, attrs):
         sources = [k for k in ("template", "spec", "repository", "library_model") if attrs.get(k)]

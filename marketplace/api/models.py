@@ -3,6 +3,8 @@ model library with its fit per tier, and "find a tier"."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
 from rest_framework import mixins, permissions, serializers, status, viewsets
 from rest_framework.decorators import action
@@ -19,6 +21,9 @@ from tenants.errors import ServiceError
 from tenants.scoping import principal_for
 
 from .viewsets import ScopedViewSetMixin
+
+if TYPE_CHECKING:
+    from rest_framework.validators import Validator
 
 
 class TensorSerializer(serializers.Serializer):
@@ -55,7 +60,7 @@ class ModelRepositorySerializer(serializers.ModelSerializer):
                   "archive_sha256", "size_bytes", "file_count", "manifest", "created_at"]
         read_only_fields = ["id", "source", "filename", "archive_bytes", "archive_sha256", "size_bytes", "file_count",
                             "created_at"]
-        validators = []
+        validators: list[Validator[dict[str, object]]] = []
 
     def validate(self, attrs):
         principal = principal_for(self.context["request"])
@@ -116,7 +121,7 @@ class LoraAdapterSerializer(serializers.ModelSerializer):
                   "rank", "target_modules", "size_bytes", "file_count", "created_at"]
         read_only_fields = ["id", "source", "filename", "archive_sha256", "rank", "target_modules", "size_bytes",
                             "file_count", "created_at"]
-        validators = []
+        validators: list[Validator[dict[str, object]]] = []
 
     validate = ModelRepositorySerializer.validate
 
@@ -200,8 +205,9 @@ class FindTierSerializer(serializers.Serializer):
                                           help_text="or: a model of this size (MiB) without a KV cache")
     backend = serializers.ChoiceField(choices=list(model_svc.model_repo.KNOWN_BACKENDS), default="python",
                                       help_text="with memory_mib: its backend (runtime overhead)")
-    context = serializers.IntegerField(min_value=0, max_value=10**7, default=0,
-                                       help_text="tokens per sequence (0: the model's max context)")
+    # A declared field: DRF's metaclass takes it off the class; the stubs see it replace Field.context.
+    context = serializers.IntegerField(  # type: ignore[assignment]
+        min_value=0, max_value=10**7, default=0, help_text="tokens per sequence (0: the model's max context)")
     concurrency = serializers.IntegerField(min_value=1, max_value=100_000, default=1)
     currency = serializers.CharField(default="USD", max_length=3)
     input_share = serializers.FloatField(min_value=0, max_value=1, default=0.5)

@@ -219,7 +219,7 @@ def _decode(entries: list) -> tuple[list[bytes], list[dict[str, Any]]]:
         ids.append(entry_id)
         raw = (fields or {}).get(b"e") or (fields or {}).get("e")
         try:
-            events.append(json.loads(raw))
+            events.append(json.loads(raw if raw is not None else b""))  # missing: unreadable too
         except (TypeError, ValueError):
             log.error("unreadable usage stream entry dropped", extra={"entry": str(entry_id)})
     return ids, events

@@ -208,11 +208,12 @@ def parse_generate(raw: bytes, model: str, stream: bool) -> tuple[dict[str, Any]
 
 def generate_body(io: ModelIO, req: TextRequest, adapter: str | None = None) -> dict[str, Any]:
     """The generate request for a text model (the model's own tensor names)."""
-    if not io.generative:
+    prompt = io.prompt
+    if not io.generative or prompt is None:  # generative: it has a prompt input
         raise bad_request(f"The model '{req.model}' is not a text-generation model (it has no prompt input and "
                           f"text output); call it with /v2/models/{req.model}/infer.", param="model",
                           code="model_not_generative")
-    body: dict[str, Any] = {io.prompt: req.prompt}
+    body: dict[str, Any] = {prompt: req.prompt}
     if io.stream_flag:
         body["stream"] = req.stream
     if req.max_tokens is not None:
@@ -344,7 +345,7 @@ def sse(obj: dict[str, Any] | str) -> bytes:
 
 def parse_sse_lines(buffer: bytearray) -> list[dict[str, Any]]:
     """Complete ``data:`` events taken off the front of ``buffer`` (Triton's generate_stream framing)."""
-    out = []
+    out: list[dict[str, Any]] = []
     while True:
         end = buffer.find(b"\n\n")
         if end < 0:

@@ -25,9 +25,10 @@ import stat
 import tarfile
 import tempfile
 import zipfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import BinaryIO
+from typing import IO, BinaryIO, TypeVar, overload
 
 from marketplace.hardware import triton
 from marketplace.hardware.triton import repository as triton_repository
@@ -105,7 +106,7 @@ class _Writer:
     def add_dir(self, rel: str) -> None:
         (self.root / rel).mkdir(parents=True, exist_ok=True)
 
-    def add_file(self, rel: str, src: BinaryIO) -> None:
+    def add_file(self, rel: str, src: IO[bytes]) -> None:
         self.files += 1
         if self.files > self.limits.max_files:
             raise RepoError(f"too many files: more than {self.limits.max_files}", path=rel)
@@ -143,7 +144,10 @@ def _extract_tar(fileobj: BinaryIO, w: _Writer) -> None:
                 elif m.isfile():
                     if m.size > w.limits.max_expanded_bytes:
                         raise RepoError("the file is larger than the expanded-size limit", path=m.name)
-                    w.add_file(rel, tar.extractfile(m))
+                    src = tar.extractfile(m)
+                    if src is None:  # never for a regular file
+                        raise RepoError("only regular files and folders are allowed", path=m.name)
+                    w.add_file(rel, src)
                 else:
                     raise RepoError("only regular files and folders are allowed", path=m.name)
     except (tarfile.TarError, EOFError, OSError) as exc:
@@ -303,8 +307,21 @@ def kind_of(head: bytes, filename: str = "") -> str:
     raise RepoError("the archive must be a .tar.gz (or .tgz) or a .zip file", path=filename or None)
 
 
+_Validated = TypeVar("_Validated")
+
+
+@overload
 def import_repository(source: BinaryIO | Path, dest: Path, limits: Limits, *, filename: str = "",
-                      validate=None) -> Repo:
+                      validate: None = None) -> Repo: ...
+
+
+@overload
+def import_repository(source: BinaryIO | Path, dest: Path, limits: Limits, *, filename: str = "",
+                      validate: Callable[[Path], tuple[Path, _Validated]]) -> _Validated: ...
+
+
+def import_repository(source: BinaryIO | Path, dest: Path, limits: Limits, *, filename: str = "",
+                      validate: Callable[[Path], tuple[Path, object]] | None = None) -> object:
     """Unpack ``source`` (an archive file object, or a folder/archive path of the model store) and validate it
     (``validate``: ``validate_tree`` for a Triton repository, ``validate_adapter`` for a LoRA adapter); on
     success it lies at ``dest`` (created), on any refusal nothing is left behind."""
@@ -418,12 +435,12 @@ def write_files(repo_dir: Path, files: dict[str, str], *, copies: dict[str, str]
         by_model.setdefault(model, {})[rel] = Path(src).read_bytes()
     for path, src in (copy_dirs or {}).items():
         model, rel = path.split("/", 1)
-        src = Path(src)
-        for f in sorted(src.rglob("*")):
+        src_dir = Path(src)
+        for f in sorted(src_dir.rglob("*")):
             if f.is_symlink():
-                raise ValueError(f"symlink in {src}")
+                raise ValueError(f"symlink in {src_dir}")
             if f.is_file():
-                by_model.setdefault(model, {})[f"{rel}/{f.relative_to(src).as_posix()}"] = f.read_bytes()
+                by_model.setdefault(model, {})[f"{rel}/{f.relative_to(src_dir).as_posix()}"] = f.read_bytes()
     for model, content in by_model.items():
         if not triton.MODEL_NAME_RE.match(model):
             raise ValueError(f"bad model name {model!r}")
@@ -437,8 +454,8 @@ def write_files(repo_dir: Path, files: dict[str, str], *, copies: dict[str, str]
             (staging / rel).write_bytes(data)
         for dirpath, _dirs, names in os.walk(staging):
             Path(dirpath).chmod(0o755)
-            for f in names:
-                (Path(dirpath) / f).chmod(0o644)
+            for name in names:
+                (Path(dirpath) / name).chmod(0o644)
         if target.exists():
             triton.remove_model(repo_dir, model)
         os.rename(staging, target)

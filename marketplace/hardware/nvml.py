@@ -170,7 +170,7 @@ class NvmlClient:
         return out
 
     def _cis(self, gi: Any) -> list[Any]:
-        out = []
+        out: list[Any] = []  # ctypes compute-instance handles
         for info in self._ci_profiles(gi):
             count = ctypes.c_uint(0)
             arr = (self.nv.c_nvmlComputeInstance_t * max(1, info.instanceCount))()

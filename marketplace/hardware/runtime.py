@@ -575,7 +575,8 @@ class DockerRuntime(ServingRuntime):
             except ImportError:
                 raise RuntimeFault("the docker runtime needs the docker Python package (pip install docker)") from None
             try:
-                self._client = docker.from_env()
+                # mypy resolves `docker` to the repository's docker/ folder (no __init__), not the docker SDK
+                self._client = docker.from_env()  # type: ignore[attr-defined]
             except Exception as exc:  # docker.errors.DockerException and socket errors
                 raise RuntimeFault(f"no Docker engine: {exc}") from None
         return self._client

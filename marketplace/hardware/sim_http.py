@@ -20,7 +20,7 @@ from tritonclient.utils import InferenceServerException
 
 from .triton import SimTritonBackend, demo_generate
 
-_FRONTS: dict[tuple[str, int], ThreadingHTTPServer] = {}
+_FRONTS: dict[tuple[str, int], _Server] = {}
 _LOCK = threading.Lock()
 
 

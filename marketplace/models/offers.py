@@ -40,7 +40,8 @@ class Tier(models.Model):
 
     @property
     def memory_gb(self) -> int:
-        return self.profile.memory_gb if self.profile_id else self.gpu_model.memory_gb
+        profile = self.profile  # None without a query when profile_id is None
+        return profile.memory_gb if profile is not None else self.gpu_model.memory_gb
 
     @property
     def backends(self) -> list[str]:
@@ -48,7 +49,8 @@ class Tier(models.Model):
 
     @property
     def memory_mib(self) -> int:
-        return self.profile.memory_mib if self.profile_id else self.gpu_model.memory_mib
+        profile = self.profile
+        return profile.memory_mib if profile is not None else self.gpu_model.memory_mib
 
 
 class PricePlan(models.Model):

@@ -9,7 +9,7 @@ from decimal import ROUND_HALF_UP, Decimal
 from django.utils import timezone
 
 from marketplace import fit
-from marketplace.models import LibraryModel, LoraAdapter, ModelRepository, PricePlan
+from marketplace.models import LibraryModel, LoraAdapter, ModelRepository, PricePlan, Tier
 from marketplace.selectors import orders as order_sel
 from marketplace.selectors.planner import shape_figures, window
 from marketplace.services import models as model_svc
@@ -31,7 +31,7 @@ def adapters(principal: Principal):
 
 @dataclass
 class TierOption:
-    tier: object
+    tier: Tier
     fit: fit.Fit
     plan: PricePlan | None
     tokens_per_s: float
@@ -42,7 +42,7 @@ class TierOption:
         t, p = self.tier, self.plan
         return {
             "tier": t.key, "tier_name": t.name, "gpu_model": t.gpu_model.key,
-            "profile": t.profile.name if t.profile_id else None, "memory_mib": t.memory_mib,
+            "profile": t.profile.name if t.profile is not None else None, "memory_mib": t.memory_mib,
             "fits": self.fit.fits, "reason": self.fit.reason, "needed_mib": self.fit.needed_mib,
             "headroom_mib": self.fit.headroom_mib, "max_cached_tokens": self.fit.max_cached_tokens,
             "max_context": self.fit.max_context, "max_concurrency": self.fit.max_concurrency,

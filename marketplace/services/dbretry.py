@@ -21,12 +21,14 @@ ATTEMPTS = 4
 
 
 def is_conflict(exc: BaseException) -> bool:
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if getattr(exc, "sqlstate", None) in CONFLICT_SQLSTATES or getattr(exc, "pgcode", None) in CONFLICT_SQLSTATES:
+    seen: set[int] = set()
+    current: BaseException | None = exc  # then its causes and contexts
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if (getattr(current, "sqlstate", None) in CONFLICT_SQLSTATES
+                or getattr(current, "pgcode", None) in CONFLICT_SQLSTATES):
             return True
-        exc = exc.__cause__ or exc.__context__
+        current = current.__cause__ or current.__context__
     return False
 
 

@@ -199,7 +199,10 @@ def remove(principal: Principal, dep: ModelDeployment) -> ModelDeployment:
 
 def _enqueue(task_name: str, dep: ModelDeployment, allocation: Allocation) -> None:
     """Queue a deployment task (an enqueue.* task name) on the allocation's node."""
-    enqueue.send(task_name, [dep.pk], allocation.node.queue)
+    node = allocation.node
+    if node is None:  # never: models are deployed only on placed allocations, whose node is kept
+        raise ValueError(f"allocation {allocation.pk} has no node to queue {task_name} on")
+    enqueue.send(task_name, [dep.pk], node.queue)
 
 
 def _set(dep: ModelDeployment, state: str, reason: str = "") -> None:

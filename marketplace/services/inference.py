@@ -59,7 +59,7 @@ def try_prompt(principal: Principal, dep: ModelDeployment, prompt: str, max_toke
     if dep.state != ModelDeployment.State.READY:
         raise ServiceError(f"the model is {dep.state}, not ready", field="prompt")
     token = mint_try_token(dep.tenant_id, principal.user.pk)
-    body = {"model": dep.name, "messages": [{"role": "user", "content": prompt}]}
+    body: dict[str, object] = {"model": dep.name, "messages": [{"role": "user", "content": prompt}]}
     if max_tokens is not None:
         body["max_tokens"] = max_tokens
     req = urllib.request.Request(f"{settings.TESSERA_GATEWAY_INTERNAL_URL}/v1/chat/completions",

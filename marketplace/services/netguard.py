@@ -90,7 +90,10 @@ def resolve_public(url: str) -> Target:
         raise AddressRefused(f"{host} does not resolve: {exc}") from None
     addresses = []
     for *_, sockaddr in infos:
-        ip = ipaddress.ip_address(sockaddr[0].split("%", 1)[0])
+        address = sockaddr[0]
+        if not isinstance(address, str):  # (int, bytes): an IPv6 address from a Python built without IPv6
+            raise AddressRefused(f"{host} resolves to an address this Python cannot read")
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
         why = refusal(ip)
         if why:
             raise AddressRefused(f"{host} resolves to {why}")

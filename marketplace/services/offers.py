@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
@@ -49,7 +51,7 @@ def add_price_plan(principal: Principal, *, tier: Tier, effective_from=None, **f
     _operator(principal)
     now = timezone.now()
     effective_from = effective_from or now
-    if effective_from < now - timezone.timedelta(seconds=5):
+    if effective_from < now - timedelta(seconds=5):
         raise ServiceError("a price cannot start in the past (it would rewrite rated hours)", field="effective_from")
     kind = fields.get("kind", PricePlan.Kind.ON_DEMAND)
     if kind == PricePlan.Kind.RESERVED and fields.get("monthly_commit") is None:

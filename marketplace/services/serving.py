@@ -103,8 +103,15 @@ def admin_headers(server: TritonServer) -> dict[str, str]:
 
 
 def slice_memory_mb(allocation: Allocation) -> int:
-    tier = allocation.tier
-    return tier.profile.memory_mib if tier.profile_id else tier.gpu_model.memory_mib
+    return allocation.tier.memory_mib
+
+
+def _placed_node(allocation: Allocation) -> Node:
+    """The slice's node: a served allocation is placed, and its node is never cleared."""
+    node = allocation.node
+    if node is None:
+        raise ValueError(f"allocation {allocation.pk} is not placed on a node")
+    return node
 
 
 def spec_for(server: TritonServer, allocation: Allocation) -> rt.ServerSpec:
@@ -116,7 +123,7 @@ def spec_for(server: TritonServer, allocation: Allocation) -> rt.ServerSpec:
         http_port=server.http_port or 1, grpc_port=server.grpc_port or 2, metrics_port=server.metrics_port or 3,
         secret=secret_for(server), isolate=settings.TESSERA_SERVING_ISOLATE,
         gpu_metrics=settings.TESSERA_NVML_BACKEND == "pynvml",
-        labels={rt.NODE_LABEL: allocation.node.hostname, "tessera.allocation": str(allocation.pk)},
+        labels={rt.NODE_LABEL: _placed_node(allocation).hostname, "tessera.allocation": str(allocation.pk)},
         memory_mb=slice_memory_mb(allocation), tokens_per_s=modelled_tokens_per_s(tier.gpu_model, profile))
 
 
@@ -197,7 +204,7 @@ def ensure_server(allocation: Allocation, *, timeout: float | None = None) -> Tr
     for operators) when the binary is missing, the pool is exhausted, the user cannot be created, or the
     server exits or stays unready past ``TESSERA_SERVING_START_TIMEOUT_S``.
     """
-    node = allocation.node
+    node = _placed_node(allocation)
     run = runtime()
     server, _ = TritonServer.objects.get_or_create(
         allocation=allocation, defaults={"node": node, "runtime": run.kind, "address": node.serving_address})

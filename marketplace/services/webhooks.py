@@ -14,6 +14,7 @@ and a generic reason (``last_reason``), so the log cannot be used to probe ports
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import http.client
@@ -85,7 +86,7 @@ def emit(tenant: Tenant, event: str, key: str, data: dict) -> list[WebhookDelive
         d, created = WebhookDelivery.objects.get_or_create(endpoint=ep, event=event, event_key=key,
                                                            defaults={"payload": body})
         if created:
-            transaction.on_commit(lambda d=d: _enqueue(d))
+            transaction.on_commit(functools.partial(_enqueue, d))
             out.append(d)
     return out
 

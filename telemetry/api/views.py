@@ -51,13 +51,13 @@ def _tenant_for(principal, slug: str | None) -> Tenant:
         if ids is not None and len(ids) == 1:
             return Tenant.objects.get(pk=next(iter(ids)))
         raise ValidationError({"tenant": ["give the tenant (slug) this batch is for"]})
-    tenant = Tenant.objects.visible_to(principal, "usage").filter(slug=slug).first()
-    if tenant is None:
+    named = Tenant.objects.visible_to(principal, "usage").filter(slug=slug).first()
+    if named is None:
         raise NotFound("No such tenant.")
-    return tenant
+    return named
 
 
-EVENT_FIELDS = {
+EVENT_FIELDS: dict[str, serializers.Field] = {
     "event_id": serializers.CharField(max_length=100, help_text="unique per tenant: the idempotency key"),
     "deployment": serializers.IntegerField(required=False, help_text="deployment id (or give model)"),
     "model": serializers.CharField(required=False, help_text="name of a live deployment of the tenant"),
@@ -99,7 +99,7 @@ class UsageEventsView(APIView):
 
 
 class UsageHourlySerializer(serializers.ModelSerializer):
-    tenant = serializers.SlugRelatedField(slug_field="slug", read_only=True)
+    tenant: serializers.SlugRelatedField[Tenant] = serializers.SlugRelatedField(slug_field="slug", read_only=True)
     model = serializers.CharField(source="deployment.name", read_only=True)
 
     class Meta:

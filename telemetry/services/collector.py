@@ -79,9 +79,12 @@ def drive_simulator(backend, node: Node, allocations: list[Allocation], activity
     n = 0
     for a in allocations:
         inst = a.instance
+        if inst is None:  # never: active allocations are taken with their instance
+            continue
         gpu = inst.gpu
         util = activity.get(a.pk, 0.0)
-        total_mb = inst.placement.profile.memory_mib if inst.placement_id else gpu.gpu_model.memory_mib
+        placement = inst.placement  # None (no query) for a whole GPU
+        total_mb = placement.profile.memory_mib if placement is not None else gpu.gpu_model.memory_mib
         frac = None
         if mem.get(a.pk):
             # weights resident plus a little working memory that grows with load
@@ -112,8 +115,9 @@ def collect_node(node_id: int, now: datetime | None = None) -> dict:
     gpus = list(node.gpus.select_related("gpu_model", "node").order_by("index"))
     allocations = _active_allocations(node)
     activity = slice_activity(allocations, now)
-    by_gi = {(a.instance.gpu_id, a.instance.gi_id): a for a in allocations if a.instance.gi_id is not None}
-    whole = {a.instance.gpu_id: a for a in allocations if a.instance.placement_id is None}
+    placed = [(a, a.instance) for a in allocations if a.instance is not None]  # all (_active_allocations)
+    by_gi = {(i.gpu_id, i.gi_id): a for a, i in placed if i.gi_id is not None}
+    whole = {i.gpu_id: a for a, i in placed if i.placement_id is None}
     instances = {(i.gpu_id, i.gi_id): i for i in GpuInstance.objects.filter(gpu__node=node, gi_id__isnull=False)
                  .select_related("placement__profile")}
 
@@ -134,7 +138,8 @@ def collect_node(node_id: int, now: datetime | None = None) -> dict:
             for m in t.mig:
                 inst = instances.get((gpu.pk, m.gi_id))
                 alloc = by_gi.get((gpu.pk, m.gi_id))
-                cs = inst.placement.profile.compute_slices if inst and inst.placement_id else 0
+                placement = inst.placement if inst is not None else None
+                cs = placement.profile.compute_slices if placement is not None else 0
                 act = activity.get(alloc.pk, 0.0) if alloc else 0.0
                 slices.append(MigSample(
                     gpu=gpu, mig_uuid=m.uuid, gi_id=m.gi_id, compute_slices=cs, allocation=alloc,

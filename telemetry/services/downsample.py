@@ -62,7 +62,7 @@ def _mig_rollup(key: tuple, res: str, b: datetime, rows: list[MigSample]) -> Mig
     )
 
 
-def _roll(model, key_fields: tuple[str, ...], build, res: str, end: datetime) -> int:
+def _roll(model, key_fields: tuple[str, ...], build, res: Resolution, end: datetime) -> int:
     step = STEP_S[res]
     marks = {tuple(row[:-1]): row[-1] for row in model.objects.filter(resolution=res)
              .values(*key_fields).annotate(m=Max("ts")).values_list(*key_fields, "m")}
@@ -85,7 +85,7 @@ def _roll(model, key_fields: tuple[str, ...], build, res: str, end: datetime) ->
 def downsample(now: datetime | None = None, grace: timedelta = timedelta(minutes=2)) -> dict[str, int]:
     """Roll every complete bucket not yet rolled up. Returns rows created per resolution."""
     now = now or timezone.now()
-    out = {}
+    out: dict[str, int] = {}  # per resolution (Resolution values), then mig_<resolution>
     for res, step in STEP_S.items():
         end = bucket(now - grace, step)
         out[res] = _roll(GpuSample, ("gpu",), lambda k, r, b, rows: _gpu_rollup(k[0], r, b, rows), res, end)
@@ -93,7 +93,8 @@ def downsample(now: datetime | None = None, grace: timedelta = timedelta(minutes
     return out
 
 
-def _prune(model, key_fields: tuple[str, ...], res: str, cutoff: datetime, needs: tuple[str, ...]) -> int:
+def _prune(model, key_fields: tuple[str, ...], res: Resolution, cutoff: datetime,
+           needs: tuple[Resolution, ...]) -> int:
     """Delete rows of `res` older than `cutoff` whose buckets in every resolution of `needs` exist
     (rollups are contiguous up to their watermark, so 'before the watermark' means 'rolled up')."""
     if not needs:
@@ -119,7 +120,7 @@ def _prune(model, key_fields: tuple[str, ...], res: str, cutoff: datetime, needs
 def prune(now: datetime | None = None) -> dict[str, int]:
     now = now or timezone.now()
     days = retention_days()
-    out = {}
+    out: dict[str, int] = {}  # per resolution (Resolution values), then mig_<resolution>
     plan = [(Resolution.RAW, (Resolution.FIVE_MIN, Resolution.HOUR)), (Resolution.FIVE_MIN, (Resolution.HOUR,)),
             (Resolution.HOUR, ())]
     for res, needs in plan:

@@ -76,7 +76,7 @@ class BatchInvalid(ServiceError):
             message = f"{len(self.items)} malformed event(s); nothing was stored"
         super().__init__(message, field="events")
 
-    def as_dict(self) -> dict:
+    def as_dict(self, operator: bool = False) -> dict:  # no diagnostic: operators read the same
         if self.items:
             return {"events": {str(i): msgs for i, msgs in sorted(self.items.items())}, "detail": self.message}
         return {"events": [self.message]}

@@ -1,10 +1,15 @@
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from rest_framework import serializers
 
 from ..models import ApiKey, AuditEvent, Invitation, Membership, Tenant
 from ..roles import Role, Scope
 from ..scoping import principal_for
+
+if TYPE_CHECKING:
+    from rest_framework.validators import Validator
 
 
 class TenantSerializer(serializers.ModelSerializer):
@@ -23,7 +28,7 @@ class TenantSerializer(serializers.ModelSerializer):
             "member_count", "active_key_count", "owner_email",
         ]
         read_only_fields = ["id", "status", "created_at", "suspended_at", "suspended_reason"]
-        extra_kwargs = {"slug": {"validators": []}}  # uniqueness is the service's (409)
+        extra_kwargs: dict[str, dict[str, Any]] = {"slug": {"validators": []}}  # uniqueness is the service's (409)
 
     def get_fields(self):
         fields = super().get_fields()
@@ -37,7 +42,7 @@ class TenantUpdateSerializer(TenantSerializer):
 
     class Meta(TenantSerializer.Meta):
         read_only_fields = [*TenantSerializer.Meta.read_only_fields, "slug"]
-        extra_kwargs = {}
+        extra_kwargs: dict[str, dict[str, Any]] = {}
 
 
 class SuspendSerializer(serializers.Serializer):
@@ -52,7 +57,7 @@ class UserBriefSerializer(serializers.Serializer):
 
 class MembershipSerializer(serializers.ModelSerializer):
     user = UserBriefSerializer(read_only=True)
-    tenant = serializers.SlugRelatedField(slug_field="slug", read_only=True)
+    tenant: serializers.SlugRelatedField[Tenant] = serializers.SlugRelatedField(slug_field="slug", read_only=True)
 
     class Meta:
         model = Membership
@@ -86,7 +91,7 @@ class InvitationSerializer(serializers.ModelSerializer):
         model = Invitation
         fields = ["id", "tenant", "email", "role", "status", "invited_by", "created_at", "expires_at"]
         read_only_fields = ["id", "status", "invited_by", "created_at", "expires_at"]
-        validators = []  # the pending-invitation uniqueness is the service's (409)
+        validators: list[Validator[dict[str, object]]] = []  # the pending-invitation uniqueness is the service's (409)
 
 
 class AcceptInvitationSerializer(serializers.Serializer):
@@ -127,7 +132,7 @@ ROLE_CHOICES = Role.choices
 
 
 class AuditEventSerializer(serializers.ModelSerializer):
-    tenant = serializers.SlugRelatedField(slug_field="slug", read_only=True)
+    tenant: serializers.SlugRelatedField[Tenant] = serializers.SlugRelatedField(slug_field="slug", read_only=True)
 
     class Meta:
         model = AuditEvent
