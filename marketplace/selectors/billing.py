@@ -21,7 +21,7 @@ from django.db.models import (
 )
 from django.db.models.functions import Coalesce
 
-from marketplace.models import CreditNote, CreditNoteLine, Invoice, InvoiceLine, PricePlan, WebhookEndpoint
+from marketplace.models import CreditNote, CreditNoteLine, Invoice, InvoiceLine, WebhookEndpoint
 from tenants.models import Tenant
 from tenants.scoping import Principal
 
@@ -87,22 +87,22 @@ def webhook_endpoints(principal: Principal):
 
 def plan_month_estimate(plan, slices: int = 1, month: date | None = None) -> dict:
     """What `slices` slices at `plan` held for a whole calendar month (default: next month, the first whole one
-    an order placed now can hold) are charged before tokens, by the rating's own pieces (nothing is read or
-    written): one slice-hours `billing.Draft` (the plan's price, the invoice's rounding) and, for a reserved
-    plan, `billing.commitment_topups` (the top-up when the slice-hours come to less than the monthly
-    commitment; one commitment however many slices are held at once). Tokens are charged on top."""
+    an order placed now can hold) are charged before tokens, by the rating itself (`billing.rate_month`, the
+    invoices' rule, on slices held all month; nothing is read or written): the slice-hours line and, for a
+    reserved plan, the commitment top-up (one commitment however many slices are held at once). Tokens are
+    charged on top."""
     from django.utils import timezone
 
     from marketplace.services import billing
 
     month = month or billing.next_month(billing.month_of(timezone.now()))
     start, end = billing.bounds(month)
-    hours = billing.seconds(end - start) / 3600
-    line = billing.Draft(InvoiceLine.Kind.SLICE_HOURS, plan.tier, plan, "", "hour")
-    for _ in range(slices):
-        line.add(hours, start, end)
-    held = {plan.tier_id: [(start, end)] * slices} if plan.kind == PricePlan.Kind.RESERVED else {}
-    top_ups = billing.commitment_topups(billing.PlanBook(plan.currency, [plan]), held, [line], start, end)
-    top_up = sum((d.amount for d in top_ups), Decimal(0))
-    return {"month": month, "hours": int(hours), "slices": slices, "slice_hours": line.amount, "top_up": top_up,
-            "total": line.amount + top_up, "commitment": plan.monthly_commit}
+    held = [billing.Held(plan.tier_id, plan.kind, start, None)] * slices
+    inputs = billing.MonthInputs(plan.currency, billing.PlanBook(plan.currency, [plan]), held, [],
+                                 {plan.tier_id: plan.tier}, {})
+    drafts, _unpriced, _late = billing.rate_month(inputs, start, end, end)
+    slice_hours = sum((d.amount for d in drafts if d.kind == InvoiceLine.Kind.SLICE_HOURS), Decimal(0))
+    top_up = sum((d.amount for d in drafts if d.kind == InvoiceLine.Kind.COMMITMENT_TOPUP), Decimal(0))
+    return {"month": month, "hours": int(billing.seconds(end - start) / 3600), "slices": slices,
+            "slice_hours": slice_hours, "top_up": top_up, "total": slice_hours + top_up,
+            "commitment": plan.monthly_commit}

@@ -485,6 +485,11 @@ def test_reserved_plans_are_orderable_with_a_monthly_estimate(owner_client, h100
     assert (est["hours"], est["slice_hours"], est["total"]) == (hours, Decimal(2 * hours).quantize(Decimal("0.01")),
                                                                 Decimal("2000.00"))
     assert est["top_up"] == Decimal("2000.00") - est["slice_hours"]
+    # two slices held at once owe one commitment, which their slice-hours now exceed: no top-up
+    from marketplace.selectors.billing import plan_month_estimate
+
+    two = plan_month_estimate(PricePlan.objects.get(tier=tiers["3g"], kind="reserved"), slices=2, month=nxt)
+    assert (two["slice_hours"], two["top_up"]) == (Decimal(4 * hours).quantize(Decimal("0.01")), 0)
     body = r.content.decode()
     assert 'id="reserved-h100-3g"' in body and "2,000.00 USD" in body and '<option value="reserved">' in body
     r = owner_client.post(reverse("portal:order", args=[tiers["3g"].pk]), {"quantity": "1", "plan_kind": "reserved"})
