@@ -270,7 +270,7 @@ class AllocationViewSet(ScopedViewSetMixin, mixins.ListModelMixin, mixins.Retrie
     @extend_schema(request=None, responses={202: AllocationSerializer})
     @action(detail=True, methods=["post"])
     def release(self, request, pk=None):
-        a = orders.release(self.principal, self.get_object())
+        a = orders.request_release(self.principal, self.get_object())
         return Response(self.get_serializer(self.get_queryset().get(pk=a.pk)).data, status=status.HTTP_202_ACCEPTED)
 
     @extend_schema(request=None, responses={202: AllocationSerializer})

@@ -106,7 +106,10 @@ def enqueue_release(allocation: Allocation) -> None:
     enqueue.send(enqueue.RELEASE_ALLOCATION, [allocation.pk], allocation.node.queue)
 
 
-def release(principal: Principal, allocation: Allocation, reason: str = "released by the tenant") -> Allocation:
+def request_release(principal: Principal, allocation: Allocation, reason: str = "released by the tenant") -> Allocation:
+    """The tenant (or an operator) asks for a slice back: it moves to releasing and the node's
+    `tessera.release_allocation` task (provisioning.release_allocation) tears it down after the commit (a failed
+    slice with nothing on the GPU is released at once)."""
     if not principal.can("deploy", allocation.tenant_id):
         raise Forbidden("Your role or API-key scopes do not allow releasing this allocation.")
     with transaction.atomic():

@@ -117,7 +117,8 @@ def _destroy_on_gpu(a: Allocation) -> None:
                 client.destroy_slice(inst.gpu.index, s.gi_id)  # NotFound: already gone
 
 
-def release(allocation_id: int) -> str:
+def release_allocation(allocation_id: int) -> str:
+    """The node's side of a release (task `tessera.release_allocation`, queued by orders.request_release)."""
     a = _load(allocation_id)
     if a.state == Allocation.State.RELEASED:
         return "already released"

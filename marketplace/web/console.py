@@ -274,7 +274,7 @@ def allocation_retry(request, pk: int):
 def allocation_release(request, pk: int):
     a = get_object_or_404(Allocation, pk=pk)
     try:
-        orders.release(request.principal, a, reason=request.POST.get("reason", "").strip()
+        orders.request_release(request.principal, a, reason=request.POST.get("reason", "").strip()
                        or "released by an operator")
         messages.success(request, f"Allocation {a.pk} is being released.")
     except ServiceError as exc:

@@ -293,7 +293,7 @@ def slice_status(request, pk):
 def slice_release(request, pk):
     a = _slice(request, pk)
     require(request, "deploy", a.tenant_id)
-    act(request, lambda: orders.release(request.principal, a), f"Slice #{a.pk} is being released.")
+    act(request, lambda: orders.request_release(request.principal, a), f"Slice #{a.pk} is being released.")
     return redirect("portal:slice", pk=a.pk)
 
 
