@@ -49,7 +49,8 @@ from tenants.errors import ServiceError
 from tenants.models import CURRENCIES, Tenant
 from tenants.scoping import principal_for
 
-RELEASABLE = ("placed", "provisioning", "ready", "active", "failed")
+RELEASABLE = (Allocation.State.PLACED, Allocation.State.PROVISIONING, Allocation.State.READY, Allocation.State.ACTIVE,
+              Allocation.State.FAILED)
 
 
 def operator_required(view):
