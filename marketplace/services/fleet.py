@@ -16,6 +16,7 @@ from django.utils import timezone
 
 from marketplace import placement as engine
 from marketplace.models import Gpu, GpuInstance, GpuModel, GpuSlot, MigPlacement, MigProfile, Node, ServerPlatform
+from marketplace.selectors.catalog import gpu_states
 from tenants.errors import Conflict, ServiceError
 from tenants.models import Tenant
 
@@ -79,19 +80,6 @@ def register_node(hostname: str, platform: ServerPlatform, gpus: list[Discovered
     return node
 
 
-def _gpu_states(gpus) -> list[engine.GpuState]:
-    states = []
-    for gpu in gpus:
-        states.append(engine.GpuState(
-            gpu_id=gpu.pk, geometry=gpu.gpu_model.key, node_id=gpu.node_id,
-            instances=[(i.placement.profile.profile_id if i.placement_id else None, i.start, i.tenant_id)
-                       for i in gpu.instances.all()],
-            dedicated_tenant_id=gpu.dedicated_tenant_id, dedication_sticky=gpu.dedicated_sticky,
-            label=gpu.label,
-        ))
-    return states
-
-
 def candidate_gpus(gpu_model: GpuModel, whole_gpu: bool):
     """GPUs that may take new work: healthy, on a ready node, in the right MIG mode."""
     return (
@@ -116,7 +104,7 @@ def place_instance(tenant: Tenant, gpu_model: GpuModel, profile: MigProfile | No
     )
     last_reason = ""
     for _attempt in range(PLACEMENT_ATTEMPTS):
-        fleet = engine.Fleet(_gpu_states(candidate_gpus(gpu_model, profile is None)), policy=policy)
+        fleet = engine.Fleet(gpu_states(candidate_gpus(gpu_model, profile is None)), policy=policy)
         decision = fleet.choose(request)
         if not decision:
             raise NoCapacityError(decision.summary, field="profile", diagnostic=decision.reason)
