@@ -23,7 +23,6 @@ from django.utils.html import format_html
 from django.utils.safestring import mark_safe
 from django.views.decorators.http import require_GET, require_POST
 
-from marketplace.api.billing import invoice_csv
 from marketplace.models import (
     Allocation,
     BillingAlert,
@@ -40,6 +39,7 @@ from marketplace.models import (
 from marketplace.models.orders import LIVE_STATES
 from marketplace.selectors import billing as billing_sel
 from marketplace.selectors import orders as orders_sel
+from marketplace.selectors.exports import invoice_csv
 from marketplace.services import billing, offers, orders
 from marketplace.web.tables import Column, table
 from telemetry.charts import CHARTS

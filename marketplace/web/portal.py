@@ -20,13 +20,13 @@ from django.urls import reverse
 from django.utils import timezone
 from django.views.decorators.http import require_POST
 
-from marketplace.api.billing import invoice_csv
 from marketplace.models import Allocation, ModelDeployment
 from marketplace.models.orders import LIVE_STATES
 from marketplace.selectors import billing as billing_sel
 from marketplace.selectors import models as model_sel
 from marketplace.selectors import orders as order_sel
 from marketplace.selectors.catalog import AVAILABILITY_CAP, availability
+from marketplace.selectors.exports import invoice_csv
 from marketplace.services import billing, deployments, inference, orders
 from marketplace.services import models as model_svc
 from marketplace.web.tables import Column, table
