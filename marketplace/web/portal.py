@@ -20,7 +20,7 @@ from django.urls import reverse
 from django.utils import timezone
 from django.views.decorators.http import require_POST
 
-from marketplace.models import Allocation, ModelDeployment
+from marketplace.models import Allocation, ModelDeployment, PricePlan
 from marketplace.models.orders import LIVE_STATES
 from marketplace.selectors import billing as billing_sel
 from marketplace.selectors import models as model_sel
@@ -42,7 +42,8 @@ TENANT_SCOPES = [c for c in Scope.choices if c[0] not in OPERATOR_ONLY_SCOPES]
 
 SESSION_KEY = "portal_tenant"
 FINAL_SLICE_STATES = {Allocation.State.ACTIVE, Allocation.State.FAILED, Allocation.State.RELEASED}
-MOVING_DEPLOYMENT_STATES = {"pending", "loading", "unloading"}
+MOVING_DEPLOYMENT_STATES = {ModelDeployment.State.PENDING, ModelDeployment.State.LOADING,
+                            ModelDeployment.State.UNLOADING}
 STEPS = [Allocation.State.REQUESTED, Allocation.State.PLACED, Allocation.State.PROVISIONING, Allocation.State.READY,
          Allocation.State.ACTIVE]
 
@@ -141,7 +142,7 @@ def home(request):
 def price_of(tier, currency: str):
     now = timezone.now()
     for plan in tier.plans.all():  # prefetched, newest first
-        if plan.currency == currency and plan.kind == "on_demand" and plan.effective_from <= now:
+        if plan.currency == currency and plan.kind == PricePlan.Kind.ON_DEMAND and plan.effective_from <= now:
             return plan
     return None
 
