@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
 from rest_framework import permissions, serializers
 from rest_framework.exceptions import ValidationError
@@ -35,7 +37,8 @@ class WorkloadSerializer(serializers.Serializer):
 
 
 class PlanRequestSerializer(serializers.Serializer):
-    workloads = WorkloadSerializer(many=True, allow_empty=False, max_length=capacity_planning.MAX_WORKLOADS)
+    workloads: serializers.ListSerializer[Any] = serializers.ListSerializer(
+        child=WorkloadSerializer(), allow_empty=False, max_length=capacity_planning.MAX_WORKLOADS)
     target_utilization = serializers.FloatField(min_value=0.01, max_value=1.0,
                                                 default=capacity_planning.DEFAULT_TARGET_UTILIZATION)
     growth = serializers.FloatField(min_value=0.01, max_value=10_000, default=1.0)

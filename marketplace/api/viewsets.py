@@ -3,11 +3,13 @@ principal, so foreign objects are absent (404) and lists show only the caller's 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
 
+from django.db.models import QuerySet
 from rest_framework import serializers, viewsets
 
-from tenants.scoping import principal_for
+from tenants.scoping import Principal, principal_for
 
 
 def reject_unsettable_fields(serializer, data) -> None:
@@ -38,8 +40,8 @@ class StrictInputMixin:
 
 
 class ScopedViewSetMixin(StrictInputMixin):
-    #: selector(principal) -> queryset already limited to what the principal may see
-    selector = None
+    #: selector(principal) -> queryset already limited to what the principal may see; every viewset sets it
+    selector: ClassVar[Callable[[Principal], QuerySet[Any]]]
 
     @property
     def principal(self):

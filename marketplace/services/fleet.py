@@ -106,7 +106,7 @@ def place_instance(tenant: Tenant, gpu_model: GpuModel, profile: MigProfile | No
     for _attempt in range(PLACEMENT_ATTEMPTS):
         fleet = engine.Fleet(gpu_states(candidate_gpus(gpu_model, profile is None)), policy=policy)
         decision = fleet.choose(request)
-        if not decision:
+        if isinstance(decision, engine.NoCapacity):
             raise NoCapacityError(decision.summary, field="profile", diagnostic=decision.reason)
         try:
             inst = _reserve(tenant, profile, decision)
@@ -129,7 +129,7 @@ class _StaleState(Exception):
 def _reserve(tenant: Tenant, profile: MigProfile | None, d: engine.Decision) -> GpuInstance:
     gpu = Gpu.objects.select_for_update(of=("self",)).select_related("gpu_model").get(pk=d.gpu_id)
     # Re-check under the lock with what is committed now.
-    current = [(i.placement.profile.profile_id if i.placement_id else None, i.start)
+    current = [(i.placement.profile.profile_id if i.placement is not None else None, i.start)
                for i in GpuInstance.objects.filter(gpu=gpu).select_related("placement__profile")]
     pid = profile.profile_id if profile else None
     problems = engine.layout_problems(gpu.gpu_model.key, [*current, (pid, d.start)])
