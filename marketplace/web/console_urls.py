@@ -2,29 +2,30 @@
 
 from django.urls import path
 
-from . import capacity_planning_page, console
+from . import capacity_planning_page
+from . import console as v
 
 urlpatterns = [
-    path("", console.overview, name="overview"),
-    path("nodes/", console.nodes, name="nodes"),
-    path("allocations/", console.allocations, name="allocations"),
-    path("allocations/drift/", console.drift, name="allocation_drift"),
-    path("allocations/metering/", console.metering, name="allocation_metering"),
-    path("allocations/<int:pk>/", console.allocation_detail, name="allocation_detail"),
-    path("allocations/<int:pk>/retry/", console.allocation_retry, name="allocation_retry"),
-    path("allocations/<int:pk>/release/", console.allocation_release, name="allocation_release"),
-    path("tenants/", console.tenants, name="tenants"),
-    path("tenants/<int:pk>/", console.tenant_detail, name="tenant_detail"),
-    path("tenants/<int:pk>/suspend/", console.tenant_suspend, name="tenant_suspend"),
-    path("tenants/<int:pk>/activate/", console.tenant_activate, name="tenant_activate"),
-    path("tiers/", console.tiers, name="tiers"),
-    path("tiers/<int:pk>/", console.tier_detail, name="tier_detail"),
-    path("invoices/", console.invoices, name="invoices"),
-    path("invoices/<int:pk>/", console.invoice_detail, name="invoice_detail"),
-    path("invoices/<int:pk>/csv/", console.invoice_download, name="invoice_csv"),
-    path("invoices/<int:pk>/finalize/", console.invoice_finalize, name="invoice_finalize"),
-    path("invoices/<int:pk>/credit-note/", console.invoice_credit_note, name="invoice_credit_note"),
-    path("deployments/", console.deployments, name="deployments"),
-    path("charts/", console.charts, name="charts"),
+    path("", v.overview, name="overview"),
+    path("nodes/", v.nodes, name="nodes"),
+    path("allocations/", v.allocations, name="allocations"),
+    path("allocations/drift/", v.drift, name="allocation_drift"),
+    path("allocations/metering/", v.metering, name="allocation_metering"),
+    path("allocations/<int:pk>/", v.allocation_detail, name="allocation_detail"),
+    path("allocations/<int:pk>/retry/", v.allocation_retry, name="allocation_retry"),
+    path("allocations/<int:pk>/release/", v.allocation_release, name="allocation_release"),
+    path("tenants/", v.tenants, name="tenants"),
+    path("tenants/<int:pk>/", v.tenant_detail, name="tenant_detail"),
+    path("tenants/<int:pk>/suspend/", v.tenant_suspend, name="tenant_suspend"),
+    path("tenants/<int:pk>/activate/", v.tenant_activate, name="tenant_activate"),
+    path("tiers/", v.tiers, name="tiers"),
+    path("tiers/<int:pk>/", v.tier_detail, name="tier_detail"),
+    path("invoices/", v.invoices, name="invoices"),
+    path("invoices/<int:pk>/", v.invoice_detail, name="invoice_detail"),
+    path("invoices/<int:pk>/csv/", v.invoice_download, name="invoice_csv"),
+    path("invoices/<int:pk>/finalize/", v.invoice_finalize, name="invoice_finalize"),
+    path("invoices/<int:pk>/credit-note/", v.invoice_credit_note, name="invoice_credit_note"),
+    path("deployments/", v.deployments, name="deployments"),
+    path("charts/", v.charts, name="charts"),
     path("planner/", capacity_planning_page.planner_page, name="planner"),
 ]

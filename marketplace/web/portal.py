@@ -20,7 +20,7 @@ from django.urls import reverse
 from django.utils import timezone
 from django.views.decorators.http import require_POST
 
-from marketplace.models import Allocation, ModelDeployment, PricePlan
+from marketplace.models import Allocation, ModelDeployment
 from marketplace.models.orders import LIVE_STATES
 from marketplace.selectors import billing as billing_sel
 from marketplace.selectors import models as model_sel
@@ -142,7 +142,7 @@ def home(request):
 def price_of(tier, currency: str):
     now = timezone.now()
     for plan in tier.plans.all():  # prefetched, newest first
-        if plan.currency == currency and plan.kind == PricePlan.Kind.ON_DEMAND and plan.effective_from <= now:
+        if plan.currency == currency and plan.kind == "on_demand" and plan.effective_from <= now:
             return plan
     return None
 
