@@ -447,6 +447,17 @@ def legal_starts(geometry_key: str, placements: Iterable[tuple[int | None, int]]
 # --------------------------------------------------------------------------------------------
 
 
+def _profile_of(request: Request) -> int | None:
+    """The request's profile id (:data:`WHOLE_GPU` for a whole GPU); ValueError if it asks for both or neither."""
+    if request.whole_gpu:
+        if request.profile_id is not None:
+            raise ValueError("a request is either whole_gpu or a profile_id, not both")
+        return WHOLE_GPU
+    if request.profile_id is None:
+        raise ValueError("a request needs a profile_id or whole_gpu=True")
+    return request.profile_id
+
+
 class _Bucket:
     """GPU ids in one (pool, state); ``peek`` returns the lowest id (lazy-deletion heap)."""
 
@@ -657,6 +668,23 @@ class Fleet:
         t.shape(profile_id)
         return t.starts[g.state].get(profile_id, ())
 
+    def free_places(self, request: Request) -> int:
+        """How many (GPU, start) places could take ``request`` now, by :meth:`choose`'s tenancy rule: the
+        GPUs dedicated to the tenant, and the shared ones (for a dedicated request only the empty ones);
+        never a GPU dedicated to another tenant. Counted per occupancy state, not per GPU."""
+        t = _tables(request.geometry)
+        pid = _profile_of(request)
+        t.shape(pid)
+        own = self._pools.get((request.geometry, request.tenant_id))
+        shared = self._pools.get((request.geometry, None))
+        buckets = list(own.buckets.items()) if own is not None else []
+        if shared is not None:
+            if not request.dedicated:
+                buckets += shared.buckets.items()
+            elif t.empty in shared.buckets:
+                buckets.append((t.empty, shared.buckets[t.empty]))
+        return sum(len(b.members) * len(t.starts[sid].get(pid, ())) for sid, b in buckets)
+
     def can_place(self, gpu_id: int, profile_id: int | None, start: int) -> bool:
         """Pure validity check by the MIG rules (start list, no shared slice, max counts, compute);
         tenancy is not considered."""
@@ -697,14 +725,7 @@ class Fleet:
     def choose(self, request: Request) -> Decision | NoCapacity:
         """Choose without recording anything."""
         t = _tables(request.geometry)
-        if request.whole_gpu:
-            if request.profile_id is not None:
-                raise ValueError("a request is either whole_gpu or a profile_id, not both")
-            pid = WHOLE_GPU
-        else:
-            if request.profile_id is None:
-                raise ValueError("a request needs a profile_id or whole_gpu=True")
-            pid = request.profile_id
+        pid = _profile_of(request)
         shape = t.shape(pid)
         tenant = request.tenant_id
         own = self._pools.get((request.geometry, tenant))

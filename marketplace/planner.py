@@ -1,6 +1,6 @@
 """Capacity and cost-per-token planner: how many H100 and H200 GPUs, in which MIG layouts, serve a
 demand mix at the lowest cost per 1K tokens. Pure Python over the catalog geometry plus scipy's MILP
-solver (HiGHS); no Django. marketplace.selectors.planner feeds it the measured figures.
+solver (HiGHS); no Django. marketplace.selectors.capacity_planning feeds it the measured figures.
 
 The model, per hour:
 

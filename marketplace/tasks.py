@@ -24,7 +24,7 @@ def provision_allocation(self, allocation_id: int) -> str:
 @shared_task(bind=True, name="tessera.release_allocation", autoretry_for=(Exception,), retry_backoff=2,
              retry_backoff_max=120, max_retries=6, **NODE_TASK)
 def release_allocation(self, allocation_id: int) -> str:
-    return provisioning.release(allocation_id)
+    return provisioning.release_allocation(allocation_id)
 
 
 @shared_task(name="tessera.reconcile_node", **NODE_TASK)

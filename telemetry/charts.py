@@ -478,9 +478,9 @@ def tenant_usage(per: Period, principal: Principal, params: dict | None = None):
 # --- capacity planner ------------------------------------------------------------------------------
 
 def capacity_plan(report) -> dict:
-    """The planner's answer (marketplace.selectors.planner.PlanReport) as plotly's JSON figure: cost per
+    """The planner's answer (marketplace.selectors.capacity_planning.PlanReport) as plotly's JSON figure: cost per
     1K tokens of each scenario, split into GPU-hours and power, with the GPUs each needs; and the
-    optimum's GPUs by layout. (The numbers are the report's own: selectors.planner.report_dict.)"""
+    optimum's GPUs by layout. (The numbers are the report's own: selectors.capacity_planning.report_dict.)"""
     cur = report.request.currency
     feasible = [s for s in report.scenarios if s.result.feasible]
     best = report.best.result

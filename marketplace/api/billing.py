@@ -3,8 +3,6 @@ finalize (operators), current spend against the limit, webhook endpoints and the
 
 from __future__ import annotations
 
-import csv
-import io
 from datetime import timedelta
 from decimal import Decimal
 
@@ -21,6 +19,7 @@ from rest_framework.views import APIView
 from marketplace.api.disclosure import reader_is_operator
 from marketplace.models import CreditNote, CreditNoteLine, Invoice, InvoiceLine, WebhookDelivery, WebhookEndpoint
 from marketplace.selectors import billing as selectors
+from marketplace.selectors.exports import credit_note_csv, invoice_csv
 from marketplace.services import billing, webhooks
 from telemetry.selectors import usage_summary
 from tenants.api.serializers import ScopedTenantField
@@ -186,20 +185,6 @@ class CreditNoteExportSerializer(serializers.Serializer):
     recharged_on = serializers.CharField(allow_null=True)
 
 
-def credit_note_csv(cn: CreditNote) -> str:
-    out = io.StringIO()
-    w = csv.writer(out)
-    w.writerow(["credit_note", cn.number, "invoice", cn.invoice.number, "tenant", cn.tenant.slug, "currency",
-                cn.currency])
-    w.writerow(["invoice_line", "description", "amount"])
-    for li in cn.lines.order_by("pk"):
-        w.writerow([li.invoice_line_id, li.description, f"-{li.amount}"])
-    w.writerow(["total", "", f"-{cn.total}"])
-    for item in cn.recharge:
-        w.writerow(["recharge", item["description"], item["amount"]])
-    return out.getvalue()
-
-
 class InvoiceFilter(django_filters.FilterSet):
     tenant = django_filters.CharFilter(field_name="tenant__slug")
     period_from = django_filters.DateFilter(field_name="period_start", lookup_expr="gte")
@@ -219,23 +204,6 @@ class CsvRenderer(renderers.BaseRenderer):
         if isinstance(data, str | bytes):
             return data
         return "\n".join(f"{k},{v}" for k, v in (data or {}).items())  # errors, e.g. {"detail": ...}
-
-
-def invoice_csv(invoice: Invoice) -> str:
-    out = io.StringIO()
-    w = csv.writer(out)
-    w.writerow(["invoice", invoice.number or "draft", "tenant", invoice.tenant.slug, "period",
-                f"{invoice.period_start:%Y-%m}", "currency", invoice.currency, "status", invoice.status])
-    w.writerow(["kind", "tier", "deployment", "description", "quantity", "unit", "unit_price", "amount",
-                "usage_from", "usage_to"])
-    lines = sorted(invoice.lines.select_related("tier"), key=lambda li: li.kind == InvoiceLine.Kind.COMMITMENT_TOPUP)
-    for li in lines:  # usage first, then commitment top-ups (quantity 1, unit "top-up", unit_price = amount)
-        w.writerow([li.kind, li.tier.key, li.deployment_id or "", li.description, li.quantity, li.unit,
-                    li.unit_price, li.amount, li.usage_from.isoformat(), li.usage_to.isoformat()])
-    w.writerow(["total", "", "", "", "", "", "", invoice.total, "", ""])
-    for cn in invoice.credit_notes.order_by("pk"):  # corrections: the invoice itself never changes
-        w.writerow(["credit_note", cn.number, "", cn.reason, "", "", "", f"-{cn.total}", cn.issued_at.isoformat(), ""])
-    return out.getvalue()
 
 
 class JsonErrorsMixin:

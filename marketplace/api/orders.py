@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import django_filters
 from drf_spectacular.utils import extend_schema
@@ -18,6 +18,7 @@ from marketplace.models import (
     GpuModel,
     LibraryModel,
     MigProfile,
+    Node,
     Order,
     PricePlan,
     Tier,
@@ -27,11 +28,15 @@ from marketplace.selectors import orders as selectors
 from marketplace.services import models as model_svc
 from marketplace.services import offers, orders
 from tenants.api.serializers import ScopedTenantField
+from tenants.models import Tenant
 from tenants.permissions import SharedRead
 from tenants.scoping import principal_for
 
 from .disclosure import OperatorOnlyFieldsMixin, OperatorOnlyFiltersMixin
 from .viewsets import ScopedViewSetMixin, StrictInputMixin
+
+if TYPE_CHECKING:
+    from rest_framework.validators import Validator
 
 
 class PricePlanSerializer(serializers.ModelSerializer):
@@ -43,7 +48,7 @@ class PricePlanSerializer(serializers.ModelSerializer):
         fields = ["id", "tier", "kind", "currency", "price_per_slice_hour", "price_per_1m_input_tokens",
                   "price_per_1m_output_tokens", "monthly_commit", "effective_from", "created_at"]
         read_only_fields = ["id", "created_at"]
-        validators = []
+        validators: list[Validator[dict[str, object]]] = []
 
 
 class TierSerializer(serializers.ModelSerializer):
@@ -57,7 +62,7 @@ class TierSerializer(serializers.ModelSerializer):
         fields = ["id", "key", "name", "gpu_model", "profile", "dedicated", "description", "active", "memory_gb",
                   "current_prices", "created_at"]
         read_only_fields = ["id", "created_at"]
-        extra_kwargs = {"key": {"validators": []}}
+        extra_kwargs: dict[str, dict[str, Any]] = {"key": {"validators": []}}
 
     def to_representation(self, obj):
         data = super().to_representation(obj)
@@ -167,10 +172,10 @@ class AllocationSerializer(OperatorOnlyFieldsMixin, serializers.ModelSerializer)
     """A tenant reads its slice's tier, state, MIG device and history; where in the fleet it runs
     (node, GPU, start) and the engine's diagnostic are the operators'."""
 
-    tenant = serializers.SlugRelatedField(slug_field="slug", read_only=True)
-    tier = serializers.SlugRelatedField(slug_field="key", read_only=True)
-    node = serializers.SlugRelatedField(slug_field="hostname", read_only=True, allow_null=True,
-                                        help_text="operators only (null for tenants)")
+    tenant: serializers.SlugRelatedField[Tenant] = serializers.SlugRelatedField(slug_field="slug", read_only=True)
+    tier: serializers.SlugRelatedField[Tier] = serializers.SlugRelatedField(slug_field="key", read_only=True)
+    node: serializers.SlugRelatedField[Node] = serializers.SlugRelatedField(
+        slug_field="hostname", read_only=True, allow_null=True, help_text="operators only (null for tenants)")
     gpu_uuid = serializers.CharField(read_only=True, help_text="operators only (blank for tenants)")
     start = serializers.IntegerField(read_only=True, allow_null=True, help_text="operators only (null for tenants)")
     placement_detail = serializers.CharField(read_only=True, help_text="operators only (blank for tenants): the "
@@ -196,8 +201,10 @@ class OrderSerializer(serializers.ModelSerializer):
     library_model = serializers.SlugRelatedField(
         slug_field="key", queryset=LibraryModel.objects.filter(active=True), required=False, write_only=True,
         help_text="optional: the library model the slice is for; the order is refused if it does not fit the tier")
-    context = serializers.IntegerField(required=False, write_only=True, min_value=0, max_value=10**7, default=0,
-                                       help_text="with library_model: tokens per sequence (0: one token)")
+    # a declared field: DRF's serializer metaclass takes it off the class, so self.context stays the context
+    context = serializers.IntegerField(  # type: ignore[assignment]
+        required=False, write_only=True, min_value=0, max_value=10**7, default=0,
+        help_text="with library_model: tokens per sequence (0: one token)")
     concurrency = serializers.IntegerField(required=False, write_only=True, min_value=1, max_value=100_000,
                                            default=1, help_text="with library_model: concurrent sequences")
 
@@ -206,7 +213,7 @@ class OrderSerializer(serializers.ModelSerializer):
         fields = ["id", "tenant", "tier", "plan_kind", "quantity", "idempotency_key", "created_at", "allocations",
                   "library_model", "context", "concurrency"]
         read_only_fields = ["id", "created_at"]
-        validators = []
+        validators: list[Validator[dict[str, object]]] = []
 
     def validate(self, attrs):
         principal = principal_for(self.context["request"])
@@ -270,7 +277,7 @@ class AllocationViewSet(ScopedViewSetMixin, mixins.ListModelMixin, mixins.Retrie
     @extend_schema(request=None, responses={202: AllocationSerializer})
     @action(detail=True, methods=["post"])
     def release(self, request, pk=None):
-        a = orders.release(self.principal, self.get_object())
+        a = orders.request_release(self.principal, self.get_object())
         return Response(self.get_serializer(self.get_queryset().get(pk=a.pk)).data, status=status.HTTP_202_ACCEPTED)
 
     @extend_schema(request=None, responses={202: AllocationSerializer})
@@ -281,7 +288,7 @@ class AllocationViewSet(ScopedViewSetMixin, mixins.ListModelMixin, mixins.Retrie
 
 
 class DriftEventSerializer(serializers.ModelSerializer):
-    node = serializers.SlugRelatedField(slug_field="hostname", read_only=True)
+    node: serializers.SlugRelatedField[Node] = serializers.SlugRelatedField(slug_field="hostname", read_only=True)
 
     class Meta:
         model = DriftEvent

@@ -1,7 +1,7 @@
 from django.urls import path
 from rest_framework.routers import SimpleRouter
 
-from . import billing, catalog, deployments, models, orders, planner
+from . import billing, capacity_planning, catalog, deployments, models, orders
 
 router = SimpleRouter()
 router.register("catalog/gpu-models", catalog.GpuModelViewSet, basename="gpumodel")
@@ -28,8 +28,8 @@ router.register("credit-notes", billing.CreditNoteViewSet, basename="creditnote"
 urlpatterns = [
     path("billing/spend/", billing.SpendView.as_view(), name="billing-spend"),
     path("billing/usage/", billing.UsageSummaryView.as_view(), name="billing-usage"),
-    path("planner/", planner.PlannerView.as_view(), name="planner"),
-    path("planner/inputs/", planner.PlannerInputsView.as_view(), name="planner-inputs"),
+    path("planner/", capacity_planning.PlannerView.as_view(), name="planner"),
+    path("planner/inputs/", capacity_planning.PlannerInputsView.as_view(), name="planner-inputs"),
     path("find-tier/", models.FindTierView.as_view(), name="find-tier"),
     *router.urls,
 ]

@@ -28,6 +28,8 @@ PROMPTS = ["summarize the quarterly GPU utilization report", "translate this sup
 # requests per minute per tenant: different tenants, different stories
 RATES = {"acme-ai": 40, "borealis": 18, "cobalt-health": 60, "dynamo-search": 8}
 SYSTEM = Principal(is_operator=True)  # the gateway writes usage on the tenants' behalf
+#: deployments the seeded history covers (live or on their way)
+TRAFFIC_STATES = (ModelDeployment.State.READY, ModelDeployment.State.LOADING, ModelDeployment.State.PENDING)
 
 
 def prompt(rng: random.Random) -> str:
@@ -74,9 +76,8 @@ def backfill(days: int = 3) -> int:
     now = timezone.now().replace(minute=0, second=0, microsecond=0)
     since = now - timedelta(hours=days * 24)
     # the seeded history is the deployments' own: they "existed" over it (ingest refuses earlier events)
-    ModelDeployment.objects.filter(state__in=["ready", "loading", "pending"], created_at__gt=since).update(
-        created_at=since)
-    for dep in ModelDeployment.objects.filter(state__in=["ready", "loading", "pending"]).select_related("tenant"):
+    ModelDeployment.objects.filter(state__in=TRAFFIC_STATES, created_at__gt=since).update(created_at=since)
+    for dep in ModelDeployment.objects.filter(state__in=TRAFFIC_STATES).select_related("tenant"):
         for h in range(days * 24, 0, -1):
             hour = now - timedelta(hours=h)
             rng = random.Random(f"backfill-{dep.pk}-{hour:%Y%m%d%H}")

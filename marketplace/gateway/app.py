@@ -24,7 +24,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from . import protocol as p
+from . import protocol
 from . import upstream as upstream_mod
 from .limits import Limiter, LocalLimiter, RedisLimiter
 from .metering import MeteringUnavailable, RedisStreamSink, SpoolSink, UsageSink, event
@@ -175,10 +175,10 @@ class Gateway:
             elif len(parts) == 3 and parts[1] == "models" and method == "GET":
                 await self._one_model(send, caller, parts[2], rid)
             elif parts[1:] == ["chat", "completions"] and method == "POST":
-                req = p.parse_chat(await _body(receive, self.max_body))
+                req = protocol.parse_chat(await _body(receive, self.max_body))
                 await self._text(receive, send, caller, req, rid)
             elif parts[1:] == ["completions"] and method == "POST":
-                req = p.parse_completion(await _body(receive, self.max_body))
+                req = protocol.parse_completion(await _body(receive, self.max_body))
                 await self._text(receive, send, caller, req, rid)
             else:
                 raise _not_found(path, method)
@@ -210,7 +210,7 @@ class Gateway:
     def _routes(self, caller: Caller, name: str) -> list[Upstream]:
         ups = self.tables.routes(caller.tenant.id, name)
         if not ups:
-            raise p.unknown_model(name)
+            raise protocol.unknown_model(name)
         return ups
 
     async def _passthrough_get(self, send: Send, caller: Caller, model: str, path: str, rid: str) -> None:
@@ -272,13 +272,13 @@ class Gateway:
     # --- text generation (OpenAI) ---------------------------------------------------------------------------
     async def _text(self, receive: Receive, send: Send, caller: Caller, req: TextRequest, rid: str) -> None:
         async def work(up: Upstream) -> int:
-            body = p.generate_body(up.io, req, up.adapter)
+            body = protocol.generate_body(up.io, req, up.adapter)
             if req.stream:
                 return await self._text_stream(receive, send, caller, up, req, body, rid)
             served = await self._text_once(up, req, body)
             n_in, n_out = served.usage(req.prompt)
             await self._meter(caller, up, rid, n_in, n_out)
-            obj = p.completion_object(req, rid, served.text, n_in, n_out, p.finish_reason(req, n_out))
+            obj = protocol.completion_object(req, rid, served.text, n_in, n_out, protocol.finish_reason(req, n_out))
             await _send(send, 200, _dumps(obj), JSON, rid)
             return n_in + n_out
 
@@ -309,7 +309,7 @@ class Gateway:
             buffer = bytearray()
             async for data in resp.content.iter_any():
                 buffer.extend(data)
-                for chunk in p.parse_sse_lines(buffer):
+                for chunk in protocol.parse_sse_lines(buffer):
                     _check_model_answer(model, 200, chunk)
                     yield chunk
         finally:
@@ -326,9 +326,9 @@ class Gateway:
                     await _start_stream(send, rid)
                     started = True
                     if req.chat:
-                        await _chunk(send, p.chunk_object(req, rid, created, text="", role=True))
+                        await _chunk(send, protocol.chunk_object(req, rid, created, text="", role=True))
                 if piece:
-                    await _chunk(send, p.chunk_object(req, rid, created, text=piece))
+                    await _chunk(send, protocol.chunk_object(req, rid, created, text=piece))
                 if gone.happened:
                     break
         except GatewayError as err:
@@ -347,20 +347,21 @@ class Gateway:
             return n_in + n_out
         if not started:
             await _start_stream(send, rid)
-        await _chunk(send, p.chunk_object(req, rid, created, finish=p.finish_reason(req, n_out)))
+        await _chunk(send, protocol.chunk_object(req, rid, created, finish=protocol.finish_reason(req, n_out)))
         if req.include_usage:
-            await _chunk(send, p.chunk_object(req, rid, created, usage=p.usage_block(n_in, n_out), no_choices=True))
-        await send({"type": "http.response.body", "body": p.sse("[DONE]"), "more_body": False})
+            await _chunk(send, protocol.chunk_object(req, rid, created, usage=protocol.usage_block(n_in, n_out),
+                                                     no_choices=True))
+        await send({"type": "http.response.body", "body": protocol.sse("[DONE]"), "more_body": False})
         return n_in + n_out
 
     # --- KServe v2 / Triton ---------------------------------------------------------------------------------
     async def _generate(self, receive: Receive, send: Send, caller: Caller, model: str, stream: bool,
                         rid: str) -> None:
-        body, text = p.parse_generate(await _body(receive, self.max_body), model, stream)
+        body, text = protocol.parse_generate(await _body(receive, self.max_body), model, stream)
 
         async def work(up: Upstream) -> int:
             prompt = text.prompt if text is not None else ""
-            sent = p.select_adapter(body, up.adapter, model) if up.io.sampling else body
+            sent = protocol.select_adapter(body, up.adapter, model) if up.io.sampling else body
             if not stream and not up.io.decoupled:
                 status, out = await self.client.json(up, "POST", f"/v2/models/{up.name}/generate", sent)
                 _check_model_answer(model, status, out, kserve=True)
@@ -417,8 +418,9 @@ class Gateway:
 
         async def work(up: Upstream) -> int:
             if up.adapter is not None:  # the adapter is selected in a generate body; infer tensors are not rewritten
-                raise p.bad_request(f"'{model}' is a LoRA adapter: call it with /v1/chat/completions, /v1/completions "
-                                    f"or /v2/models/{model}/generate.", param="model", code="adapter_needs_generate")
+                raise protocol.bad_request(
+                    f"'{model}' is a LoRA adapter: call it with /v1/chat/completions, /v1/completions "
+                    f"or /v2/models/{model}/generate.", param="model", code="adapter_needs_generate")
             resp = await self.client.request(up, "POST", f"/v2/models/{up.name}/infer", body=raw, headers=forward)
             try:
                 data = await resp.read()
@@ -433,7 +435,7 @@ class Gateway:
             if resp.status != 200:
                 await _send(send, resp.status, data, out_headers, rid)
                 return 0
-            n_in, n_out = p.infer_counts(data, int(length) if length else None)
+            n_in, n_out = protocol.infer_counts(data, int(length) if length else None)
             n_in, n_out = n_in or 0, n_out or 0
             await self._meter(caller, up, rid, n_in, n_out)
             await _send(send, 200, data, out_headers, rid)
@@ -521,7 +523,7 @@ async def _start_stream(send: Send, rid: str) -> None:
 
 
 async def _chunk(send: Send, obj: dict[str, Any]) -> None:
-    await send({"type": "http.response.body", "body": p.sse(obj), "more_body": True})
+    await send({"type": "http.response.body", "body": protocol.sse(obj), "more_body": True})
 
 
 class _Disconnect:

@@ -109,6 +109,9 @@ class GpuInstance(models.Model):
 
     objects = TenantScopedQuerySet.as_manager()
     tenant_path = "tenant_id"
+    #: not stored: the tenant-safe account of the placement, set by services.fleet.place_instance on the
+    #: instance it returns (``reason`` is the operators' diagnostic)
+    summary: str
 
     class Meta:
         ordering = ["gpu_id", "start"]

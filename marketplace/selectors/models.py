@@ -11,7 +11,7 @@ from django.utils import timezone
 from marketplace import fit
 from marketplace.models import LibraryModel, LoraAdapter, ModelRepository, PricePlan, Tier
 from marketplace.selectors import orders as order_sel
-from marketplace.selectors.planner import shape_figures, window
+from marketplace.selectors.capacity_planning import shape_figures, window
 from marketplace.services import models as model_svc
 from tenants.scoping import Principal
 

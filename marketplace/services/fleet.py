@@ -16,6 +16,7 @@ from django.utils import timezone
 
 from marketplace import placement as engine
 from marketplace.models import Gpu, GpuInstance, GpuModel, GpuSlot, MigPlacement, MigProfile, Node, ServerPlatform
+from marketplace.selectors.catalog import gpu_states
 from tenants.errors import Conflict, ServiceError
 from tenants.models import Tenant
 
@@ -79,19 +80,6 @@ def register_node(hostname: str, platform: ServerPlatform, gpus: list[Discovered
     return node
 
 
-def _gpu_states(gpus) -> list[engine.GpuState]:
-    states = []
-    for gpu in gpus:
-        states.append(engine.GpuState(
-            gpu_id=gpu.pk, geometry=gpu.gpu_model.key, node_id=gpu.node_id,
-            instances=[(i.placement.profile.profile_id if i.placement_id else None, i.start, i.tenant_id)
-                       for i in gpu.instances.all()],
-            dedicated_tenant_id=gpu.dedicated_tenant_id, dedication_sticky=gpu.dedicated_sticky,
-            label=gpu.label,
-        ))
-    return states
-
-
 def candidate_gpus(gpu_model: GpuModel, whole_gpu: bool):
     """GPUs that may take new work: healthy, on a ready node, in the right MIG mode."""
     return (
@@ -116,9 +104,9 @@ def place_instance(tenant: Tenant, gpu_model: GpuModel, profile: MigProfile | No
     )
     last_reason = ""
     for _attempt in range(PLACEMENT_ATTEMPTS):
-        fleet = engine.Fleet(_gpu_states(candidate_gpus(gpu_model, profile is None)), policy=policy)
+        fleet = engine.Fleet(gpu_states(candidate_gpus(gpu_model, profile is None)), policy=policy)
         decision = fleet.choose(request)
-        if not decision:
+        if isinstance(decision, engine.NoCapacity):
             raise NoCapacityError(decision.summary, field="profile", diagnostic=decision.reason)
         try:
             inst = _reserve(tenant, profile, decision)
@@ -141,7 +129,7 @@ class _StaleState(Exception):
 def _reserve(tenant: Tenant, profile: MigProfile | None, d: engine.Decision) -> GpuInstance:
     gpu = Gpu.objects.select_for_update(of=("self",)).select_related("gpu_model").get(pk=d.gpu_id)
     # Re-check under the lock with what is committed now.
-    current = [(i.placement.profile.profile_id if i.placement_id else None, i.start)
+    current = [(i.placement.profile.profile_id if i.placement is not None else None, i.start)
                for i in GpuInstance.objects.filter(gpu=gpu).select_related("placement__profile")]
     pid = profile.profile_id if profile else None
     problems = engine.layout_problems(gpu.gpu_model.key, [*current, (pid, d.start)])

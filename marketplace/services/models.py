@@ -20,6 +20,8 @@ from marketplace.models import LibraryModel, LoraAdapter, ModelDeployment, Model
 from tenants.errors import Forbidden, ServiceError
 from tenants.scoping import Principal
 
+Source = ModelRepository.Source  # where a repository or an adapter came from (upload or the model store)
+
 MIB = 1024 * 1024
 
 
@@ -55,7 +57,7 @@ def _store(principal: Principal, tenant, name: str, source: BinaryIO | Path, *, 
     try:
         repo = model_repo.import_repository(source, dest, limits(), filename=filename)
     except model_repo.RepoError as exc:
-        raise ServiceError(str(exc), field="archive" if kind == "upload" else "store_path") from None
+        raise ServiceError(str(exc), field="archive" if kind == Source.UPLOAD else "store_path") from None
     try:
         with transaction.atomic():
             return ModelRepository.objects.create(
@@ -84,7 +86,7 @@ def upload_repository(principal: Principal, tenant, name: str, upload) -> ModelR
     """A Triton repository archive (tar.gz or zip) uploaded by a tenant: validated, unpacked under
     TESSERA_UPLOAD_ROOT; a refusal is a 400 naming the file and stores nothing."""
     fh, size, sha = _checked_upload(upload)
-    return _store(principal, tenant, name, fh, kind="upload", filename=getattr(upload, "name", "") or "",
+    return _store(principal, tenant, name, fh, kind=Source.UPLOAD, filename=getattr(upload, "name", "") or "",
                   size=size, sha=sha)
 
 
@@ -152,11 +154,12 @@ def import_from_store(principal: Principal, tenant, name: str, store_path: str) 
             raise Forbidden("Your role or API-key scopes do not allow adding model repositories.")
         fh, size, sha = _s3_object(store_path)
         with fh:
-            return _store(principal, tenant, name, fh, kind="store", filename=store_path.strip().rsplit("/", 1)[-1],
-                          store_path=store_path.strip(), size=size, sha=sha)
+            return _store(principal, tenant, name, fh, kind=Source.STORE,
+                          filename=store_path.strip().rsplit("/", 1)[-1], store_path=store_path.strip(), size=size,
+                          sha=sha)
     path = _store_object(store_path)
     raw = store_path.strip()
-    return _store(principal, tenant, name, path, kind="store", filename=path.name, store_path=raw,
+    return _store(principal, tenant, name, path, kind=Source.STORE, filename=path.name, store_path=raw,
                   size=path.stat().st_size if path.is_file() else 0)
 
 
@@ -176,7 +179,7 @@ def _store_adapter(principal: Principal, tenant, name: str, base: LibraryModel, 
         ad = model_repo.import_repository(source, dest, limits(), filename=filename,
                                           validate=model_repo.validate_adapter)
     except model_repo.RepoError as exc:
-        raise ServiceError(str(exc), field="archive" if kind == "upload" else "store_path") from None
+        raise ServiceError(str(exc), field="archive" if kind == Source.UPLOAD else "store_path") from None
     try:
         with transaction.atomic():
             return LoraAdapter.objects.create(
@@ -192,13 +195,14 @@ def upload_adapter(principal: Principal, tenant, name: str, base: LibraryModel, 
     """A LoRA adapter archive (PEFT's adapter_config.json + adapter_model.safetensors), validated like a
     repository (paths, links, devices, file count, expanded size)."""
     fh, _size, sha = _checked_upload(upload)
-    return _store_adapter(principal, tenant, name, base, fh, kind="upload", filename=getattr(upload, "name", "") or "",
-                          sha=sha)
+    return _store_adapter(principal, tenant, name, base, fh, kind=Source.UPLOAD,
+                          filename=getattr(upload, "name", "") or "", sha=sha)
 
 
 def adapter_from_store(principal: Principal, tenant, name: str, base: LibraryModel, store_path: str) -> LoraAdapter:
     path = _store_object(store_path)
-    return _store_adapter(principal, tenant, name, base, path, kind="store", filename=path.name, store_path=store_path)
+    return _store_adapter(principal, tenant, name, base, path, kind=Source.STORE, filename=path.name,
+                          store_path=store_path)
 
 
 def delete_adapter(principal: Principal, adapter: LoraAdapter) -> None:

@@ -4,6 +4,7 @@ on commit. A refused order (quota, price, capacity) reserves nothing."""
 from __future__ import annotations
 
 import logging
+from functools import partial
 
 from django.db import transaction
 from django.db.models import Sum
@@ -93,20 +94,30 @@ def create_order(principal: Principal, *, tenant: Tenant, tier: Tier, quantity: 
             instance = fleet.place_instance(tenant, tier.gpu_model, tier.profile, dedicated=tier.dedicated)
             placed.append(allocations.place(alloc, instance, "placement-engine"))
         for alloc in placed:
-            transaction.on_commit(lambda a=alloc: enqueue_provision(a))
+            transaction.on_commit(partial(enqueue_provision, alloc))
     log.info("order placed", extra={"order": order.pk, "tenant": tenant.slug, "tier": tier.key, "n": quantity})
     return order
 
 
+def _node_queue(allocation: Allocation) -> str:
+    node = allocation.node
+    if node is None:  # never: only placed allocations are provisioned or released, and they keep their node
+        raise ValueError(f"allocation {allocation.pk} has no node to queue its task on")
+    return node.queue
+
+
 def enqueue_provision(allocation: Allocation) -> None:
-    enqueue.send(enqueue.PROVISION_ALLOCATION, [allocation.pk], allocation.node.queue)
+    enqueue.send(enqueue.PROVISION_ALLOCATION, [allocation.pk], _node_queue(allocation))
 
 
 def enqueue_release(allocation: Allocation) -> None:
-    enqueue.send(enqueue.RELEASE_ALLOCATION, [allocation.pk], allocation.node.queue)
+    enqueue.send(enqueue.RELEASE_ALLOCATION, [allocation.pk], _node_queue(allocation))
 
 
-def release(principal: Principal, allocation: Allocation, reason: str = "released by the tenant") -> Allocation:
+def request_release(principal: Principal, allocation: Allocation, reason: str = "released by the tenant") -> Allocation:
+    """The tenant (or an operator) asks for a slice back: it moves to releasing and the node's
+    `tessera.release_allocation` task (provisioning.release_allocation) tears it down after the commit (a failed
+    slice with nothing on the GPU is released at once)."""
     if not principal.can("deploy", allocation.tenant_id):
         raise Forbidden("Your role or API-key scopes do not allow releasing this allocation.")
     with transaction.atomic():

@@ -12,7 +12,7 @@ import logging
 from django.db import transaction
 from pynvml import NVMLError, NVMLError_InsufficientResources, NVMLError_InUse
 
-from marketplace.models import Allocation, GpuInstance
+from marketplace.models import Allocation, GpuInstance, Node
 from marketplace.services import allocations, deployments, fleet, nodes, serving
 
 log = logging.getLogger("tessera.provisioning")
@@ -44,6 +44,8 @@ def provision(allocation_id: int, *, final_attempt: bool = False) -> str:
             return "no reservation (failed before placement)"
         allocations.begin_provisioning(a, ACTOR)
     inst = a.instance
+    if inst is None:  # never: a placed slice keeps its reservation until it is released
+        raise ValueError(f"allocation {a.pk} has no reserved GPU instance to provision")
     try:
         mig_uuid = _create_on_gpu(a, inst)
     except (NVMLError_InsufficientResources, NVMLError_InUse) as exc:
@@ -70,16 +72,26 @@ def provision(allocation_id: int, *, final_attempt: bool = False) -> str:
 
 def _create_on_gpu(a: Allocation, inst: GpuInstance) -> str:
     gpu = inst.gpu
-    if inst.placement_id is None:  # a whole GPU: MIG is off, nothing to carve
+    placement = inst.placement
+    if placement is None:  # a whole GPU: MIG is off, nothing to carve
         GpuInstance.objects.filter(pk=inst.pk).update(state=GpuInstance.State.CREATED, mig_uuid=gpu.uuid)
         return gpu.uuid
-    with nodes.nvml_client(a.node) as client:
+    with nodes.nvml_client(_node(a)) as client:
         # create_slice adopts a GPU instance already at this placement with this profile, so a
         # replayed or restarted task finds what the first run made instead of making another.
-        s = client.create_slice(gpu.index, inst.placement.profile.profile_id, inst.start)
+        s = client.create_slice(gpu.index, placement.profile.profile_id, inst.start)
+    if s.mig_uuid is None:  # create_slice makes the compute instance too, so NVML names the device
+        raise TransientProvisioningError(f"NVML reported no MIG device for {inst}")
     GpuInstance.objects.filter(pk=inst.pk).update(
         state=GpuInstance.State.CREATED, gi_id=s.gi_id, ci_id=s.ci_id, mig_uuid=s.mig_uuid)
     return s.mig_uuid
+
+
+def _node(a: Allocation) -> Node:
+    node = a.node
+    if node is None:  # never: a placed slice keeps its node until it is released
+        raise ValueError(f"allocation {a.pk} has no node")
+    return node
 
 
 def _fail_and_return_slots(a: Allocation, reason: str) -> None:
@@ -109,15 +121,17 @@ def _fail_and_clean(a: Allocation, reason: str, detail: str) -> None:
 
 def _destroy_on_gpu(a: Allocation) -> None:
     inst = a.instance
-    if inst is None or inst.placement_id is None:
+    if inst is None or inst.placement is None:
         return
-    with nodes.nvml_client(a.node) as client:
+    profile_id = inst.placement.profile.profile_id
+    with nodes.nvml_client(_node(a)) as client:
         for s in client.slices(inst.gpu.index):
-            if s.start == inst.start and s.profile_id == inst.placement.profile.profile_id:
+            if s.start == inst.start and s.profile_id == profile_id:
                 client.destroy_slice(inst.gpu.index, s.gi_id)  # NotFound: already gone
 
 
-def release(allocation_id: int) -> str:
+def release_allocation(allocation_id: int) -> str:
+    """The node's side of a release (task `tessera.release_allocation`, queued by orders.request_release)."""
     a = _load(allocation_id)
     if a.state == Allocation.State.RELEASED:
         return "already released"

@@ -23,7 +23,6 @@ from django.utils.html import format_html
 from django.utils.safestring import mark_safe
 from django.views.decorators.http import require_GET, require_POST
 
-from marketplace.api.billing import invoice_csv
 from marketplace.models import (
     Allocation,
     BillingAlert,
@@ -40,6 +39,7 @@ from marketplace.models import (
 from marketplace.models.orders import LIVE_STATES
 from marketplace.selectors import billing as billing_sel
 from marketplace.selectors import orders as orders_sel
+from marketplace.selectors.exports import invoice_csv
 from marketplace.services import billing, offers, orders
 from marketplace.web.tables import Column, table
 from telemetry.charts import CHARTS
@@ -49,7 +49,8 @@ from tenants.errors import ServiceError
 from tenants.models import CURRENCIES, Tenant
 from tenants.scoping import principal_for
 
-RELEASABLE = ("placed", "provisioning", "ready", "active", "failed")
+RELEASABLE = (Allocation.State.PLACED, Allocation.State.PROVISIONING, Allocation.State.READY, Allocation.State.ACTIVE,
+              Allocation.State.FAILED)
 
 
 def operator_required(view):
@@ -274,7 +275,7 @@ def allocation_retry(request, pk: int):
 def allocation_release(request, pk: int):
     a = get_object_or_404(Allocation, pk=pk)
     try:
-        orders.release(request.principal, a, reason=request.POST.get("reason", "").strip()
+        orders.request_release(request.principal, a, reason=request.POST.get("reason", "").strip()
                        or "released by an operator")
         messages.success(request, f"Allocation {a.pk} is being released.")
     except ServiceError as exc:

@@ -2,8 +2,8 @@
 
 from django.urls import path
 
+from . import capacity_planning_page
 from . import console as v
-from . import planner
 
 urlpatterns = [
     path("", v.overview, name="overview"),
@@ -27,5 +27,5 @@ urlpatterns = [
     path("invoices/<int:pk>/credit-note/", v.invoice_credit_note, name="invoice_credit_note"),
     path("deployments/", v.deployments, name="deployments"),
     path("charts/", v.charts, name="charts"),
-    path("planner/", planner.planner_page, name="planner"),
+    path("planner/", capacity_planning_page.planner_page, name="planner"),
 ]

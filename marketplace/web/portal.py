@@ -7,7 +7,6 @@ from ?tenant=<slug>, then the session, then the user's first membership.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from datetime import timedelta
 from functools import wraps
 
@@ -21,16 +20,15 @@ from django.urls import reverse
 from django.utils import timezone
 from django.views.decorators.http import require_POST
 
-from marketplace import placement as engine
-from marketplace.api.billing import invoice_csv
-from marketplace.models import Allocation, Gpu, ModelDeployment, Node, PricePlan
+from marketplace.models import Allocation, ModelDeployment, PricePlan
 from marketplace.models.orders import LIVE_STATES
 from marketplace.selectors import billing as billing_sel
 from marketplace.selectors import models as model_sel
 from marketplace.selectors import orders as order_sel
+from marketplace.selectors.catalog import AVAILABILITY_CAP, availability
+from marketplace.selectors.exports import invoice_csv
 from marketplace.services import billing, deployments, inference, orders
 from marketplace.services import models as model_svc
-from marketplace.services.fleet import _gpu_states
 from marketplace.web.tables import Column, table
 from telemetry import charts
 from telemetry.selectors import deployment_latency, deployment_served, usage_summary
@@ -56,7 +54,8 @@ from .portal_forms import (
 
 SESSION_KEY = "portal_tenant"
 FINAL_SLICE_STATES = {Allocation.State.ACTIVE, Allocation.State.FAILED, Allocation.State.RELEASED}
-MOVING_DEPLOYMENT_STATES = {"pending", "loading", "unloading"}
+MOVING_DEPLOYMENT_STATES = {ModelDeployment.State.PENDING, ModelDeployment.State.LOADING,
+                            ModelDeployment.State.UNLOADING}
 STEPS = [Allocation.State.REQUESTED, Allocation.State.PLACED, Allocation.State.PROVISIONING, Allocation.State.READY,
          Allocation.State.ACTIVE]
 
@@ -145,45 +144,6 @@ def home(request):
 
 
 # --- catalog and orders -------------------------------------------------------------------------
-
-#: The catalog shows free places up to this many ("10+" beyond): an exact count would tell a
-#: tenant the fleet's size and load.
-AVAILABILITY_CAP = 10
-
-
-def availability(tiers, tenant_id: int) -> dict[int, int | str]:
-    """Free places now per tier for this tenant: every start where the tier's profile fits, over
-    the healthy GPUs of ready nodes that the placement engine would give the tenant (not GPUs
-    dedicated to another tenant; for a dedicated tier, the tenant's own dedicated GPUs and empty
-    shared ones), capped at AVAILABILITY_CAP (one query for the GPUs and one for their instances)."""
-    gpus = list(Gpu.objects.filter(state=Gpu.State.OK, node__state=Node.State.READY)
-                .select_related("gpu_model").prefetch_related("instances__placement__profile"))
-    fleets = {}
-    for (model_id, mig), group in _group(gpus).items():
-        fleets[(model_id, mig)] = (engine.Fleet(_gpu_states(group)), [g.pk for g in group])
-    out: dict[int, int | str] = {}
-    for tier in tiers:
-        whole = tier.profile_id is None
-        fleet, ids = fleets.get((tier.gpu_model_id, not whole), (None, []))
-        pid = None if whole else tier.profile.profile_id
-        n = 0
-        for g in ids:
-            owner = fleet.dedicated_tenant(g)
-            usable = owner == tenant_id or (owner is None and (not tier.dedicated or not fleet.used_mask(g)))
-            if usable:
-                n += len(fleet.free_starts(g, pid))
-                if n > AVAILABILITY_CAP:
-                    break
-        out[tier.pk] = n if n <= AVAILABILITY_CAP else f"{AVAILABILITY_CAP}+"
-    return out
-
-
-def _group(gpus):
-    groups = defaultdict(list)
-    for g in gpus:
-        groups[(g.gpu_model_id, g.mig_mode)].append(g)
-    return groups
-
 
 def price_of(tier, currency: str, kind: str = PricePlan.Kind.ON_DEMAND):
     now = timezone.now()
@@ -293,7 +253,7 @@ def slice_status(request, pk):
 def slice_release(request, pk):
     a = _slice(request, pk)
     require(request, "deploy", a.tenant_id)
-    act(request, lambda: orders.release(request.principal, a), f"Slice #{a.pk} is being released.")
+    act(request, lambda: orders.request_release(request.principal, a), f"Slice #{a.pk} is being released.")
     return redirect("portal:slice", pk=a.pk)
 
 

@@ -160,8 +160,8 @@ def test_release_stops_the_server_and_removes_the_repository(real_serving, owner
     _deploy(owner, a, "tiny-gen", template="tiny-gen")
     server = TritonServer.objects.get(allocation=a)
     pid, user, repo = server.pid, server.unix_user, deployments.repo_dir(a)
-    orders.release(owner[1], a)
-    assert provisioning.release(a.pk) == "released"
+    orders.request_release(owner[1], a)
+    assert provisioning.release_allocation(a.pk) == "released"
     assert not Path(f"/proc/{pid}").exists() or b"tritonserver" not in Path(f"/proc/{pid}/cmdline").read_bytes()
     assert not repo.exists() and not serving.work_dir(a.pk).exists()
     server.refresh_from_db()

@@ -62,7 +62,7 @@ def test_order_becomes_active_through_the_node_worker(node, worker, owner_princi
         assert a.mig_uuid.startswith("MIG-")
         assert [e.to_state for e in a.events.all()] == ["requested", "placed", "provisioning", "ready", "active"]
     # release goes through the same queue
-    orders.release(p, Allocation.objects.get(pk=ids[0]))
+    orders.request_release(p, Allocation.objects.get(pk=ids[0]))
     wait_for(lambda: state_of(ids[0]) == S.RELEASED, 60, "released", worker)
     assert len(gpu_instances_on(node)) == 1
 

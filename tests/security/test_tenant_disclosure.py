@@ -271,7 +271,7 @@ def test_portal_catalog_availability_is_the_tenants_own_and_capped(fw, client, w
     # The rival's three dedicated GPUs are not alpha's to use: five shared GPUs, one 7g each.
     assert free["h100-7g"] == 8 - RIVAL_GPUS
     # Seven 1g starts on each of five GPUs is a fleet figure: shown only up to the cap.
-    assert free["h100-1g"] == "10+"  # marketplace.web.portal.AVAILABILITY_CAP
+    assert free["h100-1g"] == "10+"  # marketplace.selectors.catalog.AVAILABILITY_CAP
     assert free["h100-3g-dedicated"] == 2 * (8 - RIVAL_GPUS)  # empty shared GPUs alpha could dedicate
     assert "35" not in re.findall(r'class="badge [a-z]+ availability">([^<]*)<', r.content.decode())
     # The rival sees its own GPUs as well.

@@ -77,8 +77,8 @@ def test_release_unloads_models_first(active):
     p, a = active
     dep = deployments.deploy(p, a, "tiny-gen", template="tiny-gen")
     deployments.load(dep.pk)
-    orders.release(p, a)
-    provisioning.release(a.pk)
+    orders.request_release(p, a)
+    provisioning.release_allocation(a.pk)
     assert ModelDeployment.objects.get(pk=dep.pk).state == D.REMOVED
     assert Allocation.objects.get(pk=a.pk).state == Allocation.State.RELEASED
 

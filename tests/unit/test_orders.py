@@ -70,8 +70,8 @@ def test_illegal_transitions_are_refused(h100_node, tiers, owner, p):
     with pytest.raises(allocations.IllegalTransition):
         allocations.mark_released(a, "test")
     provisioning.provision(a.pk)
-    orders.release(p, a)
-    provisioning.release(a.pk)
+    orders.request_release(p, a)
+    provisioning.release_allocation(a.pk)
     a.refresh_from_db()
     for move in (allocations.begin_provisioning, allocations.begin_release, allocations.activate):
         with pytest.raises(allocations.IllegalTransition):
@@ -82,10 +82,10 @@ def test_illegal_transitions_are_refused(h100_node, tiers, owner, p):
 def test_release_destroys_the_slice_and_returns_slots(h100_node, tiers, owner, p):
     a = orders.create_order(p, tenant=owner.memberships.get().tenant, tier=tiers["3g"]).allocations.get()
     provisioning.provision(a.pk)
-    orders.release(p, Allocation.objects.get(pk=a.pk))
+    orders.request_release(p, Allocation.objects.get(pk=a.pk))
     assert Allocation.objects.get(pk=a.pk).state == S.RELEASING
-    assert provisioning.release(a.pk) == "released"
-    assert provisioning.release(a.pk) == "already released"  # replay is harmless
+    assert provisioning.release_allocation(a.pk) == "released"
+    assert provisioning.release_allocation(a.pk) == "already released"  # replay is harmless
     a.refresh_from_db()
     assert a.state == S.RELEASED and a.instance is None and a.released_at
     assert gi_count(h100_node) == 0 and not GpuSlot.objects.exists()

@@ -408,6 +408,22 @@ OPS = st.lists(
 )
 
 
+def test_free_places_follow_the_tenancy_rule():
+    """Free places for a tenant: its own dedicated GPUs and the shared ones; a dedicated request only the empty
+    shared ones; never another tenant's dedicated GPU."""
+    f = Fleet([gpu(1), gpu(2, instances=[(P3G, 0, 3)]), gpu(3, dedicated=1, sticky=True),
+               gpu(4, instances=[(P1G, 6, 2)], dedicated=2), gpu(5, geo=H200)])
+    one_g = len(geometry(H100).profile_by_id(P1G).starts)  # 7 starts on an empty H100
+    assert f.free_places(req(P1G)) == one_g + 3 + one_g  # GPUs 1, 2 (4 slices left: starts 4, 5, 6), 3
+    assert f.free_places(req(P1G, dedicated=True)) == one_g + one_g  # GPU 3 and the empty shared GPU 1
+    assert f.free_places(req(P1G, tenant=2)) == one_g + 3 + (one_g - 1)  # GPUs 1, 2 and its own GPU 4
+    assert f.free_places(req(whole=True)) == 2  # the empty shared GPU 1 and its own empty GPU 3
+    assert f.free_places(req(whole=True, tenant=3)) == 1  # GPU 1 only
+    assert f.free_places(req(P1G, geo=H200)) == len(geometry(H200).profile_by_id(P1G).starts)
+    with pytest.raises(ValueError):
+        f.free_places(Request(H100, 1))
+
+
 @st.composite
 def fleets(draw):
     n = draw(st.integers(1, 4))
@@ -431,6 +447,7 @@ def test_random_place_release_sequences(states, ops, policy):
                 f.release(gpu_id, start)
         else:
             hosts = oracle_hosts(f, arg)
+            assert f.free_places(arg) == len(hosts), arg  # the catalog's "free now": the same rule
             before = {s.gpu_id: s for s in f.states()}
             d = f.place(arg)
             if isinstance(d, NoCapacity):

@@ -11,7 +11,7 @@ from django.utils import timezone
 
 from marketplace import planner
 from marketplace.models import Gpu, MigProfile
-from marketplace.selectors import planner as sel
+from marketplace.selectors import capacity_planning
 from marketplace.selectors.catalog import modelled_tokens_per_s
 from marketplace.services import deployments
 from telemetry.models import GpuSample, TritonServedHourly, UsageHourly
@@ -51,7 +51,7 @@ def serve(dep, n: int, words: int = 400, max_tokens: int = 100) -> tuple[int, in
     return total, n
 
 
-def shape(key: str, figures) -> sel.ShapeFigures:
+def shape(key: str, figures) -> capacity_planning.ShapeFigures:
     return next(f for f in figures if f.key == key)
 
 
@@ -72,24 +72,24 @@ def test_measured_throughput_from_metering_and_execution_time(busy):
     scrape.scrape_node(busy["node"].pk)
     row = TritonServedHourly.objects.get(deployment=dep)
     assert row.requests == 300 and row.execution_ns > 0
-    since, until = sel.window(1)
-    f = shape(SHAPE_3G, sel.shape_figures(since, until))
+    since, until = capacity_planning.window(1)
+    f = shape(SHAPE_3G, capacity_planning.shape_figures(since, until))
     assert f.measured_tokens == tokens
     assert f.measured_seconds == pytest.approx(row.execution_ns / 1e9)
-    assert f.measured_seconds < sel.MIN_MEASURED_SECONDS  # not enough yet: the model is used
+    assert f.measured_seconds < capacity_planning.MIN_MEASURED_SECONDS  # not enough yet: the model is used
     assert f.measured_tps is None and f.source == "modelled" and f.tokens_per_s == f.modelled_tps
     assert f.peak_tps == pytest.approx(tokens / 3600)
 
     more, _ = serve(dep, 300)
     scrape.scrape_node(busy["node"].pk)
-    f = shape(SHAPE_3G, sel.shape_figures(since, until))
-    assert f.measured_seconds >= sel.MIN_MEASURED_SECONDS
+    f = shape(SHAPE_3G, capacity_planning.shape_figures(since, until))
+    assert f.measured_seconds >= capacity_planning.MIN_MEASURED_SECONDS
     assert f.source == "measured"
     # the simulator executes at the modelled rate, so the measurement recovers it
     assert f.measured_tps == pytest.approx((tokens + more) / f.measured_seconds)
     assert f.measured_tps == pytest.approx(f.modelled_tps, rel=1e-3)
     assert f.tier.key == "h100-3g" and f.plan is not None
-    other = shape(f"{H100}/1g.10gb", sel.shape_figures(since, until))
+    other = shape(f"{H100}/1g.10gb", capacity_planning.shape_figures(since, until))
     assert other.measured_tps is None and other.measured_tokens == 0
 
 
@@ -98,7 +98,7 @@ def test_scrape_lag_does_not_bias_the_measurement(busy):
     tokens, n = serve(dep, 600)
     scrape.scrape_node(busy["node"].pk)
     late, m = serve(dep, 200)  # metered at once; Triton's side waits for the next scrape
-    f = shape(SHAPE_3G, sel.shape_figures(*sel.window(1)))
+    f = shape(SHAPE_3G, capacity_planning.shape_figures(*capacity_planning.window(1)))
     assert f.measured_requests == n + m and f.served_requests == n
     assert f.measured_tps == pytest.approx(f.modelled_tps, rel=1e-3)  # not (tokens + late) / seconds
     assert (tokens + late) / f.measured_seconds > 1.3 * f.modelled_tps
@@ -111,11 +111,11 @@ def test_hours_without_execution_time_are_not_measured(busy):
                                input_tokens=10**9, output_tokens=0, requests=1, events=1)
     TritonServedHourly.objects.create(tenant=dep.tenant, deployment=dep, hour=_hour() - timedelta(hours=2),
                                       requests=5, execution_ns=120 * 10**9)  # execution without metering
-    f = shape(SHAPE_3G, sel.shape_figures(*sel.window(1)))
+    f = shape(SHAPE_3G, capacity_planning.shape_figures(*capacity_planning.window(1)))
     assert f.measured_tokens == 0 and f.measured_seconds == 0 and f.measured_tps is None
     TritonServedHourly.objects.create(tenant=dep.tenant, deployment=dep, hour=_hour() - timedelta(hours=3),
                                       requests=5, execution_ns=100 * 10**9)
-    f = shape(SHAPE_3G, sel.shape_figures(*sel.window(1)))
+    f = shape(SHAPE_3G, capacity_planning.shape_figures(*capacity_planning.window(1)))
     # 10^9 tokens per metered request x 5 requests per 100 s of execution
     assert f.measured_tps == pytest.approx(10**9 / 1 * 5 / 100)
 
@@ -129,7 +129,7 @@ def test_power_line_fitted_to_samples(catalog, h100_node):
             GpuSample.objects.create(gpu=g, resolution="5m", ts=now - timedelta(minutes=5 * i + g.index),
                                      activity=act, memory_used_mb=1, memory_total_mb=2, power_w=90 + 500 * act,
                                      energy_j=0, temperature_c=40, sm_clock_mhz=1000)
-    p = sel.power_figures(now - timedelta(days=1), now + timedelta(minutes=1))
+    p = capacity_planning.power_figures(now - timedelta(days=1), now + timedelta(minutes=1))
     assert p[H100].source == "measured" and p[H100].samples == 80
     assert p[H100].idle_w == pytest.approx(90) and p[H100].max_w == pytest.approx(590)
     assert p["h200-sxm-141gb"].source == "modelled"
@@ -143,7 +143,7 @@ def test_flat_activity_keeps_the_modelled_power(catalog, h100_node):
         GpuSample.objects.create(gpu=g, resolution="5m", ts=now - timedelta(minutes=5 * i), activity=0.3,
                                  memory_used_mb=1, memory_total_mb=2, power_w=300, energy_j=0, temperature_c=40,
                                  sm_clock_mhz=1000)
-    assert sel.power_figures(now - timedelta(days=1), now)[H100].source == "modelled"
+    assert capacity_planning.power_figures(now - timedelta(days=1), now)[H100].source == "modelled"
 
 
 def test_demand_is_each_tenant_models_busiest_hour(busy, tiers, members_a):
@@ -156,7 +156,7 @@ def test_demand_is_each_tenant_models_busiest_hour(busy, tiers, members_a):
                                requests=1, events=1)
     UsageHourly.objects.create(tenant=dep.tenant, deployment=dep, hour=h - timedelta(hours=5), input_tokens=720,
                                requests=1, events=1)
-    (row,) = sel.measured_demand(*sel.window(1))
+    (row,) = capacity_planning.measured_demand(*capacity_planning.window(1))
     assert row["name"] == f"{busy['a'].slug}/tiny-gen"
     assert row["tokens_per_s"] == pytest.approx(3.0)  # (3600 + 3600 + 3600) / 3600 in the busiest hour
     assert row["min_memory_gib"] == 0.063  # 64 MiB, rounded up
@@ -164,9 +164,9 @@ def test_demand_is_each_tenant_models_busiest_hour(busy, tiers, members_a):
 
 
 def test_build_plan_uses_overrides_and_prices(busy):
-    req = sel.PlanRequest(workloads=[planner.Workload("llm", 8_000, 30)], gpu_models=(H100,),
+    req = capacity_planning.PlanRequest(workloads=[planner.Workload("llm", 8_000, 30)], gpu_models=(H100,),
                           throughput={SHAPE_3G: 100_000.0}, gpu_hour_cost={H100: 2.0}, price_per_kwh=0.0)
-    report = sel.build_plan(req)
+    report = capacity_planning.build_plan(req)
     best = report.best.result
     assert best.feasible and best.gpus == {H100: 1}
     (a,) = best.assignments
@@ -178,7 +178,7 @@ def test_build_plan_uses_overrides_and_prices(busy):
     assert report.best.revenue_per_hour == pytest.approx(1.0 + tokens_m * (0.10 * share + 0.40 * (1 - share)))
     assert report.best.margin_per_hour == pytest.approx(report.best.revenue_per_hour - 2.0)
     assert report.best.price_per_1k_tokens == pytest.approx(report.best.revenue_per_hour / (8_000 * 3.6))
-    body = sel.report_dict(report)
+    body = capacity_planning.report_dict(report)
     assert body["scenarios"][0]["gpus"] == {H100: 1}
 
 
@@ -190,7 +190,7 @@ def test_build_plan_uses_overrides_and_prices(busy):
 ])
 def test_build_plan_refuses_bad_input(catalog, kw, field):
     with pytest.raises(planner.PlanError) as exc:
-        sel.build_plan(sel.PlanRequest(workloads=[planner.Workload("w", 10, 1)], **kw))
+        capacity_planning.build_plan(capacity_planning.PlanRequest(workloads=[planner.Workload("w", 10, 1)], **kw))
     assert exc.value.field == field
 
 
@@ -291,7 +291,7 @@ def test_api_plan_refused_to_tenants(api, world, members_a, catalog):
 
 
 def test_profiles_left_out_are_the_media_extension_ones(catalog):
-    keys = {f.key for f in sel.shape_figures(*sel.window(1))}
+    keys = {f.key for f in capacity_planning.shape_figures(*capacity_planning.window(1))}
     me = MigProfile.objects.filter(media_extensions=True).values_list("gpu_model__key", "name")
     assert me.exists() and not any(f"{m}/{n}" in keys for m, n in me)
     assert len(keys) == 14  # 6 MIG profiles + whole GPU, for each of the two models

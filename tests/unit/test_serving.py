@@ -109,8 +109,8 @@ def test_port_pool_exhausted_is_a_clear_failure(h100_node, tiers, owner):
     assert "21000-21005" in event.detail and "2 servers fit" in event.detail
     ports = set(TritonServer.objects.exclude(http_port=None).values_list("http_port", flat=True))
     assert ports == {21000, 21003}
-    orders.release(owner[1], a)  # a released slice gives its ports back
-    assert provisioning.release(a.pk) == "released"
+    orders.request_release(owner[1], a)  # a released slice gives its ports back
+    assert provisioning.release_allocation(a.pk) == "released"
     orders.retry(principal_for_user(_operator()), c)
     assert provisioning.provision(c.pk) == "activated"
     assert TritonServer.objects.get(allocation=c).http_port == 21000
@@ -126,7 +126,7 @@ def test_release_of_a_slice_whose_server_never_started_completes(h100_node, tier
     provisioning._create_on_gpu(a, a.instance)
     Allocation.objects.filter(pk=a.pk).update(state=Allocation.State.RELEASING)
     assert not TritonServer.objects.filter(allocation=a).exists()
-    assert provisioning.release(a.pk) == "released"
+    assert provisioning.release_allocation(a.pk) == "released"
     a = _fresh(a)
     assert a.state == Allocation.State.RELEASED and not GpuInstance.objects.exists()
 
@@ -138,13 +138,13 @@ def test_release_with_models_stops_the_server_and_removes_the_repository(h100_no
     dep = deployments.deploy(owner[1], a, "tiny-gen", template="tiny-gen")
     assert deployments.load(dep.pk) == "ready"
     assert (serving.repo_dir(a.pk) / "tiny-gen" / "config.pbtxt").is_file()
-    orders.release(owner[1], a)
-    assert provisioning.release(a.pk) == "released"
+    orders.request_release(owner[1], a)
+    assert provisioning.release_allocation(a.pk) == "released"
     assert not serving.repo_dir(a.pk).exists()
     assert TritonServer.objects.get(allocation=a).state == T.STOPPED
     assert not deployments.backend_for(a).is_server_ready()
     assert ModelDeployment.objects.get(pk=dep.pk).state == D.REMOVED
-    assert provisioning.release(a.pk) == "already released"  # idempotent
+    assert provisioning.release_allocation(a.pk) == "already released"  # idempotent
 
 
 def test_model_deployed_while_the_server_is_down_waits_then_loads(h100_node, tiers, owner):

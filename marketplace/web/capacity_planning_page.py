@@ -8,7 +8,7 @@ from django.views.decorators.http import require_GET
 
 from marketplace import planner
 from marketplace.models import GpuModel
-from marketplace.selectors import planner as sel
+from marketplace.selectors import capacity_planning
 from marketplace.web.console import operator_required
 from telemetry.charts import capacity_plan
 from telemetry.services.energy import price_per_kwh
@@ -55,8 +55,9 @@ class BaseWorkloadFormSet(forms.BaseFormSet):
             raise forms.ValidationError(f"workload names must be unique: {', '.join(dup)}")
 
 
-WorkloadFormSet = forms.formset_factory(WorkloadForm, formset=BaseWorkloadFormSet, extra=2, max_num=sel.MAX_WORKLOADS,
-                                        validate_max=True, absolute_max=sel.MAX_WORKLOADS)
+WorkloadFormSet = forms.formset_factory(WorkloadForm, formset=BaseWorkloadFormSet, extra=2,
+                                        max_num=capacity_planning.MAX_WORKLOADS, validate_max=True,
+                                        absolute_max=capacity_planning.MAX_WORKLOADS)
 
 
 def _shape_field(key: str) -> str:
@@ -64,11 +65,12 @@ def _shape_field(key: str) -> str:
 
 
 class SettingsForm(forms.Form):
-    target_utilization = forms.FloatField(min_value=1, max_value=100, initial=sel.DEFAULT_TARGET_UTILIZATION * 100,
+    target_utilization = forms.FloatField(min_value=1, max_value=100,
+                                          initial=capacity_planning.DEFAULT_TARGET_UTILIZATION * 100,
                                           label="Target utilization (%)",
                                           help_text="replicas are added before a slice runs above this load")
     growth = forms.FloatField(min_value=0.01, max_value=10_000, initial=1, label="Demand growth (×)")
-    window_days = forms.FloatField(min_value=0.05, max_value=366, initial=sel.DEFAULT_WINDOW_DAYS,
+    window_days = forms.FloatField(min_value=0.05, max_value=366, initial=capacity_planning.DEFAULT_WINDOW_DAYS,
                                    label="Measurement window (days)")
     price_per_kwh = forms.DecimalField(min_value=0, max_digits=8, decimal_places=4, label="Energy price per kWh")
     currency = forms.ChoiceField(choices=CURRENCIES, initial="USD")
@@ -84,7 +86,7 @@ class SettingsForm(forms.Form):
         for m in models:
             name = f"cost_{m.key}"
             self.fields[name] = forms.DecimalField(min_value=0, max_digits=10, decimal_places=4,
-                                                   initial=sel.default_gpu_hour_cost(m.key),
+                                                   initial=capacity_planning.default_gpu_hour_cost(m.key),
                                                    label=f"{m.name}: cost per GPU-hour",
                                                    help_text="hardware + hosting, power excluded")
             self.cost_fields.append(name)
@@ -102,10 +104,10 @@ class SettingsForm(forms.Form):
         return chosen
 
 
-def _request(workloads, settings_form, models, shapes) -> sel.PlanRequest:
+def _request(workloads, settings_form, models, shapes) -> capacity_planning.PlanRequest:
     d = settings_form.cleaned_data
     by_model = {m.key for m in models}
-    return sel.PlanRequest(
+    return capacity_planning.PlanRequest(
         workloads=workloads,
         target_utilization=d["target_utilization"] / 100,
         growth=d["growth"],
@@ -133,8 +135,8 @@ def _workloads(formset) -> list[planner.Workload]:
 @operator_required
 def planner_page(request):
     models = _models()
-    since, until = sel.window()
-    shapes = sel.shape_figures(since, until, measure=False)  # the form's fields; the plan measures
+    since, until = capacity_planning.window()
+    shapes = capacity_planning.shape_figures(since, until, measure=False)  # the form's fields; the plan measures
     bound = "plan" in request.GET
     report = error = None
     if bound:
@@ -142,18 +144,18 @@ def planner_page(request):
         settings_form = SettingsForm(request.GET, models=models, shapes=shapes)
         if formset.is_valid() and settings_form.is_valid():
             try:
-                report = sel.build_plan(_request(_workloads(formset), settings_form, models, shapes))
+                report = capacity_planning.build_plan(_request(_workloads(formset), settings_form, models, shapes))
             except planner.PlanError as exc:
                 error = exc.message
     else:
-        demand = sel.measured_demand(since, until)
+        demand = capacity_planning.measured_demand(since, until)
         initial = [{"name": d["name"], "tokens_per_s": d["tokens_per_s"], "min_memory_gib": d["min_memory_gib"]}
                    for d in demand]
         formset = WorkloadFormSet(prefix="w", initial=initial, form_kwargs={"models": models})
         settings_form = SettingsForm(models=models, shapes=shapes)
         if demand:
             try:
-                report = sel.build_plan(sel.PlanRequest(workloads=[
+                report = capacity_planning.build_plan(capacity_planning.PlanRequest(workloads=[
                     planner.Workload(d["name"], d["tokens_per_s"], d["min_memory_gib"]) for d in demand]))
             except planner.PlanError as exc:
                 error = exc.message
@@ -168,7 +170,7 @@ def planner_page(request):
             hint = f.measured_tps if f.measured_tps is not None else f.modelled_tps
             settings_form.fields[_shape_field(f.key)].widget.attrs["placeholder"] = f"{hint:.0f}"
         ctx["figure"] = capacity_plan(report)
-        ctx["plan"] = sel.report_dict(report)
+        ctx["plan"] = capacity_planning.report_dict(report)
         ctx["best"] = report.best
         ctx["shape_rows"] = ctx["plan"]["shapes"]
     return render(request, "console/planner.html", ctx)

@@ -125,9 +125,9 @@ def shape_figures(since: datetime, until: datetime, currency: str = "USD", *,
     models = list(GpuModel.objects.prefetch_related("profiles").order_by("memory_gb", "key"))
     out: dict[tuple[int, int | None], ShapeFigures] = {}
     for m in models:
-        for p in sorted(m.profiles.all(), key=lambda p: (p.memory_slices, p.compute_slices, p.name)):
-            if not p.media_extensions:
-                out[(m.pk, p.pk)] = ShapeFigures(m, p, modelled_tokens_per_s(m, p))
+        for profile in sorted(m.profiles.all(), key=lambda pr: (pr.memory_slices, pr.compute_slices, pr.name)):
+            if not profile.media_extensions:
+                out[(m.pk, profile.pk)] = ShapeFigures(m, profile, modelled_tokens_per_s(m, profile))
         out[(m.pk, None)] = ShapeFigures(m, None, modelled_tokens_per_s(m, None))
     if not measure:
         return list(out.values())
@@ -170,10 +170,10 @@ def shape_figures(since: datetime, until: datetime, currency: str = "USD", *,
     now = timezone.now()
     book = billing.PlanBook(currency)  # the rating's own plan lookup: the plan in force now
     for tier in Tier.objects.filter(active=True).order_by("dedicated", "key"):
-        f = out.get((tier.gpu_model_id, tier.profile_id))
+        shape = out.get((tier.gpu_model_id, tier.profile_id))
         plan = book.at(tier.pk, PricePlan.Kind.ON_DEMAND, now)
-        if f is not None and f.tier is None and plan is not None:
-            f.tier, f.plan = tier, plan
+        if shape is not None and shape.tier is None and plan is not None:
+            shape.tier, shape.plan = tier, plan
     return list(out.values())
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
 from rest_framework import permissions, serializers
 from rest_framework.exceptions import ValidationError
@@ -9,7 +11,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from marketplace import planner
-from marketplace.selectors import planner as sel
+from marketplace.selectors import capacity_planning
 from telemetry.charts import capacity_plan
 from tenants.models import CURRENCIES
 from tenants.scoping import principal_for
@@ -35,11 +37,12 @@ class WorkloadSerializer(serializers.Serializer):
 
 
 class PlanRequestSerializer(serializers.Serializer):
-    workloads = WorkloadSerializer(many=True, allow_empty=False, max_length=sel.MAX_WORKLOADS)
+    workloads: serializers.ListSerializer[Any] = serializers.ListSerializer(
+        child=WorkloadSerializer(), allow_empty=False, max_length=capacity_planning.MAX_WORKLOADS)
     target_utilization = serializers.FloatField(min_value=0.01, max_value=1.0,
-                                                default=sel.DEFAULT_TARGET_UTILIZATION)
+                                                default=capacity_planning.DEFAULT_TARGET_UTILIZATION)
     growth = serializers.FloatField(min_value=0.01, max_value=10_000, default=1.0)
-    window_days = serializers.FloatField(min_value=0.05, max_value=366, default=sel.DEFAULT_WINDOW_DAYS)
+    window_days = serializers.FloatField(min_value=0.05, max_value=366, default=capacity_planning.DEFAULT_WINDOW_DAYS)
     price_per_kwh = serializers.FloatField(min_value=0, max_value=100, required=False,
                                            help_text="default: TESSERA_ENERGY_PRICE_PER_KWH")
     currency = serializers.ChoiceField(choices=CURRENCIES, default="USD")
@@ -81,7 +84,7 @@ class PlannerView(APIView):
         ser = PlanRequestSerializer(data=request.data)
         ser.is_valid(raise_exception=True)
         d = ser.validated_data
-        req = sel.PlanRequest(
+        req = capacity_planning.PlanRequest(
             workloads=[planner.Workload(w["name"], w["tokens_per_s"], w["min_memory_gib"], tuple(w["gpu_models"]))
                        for w in d["workloads"]],
             target_utilization=d["target_utilization"], growth=d["growth"], window_days=d["window_days"],
@@ -89,10 +92,10 @@ class PlannerView(APIView):
             gpu_models=tuple(d["gpu_models"]) if d.get("gpu_models") else None,
             gpu_hour_cost=dict(d.get("gpu_hour_cost") or {}), throughput=dict(d.get("throughput") or {}))
         try:
-            report = sel.build_plan(req)
+            report = capacity_planning.build_plan(req)
         except planner.PlanError as exc:
             raise ValidationError({exc.field or "non_field_errors": [exc.message]}) from None
-        body = sel.report_dict(report)
+        body = capacity_planning.report_dict(report)
         if request.query_params.get("figure") in ("1", "true", "yes"):
             body["figure"] = capacity_plan(report)
         return Response(body)
@@ -113,7 +116,7 @@ class PlannerInputsView(APIView):
                        "gpu_hour_cost": serializers.DictField(), "fleet_gpus": serializers.DictField()}))
     def get(self, request):
         try:
-            days = float(request.query_params.get("window_days") or sel.DEFAULT_WINDOW_DAYS)
+            days = float(request.query_params.get("window_days") or capacity_planning.DEFAULT_WINDOW_DAYS)
         except ValueError:
             raise ValidationError({"window_days": ["a number of days"]}) from None
         if not 0.05 <= days <= 366:
@@ -121,14 +124,14 @@ class PlannerInputsView(APIView):
         currency = (request.query_params.get("currency") or "USD").upper()
         if currency not in dict(CURRENCIES):
             raise ValidationError({"currency": [f"one of {', '.join(dict(CURRENCIES))}"]})
-        since, until = sel.window(days)
-        shapes = sel.shape_figures(since, until, currency)
-        power = sel.power_figures(since, until)
+        since, until = capacity_planning.window(days)
+        shapes = capacity_planning.shape_figures(since, until, currency)
+        power = capacity_planning.power_figures(since, until)
         return Response({
             "window": {"since": since.isoformat(), "until": until.isoformat()},
-            "shapes": [sel.shape_dict(f) for f in shapes],
-            "power": {k: sel.power_dict(p) for k, p in power.items()},
-            "demand": sel.measured_demand(since, until),
-            "gpu_hour_cost": {m: str(sel.default_gpu_hour_cost(m)) for m in power},
-            "fleet_gpus": sel.fleet_gpus(),
+            "shapes": [capacity_planning.shape_dict(f) for f in shapes],
+            "power": {k: capacity_planning.power_dict(p) for k, p in power.items()},
+            "demand": capacity_planning.measured_demand(since, until),
+            "gpu_hour_cost": {m: str(capacity_planning.default_gpu_hour_cost(m)) for m in power},
+            "fleet_gpus": capacity_planning.fleet_gpus(),
         })

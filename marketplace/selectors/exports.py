@@ -1,0 +1,42 @@
+"""Exports: invoices and credit notes as CSV, one writer for the API, the portal and the console."""
+
+from __future__ import annotations
+
+import csv
+import io
+
+from marketplace.models import CreditNote, Invoice, InvoiceLine
+
+
+def invoice_csv(invoice: Invoice) -> str:
+    """An invoice as CSV: its header, its lines (usage first, then commitment top-ups), the total and its
+    credit notes (the API's ?format=csv, the portal's and the console's download)."""
+    out = io.StringIO()
+    w = csv.writer(out)
+    w.writerow(["invoice", invoice.number or "draft", "tenant", invoice.tenant.slug, "period",
+                f"{invoice.period_start:%Y-%m}", "currency", invoice.currency, "status", invoice.status])
+    w.writerow(["kind", "tier", "deployment", "description", "quantity", "unit", "unit_price", "amount",
+                "usage_from", "usage_to"])
+    lines = sorted(invoice.lines.select_related("tier"), key=lambda li: li.kind == InvoiceLine.Kind.COMMITMENT_TOPUP)
+    for li in lines:  # usage first, then commitment top-ups (quantity 1, unit "top-up", unit_price = amount)
+        w.writerow([li.kind, li.tier.key, li.deployment_id or "", li.description, li.quantity, li.unit,
+                    li.unit_price, li.amount, li.usage_from.isoformat(), li.usage_to.isoformat()])
+    w.writerow(["total", "", "", "", "", "", "", invoice.total, "", ""])
+    for cn in invoice.credit_notes.order_by("pk"):  # corrections: the invoice itself never changes
+        w.writerow(["credit_note", cn.number, "", cn.reason, "", "", "", f"-{cn.total}", cn.issued_at.isoformat(), ""])
+    return out.getvalue()
+
+
+def credit_note_csv(cn: CreditNote) -> str:
+    """A credit note as CSV: its lines (negative), total and what was recharged (the API's ?format=csv)."""
+    out = io.StringIO()
+    w = csv.writer(out)
+    w.writerow(["credit_note", cn.number, "invoice", cn.invoice.number, "tenant", cn.tenant.slug, "currency",
+                cn.currency])
+    w.writerow(["invoice_line", "description", "amount"])
+    for li in cn.lines.order_by("pk"):
+        w.writerow([li.invoice_line_id, li.description, f"-{li.amount}"])
+    w.writerow(["total", "", f"-{cn.total}"])
+    for item in cn.recharge:
+        w.writerow(["recharge", item["description"], item["amount"]])
+    return out.getvalue()
