@@ -4,12 +4,14 @@ An operator and a tenant owner visit every page their navigation reaches, plus t
 slice, tier, tenant, invoice, model, a planner answer) with a real node worker's data, at 1440x900 and 390x844.
 Each page: the document is no wider than the viewport, and no amount or button sits beyond its edge where
 nothing scrolls it into view (a wide table scrolls inside its own container, which must itself fit); row
-actions (key revoke, member remove) are in view without scrolling. Screenshots of the pages that overflowed before go to
-test-artifacts/screenshots/layout-*.png (and /tmp/hformat-*.png when that folder exists for a reviewer).
+actions (key revoke, member remove) and invoice amounts are in view without scrolling; on a desktop no table is
+wider than its card. Screenshots of the pages that overflowed before go to test-artifacts/screenshots/layout-*.png
+(and to $LAYOUT_SHOTS_PREFIX<name>.png too when that is set, for a reviewer).
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from urllib.parse import urlencode, urlparse
 
@@ -50,12 +52,13 @@ MEASURE = """() => {
     const rr = box ? box.getBoundingClientRect() : r;
     if (rr.right > vw + 1 || rr.left < -1) out.push({what: describe(el), left: rr.left, right: rr.right});
   }
-  // row actions (revoke, remove, leave) are in view without scrolling the table
-  const actions = 'table form[action*="/revoke/"] button, table form[action*="/remove/"] button';
-  for (const el of document.querySelectorAll(actions)) {
+  // row actions (revoke, remove, leave) and an invoice's amounts are in view without scrolling the table
+  const actions = 'table form[action*="/revoke/"] button, table form[action*="/remove/"] button, td.amount';
+  const kept = document.querySelectorAll(actions);
+  for (const el of kept) {
     const r = el.getBoundingClientRect();
     if (r.width && (r.right > vw + 1 || r.left < -1))
-      out.push({what: 'row action ' + describe(el), left: r.left, right: r.right});
+      out.push({what: 'in view: ' + describe(el), left: r.left, right: r.right});
   }
   // content wider than its card: spilling out (overflow visible) or scrolling inside it
   const spill = [];
@@ -64,7 +67,7 @@ MEASURE = """() => {
       spill.push(describe(el).slice(0, 60) + ' ' + el.scrollWidth + '>' + el.clientWidth);
   }
   return {scrollWidth: document.documentElement.scrollWidth, height: document.documentElement.scrollHeight,
-          offscreen: out, spill: spill};
+          offscreen: out, spill: spill, kept_in_view: kept.length};
 }"""
 
 
@@ -140,8 +143,8 @@ def _screenshot(page, base: str, path: str, width: int, height: int, name: str) 
     out = Path(__file__).resolve().parents[2] / "test-artifacts" / "screenshots"
     out.mkdir(parents=True, exist_ok=True)
     targets = [out / f"layout-{name}.png"]
-    if Path("/tmp").is_dir():
-        targets.append(Path("/tmp") / f"hformat-{name}.png")
+    if os.environ.get("LAYOUT_SHOTS_PREFIX"):
+        targets.append(Path(os.environ["LAYOUT_SHOTS_PREFIX"] + f"{name}.png"))
     for t in targets:
         page.screenshot(path=str(t), full_page=True)
 
@@ -178,6 +181,9 @@ def test_no_page_is_wider_than_the_viewport(page, live_server, login, world):
     assert len({k[1] for k in results}) >= 25, report  # the navigation was followed
     assert not wide, f"wider than the viewport: {wide}\n{report}"
     assert not off, f"amounts or buttons beyond the viewport's edge: {off}"
+    # the checks saw what they check: the invoice's amounts, the keys' revoke, the members' remove
+    for path in (portal[2], "/portal/keys/", "/portal/members/"):
+        assert results[("tenant", path, 390)]["kept_in_view"] >= 1, path
     # on a desktop every table fits its card (the allocation history once spilled out of it at 1440 px)
     spill = {k: m["spill"] for k, m in results.items() if k[2] == 1440 and m["spill"]}
     assert not spill, f"wider than its card at 1440 px: {spill}"
