@@ -3,14 +3,19 @@ every chart (the Plotly formats below) use it, so a figure reads the same on eve
 
 - Money totals: the currency's minor units (ISO 4217: 2 for USD/EUR/GBP, 0 for JPY/KRW, 3 for BHD/KWD...),
   thousands separators, the ISO code after the amount: ``1,234.50 USD``, ``-3.64 EUR``, ``1,200 JPY``.
-- Unit prices (per slice-hour, per 1M tokens): at least the minor units, more where the price needs them, never
-  more than ``UNIT_PRICE_MAX_PLACES`` and no trailing zeros beyond the minor units: ``0.00015 USD``, ``2.50 USD``.
+- Unit prices (per slice-hour, per 1M tokens): at least the minor units, more where the price needs them, up to
+  ``UNIT_PRICE_MAX_PLACES`` places (or, for a price below that, ``UNIT_PRICE_SIGNIFICANT`` significant digits, so a
+  tiny per-token price never reads as zero), no trailing zeros beyond the minor units: ``0.00015 USD``,
+  ``2.50 USD``, ``0.0000002 USD``.
 - Counts: integers with thousands separators: ``1,963,270``.
+- Billing periods (a start date and an exclusive end, as invoices store them): the inclusive end, the month and
+  year written once where they are shared: ``1–30 Nov 2026``, ``28 Nov – 3 Dec 2026``.
 
 Pure functions (no Django), Decimal in and str out; floats are accepted and converted through ``str``.
 """
 from __future__ import annotations
 
+import datetime as dt
 from decimal import ROUND_HALF_UP, Decimal, InvalidOperation
 
 # ISO 4217 minor units that are not 2 (the default). Source: ISO 4217 list of currency codes (SIX Group, the
@@ -21,6 +26,7 @@ MINOR_UNITS = {
     "XOF": 0, "XPF": 0,
 }
 UNIT_PRICE_MAX_PLACES = 6
+UNIT_PRICE_SIGNIFICANT = 3  # for prices too small for UNIT_PRICE_MAX_PLACES
 
 
 def minor_units(currency: str | None) -> int:
@@ -31,11 +37,13 @@ def _decimal(value: object) -> Decimal | None:
     if value is None or value == "":
         return None
     if isinstance(value, Decimal):
-        return value
-    try:
-        return Decimal(str(value))
-    except (InvalidOperation, ValueError):
-        return None
+        d = value
+    else:
+        try:
+            d = Decimal(str(value))
+        except (InvalidOperation, ValueError):
+            return None
+    return d if d.is_finite() else None
 
 
 def _grouped(amount: Decimal, places: int) -> str:
@@ -66,8 +74,13 @@ def unit_price_amount(value: object, currency: str | None = None) -> str:
     if d is None:
         return "—"
     low = minor_units(currency)
-    q = d.quantize(Decimal(1).scaleb(-UNIT_PRICE_MAX_PLACES), rounding=ROUND_HALF_UP)
-    places = max(low, min(UNIT_PRICE_MAX_PLACES, -q.normalize().as_tuple().exponent if q else 0))
+    most = UNIT_PRICE_MAX_PLACES
+    if d and abs(d) < Decimal(1).scaleb(-most):  # 0.0000002: enough places for its significant digits
+        most = UNIT_PRICE_SIGNIFICANT - 1 - d.adjusted()
+    q = d.quantize(Decimal(1).scaleb(-most), rounding=ROUND_HALF_UP)
+    exponent = q.normalize().as_tuple().exponent
+    needed = -exponent if isinstance(exponent, int) and q else 0
+    places = max(low, min(most, needed))
     return _grouped(q, places)
 
 
@@ -83,6 +96,36 @@ def count(value: object) -> str:
     if d is None:
         return "—"
     return _grouped(d, 0)
+
+
+def period(start: dt.date | None, end: dt.date | None) -> str:
+    """A billing period from its start and its exclusive end (the next period's start), as people read one:
+    the last day it includes, month and year written once where shared: ``1–30 Nov 2026``,
+    ``28 Nov – 3 Dec 2026``, ``28 Dec 2026 – 3 Jan 2027``. A datetime is taken by its date."""
+    if start is None or end is None:
+        return "—"
+    if isinstance(start, dt.datetime):
+        start = start.date()
+    if isinstance(end, dt.datetime):
+        end = end.date()
+    last = max(start, end - dt.timedelta(days=1))
+    if start == last:
+        return f"{start.day} {start:%b %Y}"
+    if (start.year, start.month) == (last.year, last.month):
+        return f"{start.day}–{last.day} {last:%b %Y}"
+    if start.year == last.year:
+        return f"{start.day} {start:%b} – {last.day} {last:%b %Y}"
+    return f"{start.day} {start:%b %Y} – {last.day} {last:%b %Y}"
+
+
+def last_day(end: dt.date | None) -> str:
+    """The last day a period with this exclusive end includes: ``30 Nov 2026``."""
+    if end is None:
+        return "—"
+    if isinstance(end, dt.datetime):
+        end = end.date()
+    last = end - dt.timedelta(days=1)
+    return f"{last.day} {last:%b %Y}"
 
 
 def plotly_money_format(currency: str | None = None) -> str:

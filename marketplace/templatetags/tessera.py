@@ -1,5 +1,6 @@
 """Template filters for the one formatting rule (``marketplace.formatting``):
-``{{ amount|money:currency }}``, ``{{ price|unit_price:currency }}``, ``{{ n|count }}``. Loaded as a builtin."""
+``{{ amount|money:currency }}``, ``{{ price|unit_price:currency }}``, ``{{ n|count }}``,
+``{{ start|period:end }}`` (an exclusive end shown as the last day included). Loaded as a builtin."""
 from django import template
 
 from marketplace import formatting
@@ -23,8 +24,23 @@ def unit_price(value, currency=None):
 
 
 @register.filter
+def unit_price_amount(value, currency=None):
+    return formatting.unit_price_amount(value, currency)
+
+
+@register.filter
 def count(value):
     return formatting.count(value)
+
+
+@register.filter
+def period(start, end):
+    return formatting.period(start, end)
+
+
+@register.filter
+def last_day(end):
+    return formatting.last_day(end)
 
 
 @register.filter

@@ -119,7 +119,7 @@ def test_usage_below_commitment_is_topped_up_to_it(shop, as_key, client, operato
     assert "Commitment top-up" in html and "254.75" in html
     client.force_login(MembershipFactory(tenant=tenant, role=Role.BILLING).user)
     html = client.get(reverse("portal:invoice", args=[inv.pk])).content.decode()
-    assert "Commitment top-up" in html and "254.75" in html and "1020.50" in html
+    assert "Commitment top-up" in html and "254.75" in html and "1,020.50 USD" in html  # money: separators, currency
 
 
 @pytest.mark.parametrize(("commit", "expected"), [("744.00", None), ("700.00", None), ("744.01", "0.01"),

@@ -9,7 +9,7 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from marketplace import planner
+from marketplace import formatting, planner
 from marketplace.models import Gpu, MigProfile
 from marketplace.selectors import capacity_planning
 from marketplace.selectors.catalog import modelled_tokens_per_s
@@ -219,7 +219,7 @@ def test_console_planner_page(client, operator, catalog, tiers):
     assert best.feasible
     assert sum(a.slices * shape(a.shape, report.shapes).tokens_per_s * 0.7 for a in best.assignments) >= 20_000
     assert b'id="plan-chart"' in r.content and b"Optimal layouts" in r.content
-    assert f"{best.cost_per_1k_tokens:.6f}".encode() in r.content
+    assert formatting.unit_price(best.cost_per_1k_tokens, "USD").encode() in r.content
 
 
 def test_console_planner_form_errors(client, operator, catalog):

@@ -103,7 +103,7 @@ def test_own_objects_open(owner_client, world, tiers):
 def test_catalog_shows_price_and_live_availability(owner_client, h100_node, tiers):
     r = owner_client.get(reverse("portal:catalog"))
     body = r.content.decode()
-    assert "h100-3g" in body and "1.0000 USD" in body
+    assert "h100-3g" in body and "1.00 USD" in body  # one formatting rule: a unit price, at least the cents
     free = {row["tier"].key: row["free"] for row in r.context["rows"]}
     # 8 GPUs: one 7g each; seven 1g starts each (56) is shown only up to the cap (a fleet figure)
     assert free["h100-1g"] == "10+" and free["h100-7g"] == 8
@@ -257,7 +257,7 @@ def test_usage_page_with_rows(owner_client, world, tiers):
                                requests=7, events=7)
     r = owner_client.get(reverse("portal:usage"))
     assert r.status_code == 200 and r.context["chart"]["figure"]["data"]
-    assert "1234" in r.content.decode() and "plotly.min.js" in r.content.decode()
+    assert "1,234" in r.content.decode() and "plotly.min.js" in r.content.decode()
 
 
 def _fill(kind, tenant, tiers, n, start):
