@@ -8,7 +8,6 @@ import io
 from datetime import timedelta
 from decimal import Decimal
 
-import django_filters
 from django.utils import timezone
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
@@ -19,6 +18,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from marketplace.api.disclosure import reader_is_operator
+from marketplace.filters import InvoiceFilter
 from marketplace.models import CreditNote, CreditNoteLine, Invoice, InvoiceLine, WebhookDelivery, WebhookEndpoint
 from marketplace.selectors import billing as selectors
 from marketplace.services import billing, webhooks
@@ -198,16 +198,6 @@ def credit_note_csv(cn: CreditNote) -> str:
     for item in cn.recharge:
         w.writerow(["recharge", item["description"], item["amount"]])
     return out.getvalue()
-
-
-class InvoiceFilter(django_filters.FilterSet):
-    tenant = django_filters.CharFilter(field_name="tenant__slug")
-    period_from = django_filters.DateFilter(field_name="period_start", lookup_expr="gte")
-    period_to = django_filters.DateFilter(field_name="period_start", lookup_expr="lte")
-
-    class Meta:
-        model = Invoice
-        fields = ["tenant", "status", "period_start", "currency"]
 
 
 class CsvRenderer(renderers.BaseRenderer):

@@ -15,18 +15,21 @@ from django import forms
 from django.contrib import messages
 from django.contrib.auth.views import redirect_to_login
 from django.core.exceptions import PermissionDenied
-from django.db.models import Avg, Count, DecimalField, F, Max, OuterRef, Prefetch, Q, Subquery, Sum
+from django.db.models import Avg, Count, DecimalField, F, Max, OuterRef, Prefetch, Q, QuerySet, Subquery, Sum
 from django.http import HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.utils import timezone
 from django.utils.html import format_html
 from django.utils.safestring import mark_safe
 from django.views.decorators.http import require_GET, require_POST
+from django_filters import FilterSet
 
 from marketplace.api.billing import invoice_csv
+from marketplace.filters import AllocationFilter, DeploymentFilter, DriftEventFilter, InvoiceFilter, NodeFilter
 from marketplace.models import (
     Allocation,
     BillingAlert,
+    DriftEvent,
     Gpu,
     GpuInstance,
     GpuModel,
@@ -41,11 +44,12 @@ from marketplace.models.orders import LIVE_STATES
 from marketplace.selectors import billing as billing_sel
 from marketplace.selectors import orders as orders_sel
 from marketplace.services import billing, offers, orders
-from marketplace.web.tables import Column, table
+from marketplace.web.tables import Column, Filtered, filtered, table
 from telemetry.charts import CHARTS
 from telemetry.models import GpuSample
 from tenants import services as tenant_services
 from tenants.errors import ServiceError
+from tenants.filters import TenantFilter
 from tenants.models import CURRENCIES, Tenant
 from tenants.scoping import principal_for
 
@@ -67,6 +71,15 @@ def operator_required(view):
 
 def _page(request, template: str, ctx: dict, status: int = 200):
     return render(request, f"console/{template}", ctx, status=status)
+
+
+def _filter(request, filterset_class: type[FilterSet], qs: QuerySet, *,
+            defaults: dict[str, str] | None = None) -> Filtered:
+    """The list's FilterSet (the API's) on the query string; a rejected value is said in a message."""
+    f = filtered(request, filterset_class, qs, defaults=defaults)
+    for problem in f.problems:
+        messages.warning(request, problem)
+    return f
 
 
 def _service_error(request, exc: ServiceError) -> None:
@@ -153,7 +166,7 @@ def slot_cells(gpu: Gpu) -> list[dict]:
     """The GPU's 8 memory slices as cells: one per instance (spanning its slices), one per free slice."""
     cells: list[dict | None] = [{"used": False, "start": i, "size": 1} for i in range(8)]
     for inst in gpu.instances.all():
-        profile = inst.placement.profile.name if inst.placement_id else "whole GPU"
+        profile = inst.placement.profile.name if inst.placement is not None else "whole GPU"
         cells[inst.start] = {"used": True, "start": inst.start, "size": inst.size, "tenant": inst.tenant.slug,
                              "profile": profile, "color": tenant_color(inst.tenant.slug), "state": inst.state}
         for s in range(inst.start + 1, inst.start + inst.size):
@@ -187,10 +200,8 @@ def nodes(request):
                      "tenant", "placement__profile").order_by("start")))),
         Prefetch("triton_servers", to_attr="live_servers", queryset=TritonServer.objects.exclude(
             state=TritonServer.State.STOPPED).defer("log_tail").order_by("http_port", "pk")))
-    state = request.GET.get("state", "")
-    if state in Node.State.values:
-        qs = qs.filter(state=state)
-    t = table(request, qs, [Column("hostname", "Node"), Column("platform__name", "Platform"),
+    f = _filter(request, NodeFilter, qs)
+    t = table(request, f.qs, [Column("hostname", "Node"), Column("platform__name", "Platform"),
                             Column("state", "State"), Column("last_heartbeat", "Last heartbeat")],
               default_sort="hostname", per_page=10)
     rows = []
@@ -199,20 +210,10 @@ def nodes(request):
                 for g in node.gpus.all()]
         rows.append({"node": node, "gpus": gpus, "used": sum(g["used"] for g in gpus), "total": 8 * len(gpus),
                      "servers": node.live_servers})
-    return _page(request, "nodes.html", {"table": t, "rows": rows, "state": state, "states": Node.State.choices})
+    return _page(request, "nodes.html", {"table": t, "rows": rows, "f": f.values, "states": Node.State.choices})
 
 
 # --- allocations --------------------------------------------------------------------------------
-
-class AllocationFilter(forms.Form):
-    """GET filters. Tenant, tier and node are matched by slug, key and hostname; an unknown value
-    simply matches nothing. The template renders the options from `filter_options` (cheap on a big fleet)."""
-
-    state = forms.ChoiceField(required=False, choices=[("", "any")] + Allocation.State.choices)
-    tenant = forms.CharField(required=False, max_length=63)
-    tier = forms.CharField(required=False, max_length=60)
-    node = forms.CharField(required=False, max_length=253)
-
 
 def filter_options() -> dict:
     return {"tenant": list(Tenant.objects.order_by("slug").values_list("slug", flat=True)),
@@ -230,17 +231,9 @@ ALLOCATION_COLUMNS = [
 @require_GET
 @operator_required
 def allocations(request):
-    qs = orders_sel.allocations(request.principal).prefetch_related(None)
-    f = AllocationFilter(request.GET or None)
-    if f.is_bound and f.is_valid():
-        d = f.cleaned_data
-        if d["state"]:
-            qs = qs.filter(state=d["state"])
-        for name, path in (("tenant", "tenant__slug"), ("tier", "tier__key"), ("node", "node__hostname")):
-            if d[name]:
-                qs = qs.filter(**{path: d[name]})
-    t = table(request, qs, ALLOCATION_COLUMNS, default_sort="-created_at")
-    return _page(request, "allocations.html", {"table": t, "filter": f, "f": f.cleaned_data if f.is_bound else {},
+    f = _filter(request, AllocationFilter, orders_sel.allocations(request.principal).prefetch_related(None))
+    t = table(request, f.qs, ALLOCATION_COLUMNS, default_sort="-created_at")
+    return _page(request, "allocations.html", {"table": t, "f": f.values,
                                                "options": filter_options(), "states": Allocation.State.choices})
 
 
@@ -285,16 +278,12 @@ def allocation_release(request, pk: int):
 @require_GET
 @operator_required
 def drift(request):
-    qs = orders_sel.drift_events(request.principal).select_related("allocation")
-    show = request.GET.get("resolved", "open")
-    if show == "open":
-        qs = qs.filter(resolved=False)
-    elif show == "resolved":
-        qs = qs.filter(resolved=True)
-    t = table(request, qs, [Column("at", "When"), Column("node__hostname", "Node"), Column("gpu_index", "GPU"),
+    f = _filter(request, DriftEventFilter, orders_sel.drift_events(request.principal).select_related("allocation"),
+                defaults={"resolved": "false"})  # the open ones unless asked: they need an operator
+    t = table(request, f.qs, [Column("at", "When"), Column("node__hostname", "Node"), Column("gpu_index", "GPU"),
                             Column("kind", "Kind"), Column("", "Detail"), Column("allocation_id", "Allocation"),
                             Column("resolved", "Resolved")], default_sort="-at")
-    return _page(request, "drift.html", {"table": t, "show": show})
+    return _page(request, "drift.html", {"table": t, "f": f.values, "kinds": DriftEvent.Kind.choices})
 
 
 @require_GET
@@ -332,14 +321,9 @@ def tenants(request):
     qs = Tenant.objects.visible_to(request.principal).annotate(
         live=Count("allocations", filter=Q(allocations__state__in=LIVE_STATES)),
         spend=_current_total_subquery())
-    status = request.GET.get("status", "")
-    if status in Tenant.Status.values:
-        qs = qs.filter(status=status)
-    q = request.GET.get("q", "").strip()
-    if q:
-        qs = qs.filter(Q(name__icontains=q) | Q(slug__icontains=q))
-    t = table(request, qs, TENANT_COLUMNS, default_sort="name")
-    return _page(request, "tenants.html", {"table": t, "status": status, "q": q, "statuses": Tenant.Status.choices})
+    f = _filter(request, TenantFilter, qs)
+    t = table(request, f.qs, TENANT_COLUMNS, default_sort="name")
+    return _page(request, "tenants.html", {"table": t, "f": f.values, "statuses": Tenant.Status.choices})
 
 
 class QuotaForm(forms.Form):
@@ -491,12 +475,6 @@ def tier_detail(request, pk: int):
 
 # --- invoices -----------------------------------------------------------------------------------
 
-class InvoiceFilter(forms.Form):
-    tenant = forms.CharField(required=False, max_length=63)
-    status = forms.ChoiceField(required=False, choices=[("", "any")] + Invoice.Status.choices)
-    period = forms.DateField(required=False, input_formats=["%Y-%m"])
-
-
 INVOICE_COLUMNS = [
     Column("number", "Number"), Column("tenant__slug", "Tenant"), Column("period_start", "Period"),
     Column("status", "Status"), Column("total", "Total"), Column("currency", "Currency"),
@@ -507,19 +485,10 @@ INVOICE_COLUMNS = [
 @require_GET
 @operator_required
 def invoices(request):
-    qs = billing_sel.invoices(request.principal).prefetch_related(None)
-    f = InvoiceFilter(request.GET or None)
-    if f.is_bound and f.is_valid():
-        d = f.cleaned_data
-        if d["tenant"]:
-            qs = qs.filter(tenant__slug=d["tenant"])
-        if d["status"]:
-            qs = qs.filter(status=d["status"])
-        if d["period"]:
-            qs = qs.filter(period_start=d["period"].replace(day=1))
-    t = table(request, qs, INVOICE_COLUMNS, default_sort="-period_start")
+    f = _filter(request, InvoiceFilter, billing_sel.invoices(request.principal).prefetch_related(None))
+    t = table(request, f.qs, INVOICE_COLUMNS, default_sort="-period_start")
     tenants_ = list(Tenant.objects.order_by("slug").values_list("slug", flat=True))
-    return _page(request, "invoices.html", {"table": t, "filter": f, "tenants": tenants_,
+    return _page(request, "invoices.html", {"table": t, "f": f.values, "tenants": tenants_,
                                             "statuses": Invoice.Status.choices})
 
 
@@ -585,13 +554,9 @@ DEPLOYMENT_COLUMNS = [
 def deployments(request):
     qs = orders_sel.deployments(request.principal).select_related(
         "allocation__node", "allocation__tier", "allocation__tier__profile")
-    state = request.GET.get("state", "")
-    if state in ModelDeployment.State.values:
-        qs = qs.filter(state=state)
-    else:
-        state = ""
-    t = table(request, qs, DEPLOYMENT_COLUMNS, default_sort="-updated_at")
-    return _page(request, "deployments.html", {"table": t, "state": state,
+    f = _filter(request, DeploymentFilter, qs)
+    t = table(request, f.qs, DEPLOYMENT_COLUMNS, default_sort="-updated_at")
+    return _page(request, "deployments.html", {"table": t, "f": f.values,
                                                "states": ModelDeployment.State.choices})
 
 

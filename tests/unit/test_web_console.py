@@ -306,3 +306,56 @@ def test_nodes_query_count_independent_of_nodes_and_instances(op_client, h100_no
     orders.create_order(principal_for_user(operator), tenant=world["b"], tier=tiers["1g"], quantity=4)
     many = _queries(op_client, url)
     assert few == many
+
+
+# --- filters: the API's FilterSets ----------------------------------------------------------------
+
+def test_console_lists_and_the_api_share_one_filterset_per_list():
+    from marketplace import filters
+    from marketplace.api.billing import InvoiceViewSet
+    from marketplace.api.catalog import NodeViewSet
+    from marketplace.api.deployments import DeploymentViewSet
+    from marketplace.api.orders import AllocationViewSet, DriftEventViewSet
+    from tenants import filters as tenant_filters
+    from tenants.api.views import AuditEventViewSet, TenantViewSet
+
+    assert AllocationViewSet.filterset_class is filters.AllocationFilter
+    assert DriftEventViewSet.filterset_class is filters.DriftEventFilter
+    assert InvoiceViewSet.filterset_class is filters.InvoiceFilter
+    assert NodeViewSet.filterset_class is filters.NodeFilter
+    assert DeploymentViewSet.filterset_class is filters.DeploymentFilter
+    assert TenantViewSet.filterset_class is tenant_filters.TenantFilter
+    assert AuditEventViewSet.filterset_class is tenant_filters.AuditEventFilter
+
+
+@pytest.mark.parametrize(("name", "params", "words"), [
+    ("allocations", {"state": "bogus"}, "State “bogus” was ignored"),
+    ("invoices", {"period": "2024-13"}, "“2024-13” was ignored"),
+    ("invoices", {"status": "paidish", "tenant": "alpha"}, "“paidish” was ignored"),
+    ("tenants", {"status": "nope"}, "“nope” was ignored"),
+    ("deployments", {"state": "<script>"}, "“&lt;script&gt;” was ignored"),
+    ("nodes", {"state": "melted"}, "“melted” was ignored"),
+    ("allocation_drift", {"kind": "weird"}, "“weird” was ignored"),
+])
+def test_invalid_filter_values_are_said_not_a_500(op_client, world, name, params, words):
+    resp = op_client.get(reverse(f"console:{name}"), params)
+    assert resp.status_code == 200
+    assert words in resp.content.decode()
+
+
+def test_drift_shows_open_events_unless_asked(op_client, h100_node):
+    DriftEvent.objects.create(node=h100_node, kind="error", detail="still-open", resolved=False)
+    DriftEvent.objects.create(node=h100_node, kind="error", detail="long-fixed", resolved=True)
+    url = reverse("console:allocation_drift")
+    html = op_client.get(url).content.decode()
+    assert "still-open" in html and "long-fixed" not in html
+    html = op_client.get(url, {"resolved": "true"}).content.decode()
+    assert "long-fixed" in html and "still-open" not in html
+    html = op_client.get(url, {"resolved": ""}).content.decode()
+    assert "long-fixed" in html and "still-open" in html
+
+
+def test_tenant_search_filter(op_client, world):
+    html = op_client.get(reverse("console:tenants"), {"q": "alp"}).content.decode()
+    assert "Alpha" in html or "alpha" in html
+    assert "bravo" not in html.lower().split("<tbody>")[1]
