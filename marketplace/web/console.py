@@ -8,8 +8,10 @@ redirect back with a message; forms re-render with their field errors.
 from __future__ import annotations
 
 import hashlib
+import re
 from datetime import timedelta
 from functools import wraps
+from typing import Any
 
 from django import forms
 from django.contrib import messages
@@ -18,6 +20,7 @@ from django.core.exceptions import PermissionDenied
 from django.db.models import Avg, Count, DecimalField, F, Max, OuterRef, Prefetch, Q, QuerySet, Subquery, Sum
 from django.http import HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
+from django.urls import reverse
 from django.utils import timezone
 from django.utils.html import format_html
 from django.utils.safestring import mark_safe
@@ -34,23 +37,27 @@ from marketplace.models import (
     GpuInstance,
     GpuModel,
     Invoice,
+    MigProfile,
     ModelDeployment,
     Node,
     PricePlan,
+    ServerPlatform,
     Tier,
     TritonServer,
 )
 from marketplace.models.orders import LIVE_STATES
 from marketplace.selectors import billing as billing_sel
 from marketplace.selectors import orders as orders_sel
-from marketplace.services import billing, offers, orders
+from marketplace.services import billing, fleet, offers, orders
+from marketplace.services.fleet import DiscoveredGpu
 from marketplace.web.tables import Column, Filtered, filtered, table
 from telemetry.charts import CHARTS
 from telemetry.models import GpuSample
+from tenants import selectors as tenant_selectors
 from tenants import services as tenant_services
 from tenants.errors import ServiceError
-from tenants.filters import TenantFilter
-from tenants.models import CURRENCIES, Tenant
+from tenants.filters import AuditEventFilter, TenantFilter
+from tenants.models import CURRENCIES, AuditEvent, Tenant
 from tenants.scoping import principal_for
 
 RELEASABLE = ("placed", "provisioning", "ready", "active", "failed")
@@ -565,3 +572,170 @@ def deployments(request):
 def charts(request):
     return _page(request, "charts.html", {"charts": [{"name": c.name, "title": c.title, "url": f"/charts/{c.name}/"}
                                                      for c in CHARTS.values()]})
+
+
+# --- create: tenants, tiers, nodes --------------------------------------------------------------
+# Each form validates the input, then calls the same service as the API; the service writes in one
+# transaction, so a refused request stores nothing, and its refusal is shown next to the field it names.
+
+class TenantCreateForm(forms.ModelForm):
+    owner_email = forms.EmailField(required=False, help_text="invite this person as the tenant's first owner")
+
+    class Meta:
+        model = Tenant
+        fields = ["name", "slug", "billing_email", "currency", "max_slices", "max_slices_per_tier",
+                  "max_memory_gb", "monthly_spend_limit"]
+        labels = {"max_memory_gb": "Max GPU memory (GB)", "monthly_spend_limit": "Monthly spend limit"}
+
+
+class TierCreateForm(forms.ModelForm):
+    class Meta:
+        model = Tier
+        fields = ["key", "name", "gpu_model", "profile", "dedicated", "description", "allowed_backends"]
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        gpu_model = self.fields["gpu_model"]
+        profile = self.fields["profile"]
+        assert isinstance(gpu_model, forms.ModelChoiceField) and isinstance(profile, forms.ModelChoiceField)
+        gpu_model.queryset = GpuModel.objects.order_by("memory_gb", "key")
+        profile.queryset = MigProfile.objects.select_related("gpu_model").order_by("gpu_model__key", "memory_slices")
+        profile.empty_label = "whole GPU (MIG off)"
+
+    def clean(self) -> dict[str, Any]:
+        data = super().clean() or {}
+        if data.get("profile") is not None and data.get("gpu_model") is not None \
+                and data["profile"].gpu_model_id != data["gpu_model"].pk:
+            self.add_error("profile", f"{data['profile'].name} is not a {data['gpu_model'].name} profile")
+        return data
+
+
+NVIDIA_SMI_GPU = re.compile(r"^GPU (\d+): (.+?) \(UUID: (GPU-[0-9A-Za-z-]+)\)$")
+
+
+def parse_nvidia_smi_list(text: str) -> list[DiscoveredGpu]:
+    """`nvidia-smi -L` as the node prints it: one "GPU i: NAME (UUID: GPU-...)" line per GPU, each
+    followed by its "MIG ... Device" lines when MIG instances exist (then MIG mode is on)."""
+    gpus: list[dict[str, Any]] = []
+    for n, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line:
+            continue
+        if m := NVIDIA_SMI_GPU.match(line):
+            gpus.append({"index": int(m[1]), "name": m[2], "uuid": m[3], "mig_mode": False})
+        elif line.startswith("MIG ") and gpus:
+            gpus[-1]["mig_mode"] = True
+        else:
+            raise forms.ValidationError(f"line {n} is not nvidia-smi -L output: “{line[:80]}”")
+    if len({g["index"] for g in gpus}) != len(gpus) or len({g["uuid"] for g in gpus}) != len(gpus):
+        raise forms.ValidationError("a GPU index or UUID is listed twice")
+    return [DiscoveredGpu(**g) for g in gpus]
+
+
+class NodeCreateForm(forms.Form):
+    hostname = forms.CharField(max_length=253, help_text="as the node's worker will name itself")
+    platform = forms.ModelChoiceField(queryset=ServerPlatform.objects.select_related("gpu_model").order_by("key"),
+                                      help_text="the server model; its GPUs must match")
+    gpus = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 6}), label="GPUs (nvidia-smi -L)",
+                           help_text="paste `nvidia-smi -L` from the node; empty with the simulated NVML backend")
+
+    def clean_hostname(self) -> str:
+        hostname = fleet.normalize_hostname(self.cleaned_data["hostname"])
+        if not re.fullmatch(r"[a-z0-9]([a-z0-9.-]*[a-z0-9])?", hostname):
+            raise forms.ValidationError("letters, digits, dots and hyphens only")
+        if Node.objects.filter(hostname=hostname).exists():
+            raise forms.ValidationError("a node with this hostname is registered")
+        return hostname
+
+    def clean_gpus(self) -> list[DiscoveredGpu]:
+        return parse_nvidia_smi_list(self.cleaned_data["gpus"])
+
+    def discovered(self) -> list[DiscoveredGpu]:
+        from django.conf import settings
+
+        gpus: list[DiscoveredGpu] = self.cleaned_data["gpus"]
+        if gpus:
+            return gpus
+        if settings.TESSERA_NVML_BACKEND == "sim":
+            from marketplace.services.nodes import sim_discovery
+
+            return sim_discovery(self.cleaned_data["hostname"], self.cleaned_data["platform"])
+        raise ServiceError("paste the node's `nvidia-smi -L`, or run `manage.py register_node` on it", field="gpus")
+
+
+def _create_page(request, form: forms.BaseForm, *, title: str, intro: str, button: str, status: int = 200):
+    return _page(request, "create.html", {"form": form, "title": title, "intro": intro, "button": button},
+                 status=status)
+
+
+def _create(request, form_class: type[forms.BaseForm], save, *, title: str, intro: str, button: str):
+    """GET: the empty form; POST: validate, `save(cleaned_data)` through a service, redirect to the new
+    object's page; a refusal re-renders with the error next to its field (400)."""
+    if request.method == "GET":
+        return _create_page(request, form_class(), title=title, intro=intro, button=button)
+    if request.method != "POST":
+        return HttpResponse(status=405)
+    form = form_class(request.POST)
+    if form.is_valid():
+        try:
+            return save(form)
+        except ServiceError as exc:
+            form.add_error(exc.field if exc.field in form.fields else None, exc.text_for(operator=True))
+    return _create_page(request, form, title=title, intro=intro, button=button, status=400)
+
+
+@operator_required
+def tenant_create(request):
+    def save(form: forms.BaseForm):
+        data = dict(form.cleaned_data)
+        owner = data.pop("owner_email") or None
+        tenant = tenant_services.create_tenant(request.principal, owner_email=owner, **data)
+        invited = f" {owner} is invited as its owner." if owner else ""
+        messages.success(request, f"Tenant {tenant.name} created.{invited}")
+        return redirect("console:tenant_detail", pk=tenant.pk)
+
+    return _create(request, TenantCreateForm, save, title="New tenant", button="Create tenant",
+                   intro="A customer of the MSP: its quotas apply from the start; the owner gets an invitation.")
+
+
+@operator_required
+def tier_create(request):
+    def save(form: forms.BaseForm):
+        tier = offers.create_tier(request.principal, **form.cleaned_data)
+        messages.success(request, f"Tier {tier.key} created. Add a price plan so tenants can order it.")
+        return redirect("console:tier_detail", pk=tier.pk)
+
+    return _create(request, TierCreateForm, save, title="New tier", button="Create tier",
+                   intro="What tenants order: a GPU model and a MIG profile (or the whole GPU). Prices come next.")
+
+
+@operator_required
+def node_create(request):
+    def save(form: forms.BaseForm):
+        assert isinstance(form, NodeCreateForm)
+        node = fleet.register_node(form.cleaned_data["hostname"], form.cleaned_data["platform"], form.discovered())
+        messages.success(request, f"Node {node.hostname} registered. Start its worker: TESSERA_NODE_HOSTNAME="
+                                  f"{node.hostname} celery -A marketplace worker -Q {node.queue} -c 1")
+        return redirect(reverse("console:nodes") + f"?state={node.state}")
+
+    return _create(request, NodeCreateForm, save, title="Register a node", button="Register node",
+                   intro="A GPU server joins the fleet with the GPUs NVML reports on it.")
+
+
+# --- audit log ----------------------------------------------------------------------------------
+
+AUDIT_COLUMNS = [Column("at", "When"), Column("actor", "Who"), Column("tenant__slug", "Tenant"),
+                 Column("action", "Action"), Column("target", "Target"), Column("", "Detail")]
+
+
+@require_GET
+@operator_required
+def audit_log(request):
+    """Every staff and tenant-admin action, newest first: the API's audit list and filters."""
+    f = _filter(request, AuditEventFilter, tenant_selectors.audit_events(request.principal))
+    t = table(request, f.qs, AUDIT_COLUMNS, default_sort="-at")
+    return _page(request, "audit.html", {
+        "table": t, "f": f.values,
+        "tenants": list(Tenant.objects.order_by("slug").values_list("slug", flat=True)),
+        "actions": list(AuditEvent.objects.order_by("action").values_list("action", flat=True).distinct()),
+    })

@@ -23,7 +23,7 @@ from tests.fleet_fixtures import make_node
 pytestmark = pytest.mark.django_db
 
 PAGES = ["overview", "nodes", "allocations", "allocation_drift", "tenants", "tiers", "invoices", "deployments",
-         "charts"]
+         "charts", "tenant_create", "tier_create", "node_create", "audit"]
 
 
 @pytest.fixture
@@ -359,3 +359,176 @@ def test_tenant_search_filter(op_client, world):
     html = op_client.get(reverse("console:tenants"), {"q": "alp"}).content.decode()
     assert "Alpha" in html or "alpha" in html
     assert "bravo" not in html.lower().split("<tbody>")[1]
+
+
+# --- create forms ---------------------------------------------------------------------------------
+
+TENANT_POST = {"name": "Charlie Labs", "slug": "charlie", "billing_email": "billing@charlie.example",
+               "currency": "EUR", "max_slices": "4", "max_slices_per_tier": "2", "max_memory_gb": "160",
+               "monthly_spend_limit": "", "owner_email": "cto@charlie.example"}
+
+
+def test_create_tenant_from_console(op_client, world):
+    from tenants.models import AuditEvent, Invitation
+
+    resp = op_client.post(reverse("console:tenant_create"), TENANT_POST)
+    t = Tenant.objects.get(slug="charlie")
+    assert resp.status_code == 302 and resp["Location"] == reverse("console:tenant_detail", args=[t.pk])
+    assert (t.currency, t.max_slices, t.max_memory_gb, t.monthly_spend_limit) == ("EUR", 4, 160, None)
+    assert Invitation.objects.filter(tenant=t, email="cto@charlie.example", role=Role.OWNER).exists()
+    assert AuditEvent.objects.filter(action="tenant.create", tenant=t).exists()
+
+
+@pytest.mark.parametrize(("over", "field", "words"), [
+    ({"slug": "alpha"}, "slug", "already exists"),
+    ({"slug": "Not a slug!"}, "slug", "valid"),
+    ({"billing_email": "nope"}, "billing_email", "valid email"),
+    ({"max_slices": "-1"}, "max_slices", "greater than or equal to 0"),
+    ({"owner_email": "x@"}, "owner_email", "valid email"),
+    ({"currency": "XXX"}, "currency", "valid choice"),
+])
+def test_bad_tenant_input_stores_nothing_and_says_where(op_client, world, over, field, words):
+    from tenants.models import AuditEvent
+
+    before = (Tenant.objects.count(), AuditEvent.objects.count())
+    resp = op_client.post(reverse("console:tenant_create"), TENANT_POST | over)
+    assert resp.status_code == 400
+    assert words in str(resp.context["form"].errors[field])
+    html = resp.content.decode()
+    assert 'class="field has-error"' in html and words in html
+    assert (Tenant.objects.count(), AuditEvent.objects.count()) == before
+
+
+def test_create_tier_from_console(op_client, catalog):
+    from marketplace.models import GpuModel, MigProfile, Tier
+
+    h100 = GpuModel.objects.get(key="h100-sxm-80gb")
+    h200_profile = MigProfile.objects.filter(gpu_model__key="h200-sxm-141gb").first()
+    post = {"key": "h100-2g", "name": "H100 2g", "gpu_model": h100.pk,
+            "profile": MigProfile.objects.get(gpu_model=h100, name="2g.20gb").pk,
+            "description": "", "allowed_backends": "python,onnxruntime"}
+    bad = op_client.post(reverse("console:tier_create"), post | {"profile": h200_profile.pk})
+    assert bad.status_code == 400 and "is not a H100 SXM 80GB profile" in bad.content.decode()
+    assert not Tier.objects.filter(key="h100-2g").exists()
+    resp = op_client.post(reverse("console:tier_create"), post)
+    tier = Tier.objects.get(key="h100-2g")
+    assert resp.status_code == 302 and resp["Location"] == reverse("console:tier_detail", args=[tier.pk])
+    assert tier.profile.name == "2g.20gb" and tier.backends == ["python", "onnxruntime"]
+    again = op_client.post(reverse("console:tier_create"), post)
+    assert again.status_code == 400 and "already exists" in str(again.context["form"].errors["key"])
+    whole = op_client.post(reverse("console:tier_create"), post | {"key": "h100-whole", "profile": ""})
+    assert whole.status_code == 302 and Tier.objects.get(key="h100-whole").profile is None
+
+
+def _smi(names: list[str], mig_on: set[int] = frozenset()) -> str:
+    out = []
+    for i, name in enumerate(names):
+        out.append(f"GPU {i}: {name} (UUID: GPU-{i:08x}-aaaa-bbbb-cccc-{i:012x})")
+        if i in mig_on:
+            out.append(f"  MIG 1g.10gb     Device  0: (UUID: MIG-{i:08x}-1111-2222-3333-444444444444)")
+    return "\n".join(out)
+
+
+def test_register_node_from_console(op_client, catalog, sim_dir):
+    from marketplace.models import Gpu, Node, ServerPlatform
+
+    platform = ServerPlatform.objects.get(key="hgx-h100-8")
+    resp = op_client.post(reverse("console:node_create"), {"hostname": " Node-Z ", "platform": platform.pk,
+                                                           "gpus": ""})  # the simulated backend discovers
+    assert resp.status_code == 302
+    assert Gpu.objects.filter(node__hostname="node-z").count() == 8
+    resp = op_client.post(reverse("console:node_create"), {
+        "hostname": "node-y", "platform": platform.pk, "gpus": _smi(["NVIDIA H100 80GB HBM3"] * 8, {0, 3})})
+    assert resp.status_code == 302
+    gpus = Gpu.objects.filter(node__hostname="node-y").order_by("index")
+    assert [g.mig_mode for g in gpus] == [i in (0, 3) for i in range(8)]
+    assert Node.objects.count() == 2
+
+
+@pytest.mark.parametrize(("post", "field", "words"), [
+    ({"hostname": "node-z"}, "hostname", "is registered"),
+    ({"hostname": "bad host!"}, "hostname", "letters, digits"),
+    ({"gpus": _smi(["NVIDIA H200"] * 8)}, "gpus", "but hgx-h100-8 has H100 SXM 80GB"),
+    ({"gpus": _smi(["NVIDIA GeForce RTX 4090"] * 8)}, "gpus", "which the catalog does not sell"),
+    ({"gpus": _smi(["NVIDIA H100 80GB HBM3"] * 4)}, "gpus", "has 8 GPUs; the node reports 4"),
+    ({"gpus": "hello world"}, "gpus", "is not nvidia-smi -L output"),
+    ({"platform": "999999"}, "platform", "valid choice"),
+])
+def test_bad_node_input_stores_nothing_and_says_where(op_client, catalog, sim_dir, post, field, words):
+    from marketplace.models import Gpu, Node, ServerPlatform
+
+    platform = ServerPlatform.objects.get(key="hgx-h100-8")
+    make_node("node-z")
+    before = (Node.objects.count(), Gpu.objects.count())
+    resp = op_client.post(reverse("console:node_create"), {"hostname": "node-new", "platform": platform.pk,
+                                                           "gpus": ""} | post)
+    assert resp.status_code == 400
+    errors = resp.context["form"].errors
+    assert words in str(errors[field]), errors
+    assert (Node.objects.count(), Gpu.objects.count()) == before
+
+
+def test_register_node_without_gpus_needs_the_list_on_real_nvml(op_client, catalog, settings):
+    from marketplace.models import Node, ServerPlatform
+
+    settings.TESSERA_NVML_BACKEND = "pynvml"
+    resp = op_client.post(reverse("console:node_create"), {
+        "hostname": "node-q", "platform": ServerPlatform.objects.get(key="hgx-h100-8").pk, "gpus": ""})
+    assert resp.status_code == 400 and "nvidia-smi -L" in str(resp.context["form"].errors["gpus"])
+    assert not Node.objects.exists()
+
+
+# --- audit log ------------------------------------------------------------------------------------
+
+def _audit(n: int, tenant, action="tier.update", **kw):
+    from tenants.models import AuditEvent
+
+    now = timezone.now()
+    AuditEvent.objects.bulk_create([
+        AuditEvent(at=now - timedelta(minutes=i), actor="user:op@msp.example", tenant=tenant, action=action,
+                   target=f"thing:{i}", detail={"n": i}, **kw) for i in range(n)])
+
+
+def test_audit_log_newest_first_filtered_and_paginated(op_client, world):
+    from tenants.models import AuditEvent
+
+    AuditEvent.objects.all().delete()
+    _audit(30, world["a"], action="member.role")
+    _audit(3, world["b"], action="key.revoke")
+    AuditEvent.objects.create(at=timezone.now() + timedelta(minutes=1), actor="user:op@msp.example",
+                              tenant=world["b"], action="tenant.suspend", target="tenant:bravo")
+    url = reverse("console:audit")
+    resp = op_client.get(url)
+    html = resp.content.decode().split("<tbody>")[1]
+    assert resp.context["table"].total == 34
+    assert html.index("tenant.suspend") < html.index("key.revoke")  # newest first
+    assert "page 1 of 2" in html
+    html = op_client.get(url, {"tenant": "bravo"}).content.decode().split("<tbody>")[1]
+    assert "key.revoke" in html and "member.role" not in html
+    resp = op_client.get(url, {"tenant": "alpha", "action": "member.role", "page": "2"})
+    assert resp.context["table"].total == 30 and "thing:29" in resp.content.decode()
+    resp = op_client.get(url, {"action": "key.revoke", "sort": "at"})
+    assert [e.target for e in resp.context["table"].page] == ["thing:2", "thing:1", "thing:0"]
+
+
+def test_audit_log_query_count_is_pinned_and_independent_of_rows(op_client, world,
+                                                                   django_assert_max_num_queries):
+    url = reverse("console:audit")
+    _audit(2, world["a"])
+    with django_assert_max_num_queries(12):
+        few = _queries(op_client, url)
+    for i in range(10):
+        _audit(5, TenantFactory(), action=f"action.{i}")
+    with django_assert_max_num_queries(12):
+        many = _queries(op_client, url)
+    assert few == many
+
+
+@pytest.mark.parametrize("name", ["tenant_create", "tier_create", "node_create"])
+def test_create_pages_query_count_is_pinned(op_client, h100_node, tiers, world, name, django_assert_max_num_queries):
+    with django_assert_max_num_queries(10):
+        few = _queries(op_client, reverse(f"console:{name}"))
+    for i in range(5):
+        make_node(f"node-x{i}")
+    with django_assert_max_num_queries(10):
+        assert _queries(op_client, reverse(f"console:{name}")) == few
