@@ -22,6 +22,7 @@ from django.http import HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse
 from django.utils import timezone
+from django.utils.cache import patch_vary_headers
 from django.utils.html import format_html
 from django.utils.safestring import mark_safe
 from django.views.decorators.http import require_GET, require_POST
@@ -82,11 +83,27 @@ def _page(request, template: str, ctx: dict, status: int = 200):
 
 def _filter(request, filterset_class: type[FilterSet], qs: QuerySet, *,
             defaults: dict[str, str] | None = None) -> Filtered:
-    """The list's FilterSet (the API's) on the query string; a rejected value is said in a message."""
+    """The list's FilterSet (the API's) on the query string; a rejected value is said in a message (in a
+    live list's refresh, by the list itself: a message would wait for the next whole page)."""
     f = filtered(request, filterset_class, qs, defaults=defaults)
-    for problem in f.problems:
-        messages.warning(request, problem)
+    if not _live(request):
+        for problem in f.problems:
+            messages.warning(request, problem)
     return f
+
+
+def _live(request) -> bool:
+    """An htmx refresh of a live list (not a boosted page load): answer with the list alone."""
+    htmx = getattr(request, "htmx", None)
+    return htmx is not None and bool(htmx) and not htmx.boosted
+
+
+def _live_page(request, template: str, partial: str, ctx: dict):
+    """A live list: the whole page, or (htmx refresh) the list part alone; one URL for both, so the
+    browser's cache tells them apart by HX-Request."""
+    resp = render(request, f"console/{partial}" if _live(request) else f"console/{template}", ctx)
+    patch_vary_headers(resp, ["HX-Request"])
+    return resp
 
 
 def _service_error(request, exc: ServiceError) -> None:
@@ -151,20 +168,33 @@ def overview(request):
     month = _month_start()
     revenue = list(Invoice.objects.filter(period_start=month).values("currency")
                    .annotate(total=Sum("total"), invoices=Count("id"), rated=Max("rated_at")).order_by("currency"))
+    states = dict(Allocation.objects.filter(state__in=LIVE_STATES).values_list("state").annotate(n=Count("id"))
+                  .order_by())
+    return _page(request, "overview.html", {
+        "occupancy": occupancy, "utilization": utilization, "since": since, "revenue": revenue, "month": month,
+        "live": sum(states.values()), "states": states,
+        "node_count": Node.objects.count(), "tenant_count": Tenant.objects.count(),
+    } | _alerts(request))
+
+
+def _alerts(request) -> dict[str, Any]:
+    """The overview's alerts: unresolved drift, failed allocations, spend limits, billing alerts."""
     drift_qs = orders_sel.drift_events(request.principal).filter(resolved=False)
     failed_qs = (Allocation.objects.filter(state=Allocation.State.FAILED)
                  .select_related("tenant", "tier", "node").order_by("-updated_at"))
-    states = dict(Allocation.objects.filter(state__in=LIVE_STATES).values_list("state").annotate(n=Count("id"))
-                  .order_by())
     open_alerts = BillingAlert.objects.filter(resolved_at__isnull=True).select_related("tenant").order_by("-at")
-    return _page(request, "overview.html", {
-        "billing_alerts": list(open_alerts[:10]), "billing_alert_count": open_alerts.count(),
-        "occupancy": occupancy, "utilization": utilization, "since": since, "revenue": revenue, "month": month,
-        "drift": list(drift_qs[:10]), "drift_count": drift_qs.count(),
-        "failed": list(failed_qs[:10]), "failed_count": failed_qs.count(),
-        "spend_alerts": spend_alerts(), "live": sum(states.values()), "states": states,
-        "node_count": Node.objects.count(), "tenant_count": Tenant.objects.count(),
-    })
+    return {"billing_alerts": list(open_alerts[:10]), "billing_alert_count": open_alerts.count(),
+            "drift": list(drift_qs[:10]), "drift_count": drift_qs.count(),
+            "failed": list(failed_qs[:10]), "failed_count": failed_qs.count(), "spend_alerts": spend_alerts()}
+
+
+@require_GET
+@operator_required
+def overview_alerts(request):
+    """The overview's alerts alone: what its live region fetches every few seconds."""
+    resp = _page(request, "_alerts.html", _alerts(request))
+    patch_vary_headers(resp, ["HX-Request"])
+    return resp
 
 
 # --- nodes --------------------------------------------------------------------------------------
@@ -240,8 +270,9 @@ ALLOCATION_COLUMNS = [
 def allocations(request):
     f = _filter(request, AllocationFilter, orders_sel.allocations(request.principal).prefetch_related(None))
     t = table(request, f.qs, ALLOCATION_COLUMNS, default_sort="-created_at")
-    return _page(request, "allocations.html", {"table": t, "f": f.values,
-                                               "options": filter_options(), "states": Allocation.State.choices})
+    return _live_page(request, "allocations.html", "_allocations_list.html", {
+        "table": t, "f": f.values, "problems": f.problems, "states": Allocation.State.choices,
+        "options": {} if _live(request) else filter_options()})  # a refresh redraws the list, not the form
 
 
 @require_GET
@@ -290,7 +321,8 @@ def drift(request):
     t = table(request, f.qs, [Column("at", "When"), Column("node__hostname", "Node"), Column("gpu_index", "GPU"),
                             Column("kind", "Kind"), Column("", "Detail"), Column("allocation_id", "Allocation"),
                             Column("resolved", "Resolved")], default_sort="-at")
-    return _page(request, "drift.html", {"table": t, "f": f.values, "kinds": DriftEvent.Kind.choices})
+    return _live_page(request, "drift.html", "_drift_list.html", {"table": t, "f": f.values, "problems": f.problems,
+                                                                   "kinds": DriftEvent.Kind.choices})
 
 
 @require_GET
@@ -563,8 +595,8 @@ def deployments(request):
         "allocation__node", "allocation__tier", "allocation__tier__profile")
     f = _filter(request, DeploymentFilter, qs)
     t = table(request, f.qs, DEPLOYMENT_COLUMNS, default_sort="-updated_at")
-    return _page(request, "deployments.html", {"table": t, "f": f.values,
-                                               "states": ModelDeployment.State.choices})
+    return _live_page(request, "deployments.html", "_deployments_list.html", {
+        "table": t, "f": f.values, "problems": f.problems, "states": ModelDeployment.State.choices})
 
 
 @require_GET

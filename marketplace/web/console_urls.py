@@ -7,6 +7,7 @@ from . import planner
 
 urlpatterns = [
     path("", v.overview, name="overview"),
+    path("alerts/", v.overview_alerts, name="overview_alerts"),
     path("nodes/", v.nodes, name="nodes"),
     path("nodes/new/", v.node_create, name="node_create"),
     path("allocations/", v.allocations, name="allocations"),

@@ -1,11 +1,13 @@
-"""The console's create forms and audit log in a real browser: a refused form keeps what was typed and
-says what is wrong next to the field; created things show up in the audit log, filterable."""
+"""The console's create forms, audit log and live lists in a real browser: a refused form keeps what was
+typed and says what is wrong next to the field; created things show up in the audit log, filterable; the
+overview's alerts and the allocations list follow the database (htmx) without a reload."""
 
 from __future__ import annotations
 
 import pytest
+from playwright.sync_api import expect
 
-from marketplace.models import Node, Tier
+from marketplace.models import Allocation, Node, Order, Tier
 from tenants.models import AuditEvent, Tenant
 from tests.factories import OperatorFactory, TenantFactory
 
@@ -72,4 +74,27 @@ def test_create_forms_and_audit_log(page, live_server, login, shot, catalog, sim
     assert rows.count() == AuditEvent.objects.filter(action="tenant.create").count() == 1
     assert "charlie" in rows.first.inner_text()
     shot(page, "console-audit-filtered")
+
+    # live lists: the overview's alerts and the allocations list follow the database without a reload
+    page.goto(f"{base}/console/")
+    page.evaluate("window.notReloaded = true")
+    alerts = page.locator("#live-alerts")
+    assert "No failed allocations." in alerts.inner_text()
+    tenant, tier = Tenant.objects.get(slug="charlie"), Tier.objects.get(key="h100-2g")
+    failed = Allocation.objects.create(order=Order.objects.create(tenant=tenant, tier=tier), tenant=tenant, tier=tier,
+                                       state="failed", failure_reason="GPU fell off the bus")
+    expect(alerts).to_contain_text("GPU fell off the bus", timeout=12_000)
+    assert page.evaluate("window.notReloaded") is True
+    shot(page, "console-overview-live")
+    page.goto(f"{base}/console/allocations/")
+    page.evaluate("window.notReloaded = true")
+    page.select_option("select[name=state]", "failed")
+    page.click("form.filters button[type=submit]")
+    page.wait_for_url("**/console/allocations/?*state=failed*")
+    rows = page.locator("#live-list table.data tbody tr")
+    expect(rows).to_have_count(1)
+    Allocation.objects.filter(pk=failed.pk).update(state="released")
+    expect(rows.first).to_contain_text("No allocations match", timeout=12_000)
+    assert page.evaluate("window.notReloaded") is True
+    shot(page, "console-allocations-live")
     assert [e for e in errors if "status of 400" not in e] == []  # a refused form answers 400, by design

@@ -286,7 +286,7 @@ def _queries(client, url) -> int:
 
 
 @pytest.mark.parametrize("name", ["allocations", "tenants", "invoices", "deployments", "allocation_drift",
-                                  "overview", "tiers"])
+                                  "overview", "tiers", "overview_alerts", "audit"])
 def test_query_count_independent_of_rows(op_client, h100_node, tiers, name):
     url = reverse(f"console:{name}")
     _add_rows(2, tiers, h100_node)
@@ -532,3 +532,64 @@ def test_create_pages_query_count_is_pinned(op_client, h100_node, tiers, world, 
         make_node(f"node-x{i}")
     with django_assert_max_num_queries(10):
         assert _queries(op_client, reverse(f"console:{name}")) == few
+
+
+# --- live lists (htmx) ----------------------------------------------------------------------------
+
+LIVE = [("allocations", "live-list"), ("deployments", "live-list"), ("allocation_drift", "live-list"),
+        ("overview", "live-alerts")]
+
+
+def _hx(client, url, params=None):
+    return client.get(url, params or {}, HTTP_HX_REQUEST="true")
+
+
+@pytest.mark.parametrize(("name", "region"), LIVE)
+def test_live_lists_poll_and_answer_htmx_with_the_list_alone(op_client, placed, name, region):
+    url = reverse(f"console:{name}")
+    page = op_client.get(url).content.decode()
+    assert f'id="{region}"' in page and 'hx-trigger="every 5s"' in page
+    assert "django_htmx/htmx-2.min.js" in page  # shipped by the django-htmx package, no CDN
+    poll = page.split(f'id="{region}"')[1].split('hx-get="')[1].split('"')[0]
+    resp = _hx(op_client, poll)
+    body = resp.content.decode()
+    assert resp.status_code == 200 and "HX-Request" in resp["Vary"]
+    assert body.lstrip().startswith(f'<div id="{region}"') and "<html" not in body and "mainnav" not in body
+
+
+def test_live_allocations_list_shows_a_new_state_without_a_reload(op_client, placed):
+    url = reverse("console:allocations")
+    assert "failed</span>" not in _hx(op_client, url).content.decode()
+    alloc_svc.fail(placed[0], "test", "boom")
+    assert "failed</span>" in _hx(op_client, url).content.decode()
+    alerts = _hx(op_client, reverse("console:overview_alerts")).content.decode()
+    assert f"#{placed[0].pk}</a>" in alerts and "boom" in alerts
+
+
+def test_live_filter_keeps_its_query_and_says_bad_values_in_the_list(op_client, placed):
+    url = reverse("console:allocations")
+    body = _hx(op_client, url, {"state": "bogus", "tenant": "alpha"}).content.decode()
+    assert "State “bogus” was ignored" in body
+    assert 'hx-get="/console/allocations/?state=bogus&amp;tenant=alpha"' in body  # the poll keeps the filter
+    assert "was ignored" not in op_client.get(reverse("console:tenants")).content.decode()  # no stale message
+
+
+@pytest.mark.parametrize(("name", "most"), [("allocations", 8), ("deployments", 6), ("allocation_drift", 7),
+                                            ("overview_alerts", 12)])
+def test_live_refresh_query_count_pinned_and_independent_of_rows(op_client, h100_node, tiers, name, most,
+                                                                   django_assert_max_num_queries):
+    url = reverse(f"console:{name}")
+    _add_rows(2, tiers, h100_node)
+    with CaptureQueriesContext(connection) as few, django_assert_max_num_queries(most):
+        assert _hx(op_client, url).status_code == 200
+    _add_rows(20, tiers, h100_node)
+    with CaptureQueriesContext(connection) as many:
+        assert _hx(op_client, url).status_code == 200
+    assert len(few.captured_queries) == len(many.captured_queries)
+
+
+def test_htmx_is_a_static_file_of_an_installed_package():
+    from django.contrib.staticfiles import finders
+
+    path = finders.find("django_htmx/htmx-2.min.js")
+    assert path and "site-packages" in str(path)
