@@ -593,3 +593,20 @@ def test_htmx_is_a_static_file_of_an_installed_package():
 
     path = finders.find("django_htmx/htmx-2.min.js")
     assert path and "site-packages" in str(path)
+
+
+def test_the_shared_filtersets_filter_the_api_the_same_way(op_client, world, h100_node):
+    """The console's month and search filters are the API's too (one FilterSet per list)."""
+    Invoice.objects.create(tenant=world["a"], period_start=date(2024, 1, 1), period_end=date(2024, 2, 1),
+                           currency="USD", total=Decimal("11.11"))
+    Invoice.objects.create(tenant=world["b"], period_start=date(2024, 2, 1), period_end=date(2024, 3, 1),
+                           currency="USD", total=Decimal("22.22"))
+    rows = op_client.get("/api/v1/invoices/", {"period": "2024-02"}).json()["results"]
+    assert [r["total"] for r in rows] == ["22.22"]
+    assert op_client.get("/api/v1/invoices/", {"period": "2024-13"}).status_code == 400
+    slugs = [r["slug"] for r in op_client.get("/api/v1/tenants/", {"q": "alp"}).json()["results"]]
+    assert slugs == ["alpha"]
+    DriftEvent.objects.create(node=h100_node, kind="error", detail="open", resolved=False)
+    DriftEvent.objects.create(node=h100_node, kind="error", detail="done", resolved=True)
+    rows = op_client.get("/api/v1/fleet/drift/", {"resolved": "false"}).json()["results"]
+    assert [r["detail"] for r in rows] == ["open"]
