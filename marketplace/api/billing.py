@@ -6,7 +6,6 @@ from __future__ import annotations
 from datetime import timedelta
 from decimal import Decimal
 
-import django_filters
 from django.utils import timezone
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
@@ -17,6 +16,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from marketplace.api.disclosure import reader_is_operator
+from marketplace.filters import InvoiceFilter
 from marketplace.models import CreditNote, CreditNoteLine, Invoice, InvoiceLine, WebhookDelivery, WebhookEndpoint
 from marketplace.selectors import billing as selectors
 from marketplace.selectors.exports import credit_note_csv, invoice_csv
@@ -185,14 +185,6 @@ class CreditNoteExportSerializer(serializers.Serializer):
     recharged_on = serializers.CharField(allow_null=True)
 
 
-class InvoiceFilter(django_filters.FilterSet):
-    tenant = django_filters.CharFilter(field_name="tenant__slug")
-    period_from = django_filters.DateFilter(field_name="period_start", lookup_expr="gte")
-    period_to = django_filters.DateFilter(field_name="period_start", lookup_expr="lte")
-
-    class Meta:
-        model = Invoice
-        fields = ["tenant", "status", "period_start", "currency"]
 
 
 class CsvRenderer(renderers.BaseRenderer):

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-import django_filters
 from rest_framework import serializers, viewsets
 
+from marketplace.filters import GpuFilter, InstanceFilter, MigProfileFilter, NodeFilter
 from marketplace.models import Gpu, GpuInstance, GpuModel, MigProfile, Node, ServerPlatform
 from marketplace.selectors import catalog as selectors
 from tenants.models import Tenant
 from tenants.permissions import SharedRead
 
-from .disclosure import OperatorOnlyFieldsMixin, OperatorOnlyFiltersMixin
+from .disclosure import OperatorOnlyFieldsMixin
 from .viewsets import ScopedReadOnlyViewSet
 
 
@@ -56,14 +56,6 @@ class GpuModelViewSet(CatalogViewSet):
     filterset_fields = ["key", "fp8"]
     ordering_fields = ["memory_gb", "key"]
     lookup_field = "key"
-
-
-class MigProfileFilter(django_filters.FilterSet):
-    gpu_model = django_filters.CharFilter(field_name="gpu_model__key")
-
-    class Meta:
-        model = MigProfile
-        fields = ["gpu_model", "name", "profile_id", "media_extensions"]
 
 
 class MigProfileViewSet(CatalogViewSet):
@@ -127,35 +119,6 @@ class GpuSerializer(serializers.ModelSerializer):
             for s in inst.slot_range:
                 slots[s] = inst.tenant.slug
         return slots
-
-
-class NodeFilter(django_filters.FilterSet):
-    platform = django_filters.CharFilter(field_name="platform__key")
-
-    class Meta:
-        model = Node
-        fields = ["platform", "state"]
-
-
-class GpuFilter(django_filters.FilterSet):
-    node = django_filters.CharFilter(field_name="node__hostname")
-    gpu_model = django_filters.CharFilter(field_name="gpu_model__key")
-    dedicated_tenant = django_filters.CharFilter(field_name="dedicated_tenant__slug")
-
-    class Meta:
-        model = Gpu
-        fields = ["node", "gpu_model", "mig_mode", "state", "dedicated_tenant"]
-
-
-class InstanceFilter(OperatorOnlyFiltersMixin, django_filters.FilterSet):
-    tenant = django_filters.CharFilter(field_name="tenant__slug")
-    node = django_filters.CharFilter(field_name="gpu__node__hostname", method="operator_only",
-                                     help_text="node hostname (operators only)")
-    gpu_model = django_filters.CharFilter(field_name="gpu__gpu_model__key")
-
-    class Meta:
-        model = GpuInstance
-        fields = ["tenant", "node", "gpu_model", "state"]
 
 
 class NodeViewSet(ScopedReadOnlyViewSet):

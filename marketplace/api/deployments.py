@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import django_filters
 from drf_spectacular.extensions import OpenApiSerializerFieldExtension
 from drf_spectacular.utils import extend_schema
 from rest_framework import mixins, serializers, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.response import Response
 
+from marketplace.filters import DeploymentFilter
 from marketplace.hardware import triton
 from marketplace.models import Allocation, LibraryModel, LoraAdapter, ModelDeployment, ModelRepository
 from marketplace.selectors import orders as selectors
@@ -154,14 +154,6 @@ class DeploymentSerializer(serializers.ModelSerializer):
         spec.pop("path", None)  # where the node reads an uploaded repository: not the tenant's business
         data["spec"] = spec
         return data
-
-
-class DeploymentFilter(django_filters.FilterSet):
-    tenant = django_filters.CharFilter(field_name="tenant__slug")
-
-    class Meta:
-        model = ModelDeployment
-        fields = ["tenant", "allocation", "state", "name"]
 
 
 class DeploymentViewSet(ScopedViewSetMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin,

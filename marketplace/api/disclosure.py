@@ -4,7 +4,8 @@ Node hostnames, GPU UUIDs and ids, placement starts, GPU-instance and compute-in
 placement engine's diagnostics (which name GPU and node ids, fleet sizes and how many GPUs other
 tenants hold) are for MSP operators. A serializer lists such fields in ``operator_only`` with the
 value everyone else gets instead (the field stays in the response, so the schema holds for both).
-A serializer without a request in its context treats the reader as a tenant.
+A serializer without a request in its context treats the reader as a tenant. Filters by such fields are
+``marketplace.filters.OperatorOnlyFiltersMixin``.
 """
 
 from __future__ import annotations
@@ -38,13 +39,3 @@ class OperatorOnlyFieldsMixin:
                     data[name] = value
         return data
 
-
-class OperatorOnlyFiltersMixin:
-    """FilterSet mixin: ``CharFilter(field_name="node__hostname", method="operator_only")`` filters
-    operators' lists by a fleet field; for anyone else it matches nothing, so a tenant cannot use
-    it to confirm a guessed hostname."""
-
-    def operator_only(self, queryset, name, value):
-        if not reader_is_operator({"request": self.request}):
-            return queryset.none()
-        return queryset.filter(**{name: value})

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, ClassVar
 
-import django_filters
 from drf_spectacular.utils import extend_schema
 from rest_framework import mixins, permissions, serializers, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.response import Response
 
+from marketplace.filters import AllocationFilter, DriftEventFilter, PricePlanFilter
 from marketplace.models import (
     Allocation,
     AllocationEvent,
@@ -32,7 +32,7 @@ from tenants.models import Tenant
 from tenants.permissions import SharedRead
 from tenants.scoping import principal_for
 
-from .disclosure import OperatorOnlyFieldsMixin, OperatorOnlyFiltersMixin
+from .disclosure import OperatorOnlyFieldsMixin
 from .viewsets import ScopedViewSetMixin, StrictInputMixin
 
 if TYPE_CHECKING:
@@ -121,14 +121,6 @@ class TierViewSet(OperatorWritesMixin, viewsets.ModelViewSet):
 
     def perform_update(self, serializer):
         serializer.instance = offers.update_tier(self.principal, serializer.instance, **serializer.validated_data)
-
-
-class PricePlanFilter(django_filters.FilterSet):
-    tier = django_filters.CharFilter(field_name="tier__key")
-
-    class Meta:
-        model = PricePlan
-        fields = ["tier", "kind", "currency"]
 
 
 class PricePlanViewSet(OperatorWritesMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin,
@@ -251,17 +243,6 @@ class OrderViewSet(ScopedViewSetMixin, mixins.ListModelMixin, mixins.RetrieveMod
         return Response(self.get_serializer(order).data, status=status.HTTP_201_CREATED)
 
 
-class AllocationFilter(OperatorOnlyFiltersMixin, django_filters.FilterSet):
-    tenant = django_filters.CharFilter(field_name="tenant__slug")
-    tier = django_filters.CharFilter(field_name="tier__key")
-    node = django_filters.CharFilter(field_name="node__hostname", method="operator_only",
-                                     help_text="node hostname (operators only)")
-
-    class Meta:
-        model = Allocation
-        fields = ["tenant", "tier", "node", "state", "order"]
-
-
 class AllocationViewSet(ScopedViewSetMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin,
                         viewsets.GenericViewSet):
     """Allocations with their state history; release (tenant) and retry (operators)."""
@@ -301,6 +282,6 @@ class DriftEventViewSet(ScopedViewSetMixin, mixins.ListModelMixin, viewsets.Gene
     queryset_model = DriftEvent
     selector = selectors.drift_events
     serializer_class = DriftEventSerializer
-    filterset_fields = ["kind", "resolved"]
+    filterset_class = DriftEventFilter
     ordering = ["-at"]
     capabilities = {"list": "operate"}

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import re
+
 from django import forms
+from django.http import QueryDict
 from django.shortcuts import render
 from django.views.decorators.http import require_GET
 
@@ -104,6 +107,50 @@ class SettingsForm(forms.Form):
         return chosen
 
 
+ROW_KEY = re.compile(r"^w-(\d+)-")
+
+
+def _int(value: str | None) -> int | None:
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+def plan_query(get: QueryDict, settings_form: SettingsForm) -> tuple[QueryDict, list[str]]:
+    """The plan's query string made whole, so that an edited or shortened URL never meets Django's
+    management-form checks ("(Hidden field TOTAL_FORMS) ..."): the row count is the rows the link holds
+    (at most MAX_WORKLOADS), and a setting the link lacks takes its default. Values that are there but
+    wrong stay, and are said next to their field. Returns the data and what was changed, in words."""
+    data = get.copy()
+    notes = []
+    rows = max((int(m[1]) + 1 for k in data if (m := ROW_KEY.match(k))), default=0)
+    total = _int(data.get("w-TOTAL_FORMS"))
+    if total is None or total < 0:
+        if "w-TOTAL_FORMS" in data:
+            notes.append("The link's workload count was not a number; its rows are read as they are.")
+        total = rows
+    most = capacity_planning.MAX_WORKLOADS
+    if total > most:
+        notes.append(f"The planner takes at most {most} workloads; the first {most} are planned.")
+        total = most
+    initial = _int(data.get("w-INITIAL_FORMS"))
+    data["w-TOTAL_FORMS"] = str(total)
+    data["w-INITIAL_FORMS"] = str(initial if initial is not None and 0 <= initial <= total else 0)
+    for name in ("w-MIN_NUM_FORMS", "w-MAX_NUM_FORMS"):  # the formset's own limits apply, not the link's
+        data.pop(name, None)
+    defaulted = []
+    for name, field in settings_form.fields.items():
+        if field.required and name not in data and not isinstance(field, forms.MultipleChoiceField):
+            value = settings_form.get_initial_for_field(field, name)
+            if value is not None:
+                data[name] = str(value)
+                defaulted.append(str(field.label))
+    if defaulted:
+        notes.append(f"Not in the link, so at their defaults: {', '.join(defaulted)}.")
+    return data, notes
+
+
 def _request(workloads, settings_form, models, shapes) -> capacity_planning.PlanRequest:
     d = settings_form.cleaned_data
     by_model = {m.key for m in models}
@@ -139,9 +186,11 @@ def planner_page(request):
     shapes = capacity_planning.shape_figures(since, until, measure=False)  # the form's fields; the plan measures
     bound = "plan" in request.GET
     report = error = None
+    notes: list[str] = []
     if bound:
-        formset = WorkloadFormSet(request.GET, prefix="w", form_kwargs={"models": models})
-        settings_form = SettingsForm(request.GET, models=models, shapes=shapes)
+        data, notes = plan_query(request.GET, SettingsForm(models=models, shapes=shapes))
+        formset = WorkloadFormSet(data, prefix="w", form_kwargs={"models": models})
+        settings_form = SettingsForm(data, models=models, shapes=shapes)
         if formset.is_valid() and settings_form.is_valid():
             try:
                 report = capacity_planning.build_plan(_request(_workloads(formset), settings_form, models, shapes))
@@ -159,7 +208,7 @@ def planner_page(request):
                     planner.Workload(d["name"], d["tokens_per_s"], d["min_memory_gib"]) for d in demand]))
             except planner.PlanError as exc:
                 error = exc.message
-    ctx = {"formset": formset, "settings_form": settings_form, "report": report, "error": error,
+    ctx = {"formset": formset, "settings_form": settings_form, "report": report, "error": error, "notes": notes,
            "base_fields": [settings_form[n] for n in ("target_utilization", "growth", "window_days", "price_per_kwh",
                                                       "currency", "gpu_models")],
            "cost_fields": [settings_form[n] for n in settings_form.cost_fields],

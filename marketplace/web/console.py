@@ -8,31 +8,40 @@ redirect back with a message; forms re-render with their field errors.
 from __future__ import annotations
 
 import hashlib
+import re
 from datetime import timedelta
 from functools import wraps
+from typing import Any
 
 from django import forms
 from django.contrib import messages
 from django.contrib.auth.views import redirect_to_login
 from django.core.exceptions import PermissionDenied
-from django.db.models import Avg, Count, DecimalField, F, Max, OuterRef, Prefetch, Q, Subquery, Sum
+from django.db.models import Avg, Count, DecimalField, F, Max, OuterRef, Prefetch, Q, QuerySet, Subquery, Sum
 from django.http import HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
+from django.urls import reverse
 from django.utils import timezone
+from django.utils.cache import patch_vary_headers
 from django.utils.html import format_html
 from django.utils.safestring import mark_safe
 from django.views.decorators.http import require_GET, require_POST
+from django_filters import FilterSet
 
+from marketplace.filters import AllocationFilter, DeploymentFilter, DriftEventFilter, InvoiceFilter, NodeFilter
 from marketplace.models import (
     Allocation,
     BillingAlert,
+    DriftEvent,
     Gpu,
     GpuInstance,
     GpuModel,
     Invoice,
+    MigProfile,
     ModelDeployment,
     Node,
     PricePlan,
+    ServerPlatform,
     Tier,
     TritonServer,
 )
@@ -40,13 +49,16 @@ from marketplace.models.orders import LIVE_STATES
 from marketplace.selectors import billing as billing_sel
 from marketplace.selectors import orders as orders_sel
 from marketplace.selectors.exports import invoice_csv
-from marketplace.services import billing, offers, orders
-from marketplace.web.tables import Column, table
+from marketplace.services import billing, fleet, offers, orders
+from marketplace.services.fleet import DiscoveredGpu
+from marketplace.web.tables import Column, Filtered, filtered, table
 from telemetry.charts import CHARTS
 from telemetry.models import GpuSample
+from tenants import selectors as tenant_selectors
 from tenants import services as tenant_services
 from tenants.errors import ServiceError
-from tenants.models import CURRENCIES, Tenant
+from tenants.filters import AuditEventFilter, TenantFilter
+from tenants.models import CURRENCIES, AuditEvent, Tenant
 from tenants.scoping import principal_for
 
 RELEASABLE = (Allocation.State.PLACED, Allocation.State.PROVISIONING, Allocation.State.READY, Allocation.State.ACTIVE,
@@ -68,6 +80,31 @@ def operator_required(view):
 
 def _page(request, template: str, ctx: dict, status: int = 200):
     return render(request, f"console/{template}", ctx, status=status)
+
+
+def _filter(request, filterset_class: type[FilterSet], qs: QuerySet, *,
+            defaults: dict[str, str] | None = None) -> Filtered:
+    """The list's FilterSet (the API's) on the query string; a rejected value is said in a message (in a
+    live list's refresh, by the list itself: a message would wait for the next whole page)."""
+    f = filtered(request, filterset_class, qs, defaults=defaults)
+    if not _live(request):
+        for problem in f.problems:
+            messages.warning(request, problem)
+    return f
+
+
+def _live(request) -> bool:
+    """An htmx refresh of a live list (not a boosted page load): answer with the list alone."""
+    htmx = getattr(request, "htmx", None)
+    return htmx is not None and bool(htmx) and not htmx.boosted
+
+
+def _live_page(request, template: str, partial: str, ctx: dict):
+    """A live list: the whole page, or (htmx refresh) the list part alone; one URL for both, so the
+    browser's cache tells them apart by HX-Request."""
+    resp = render(request, f"console/{partial}" if _live(request) else f"console/{template}", ctx)
+    patch_vary_headers(resp, ["HX-Request"])
+    return resp
 
 
 def _service_error(request, exc: ServiceError) -> None:
@@ -132,20 +169,33 @@ def overview(request):
     month = _month_start()
     revenue = list(Invoice.objects.filter(period_start=month).values("currency")
                    .annotate(total=Sum("total"), invoices=Count("id"), rated=Max("rated_at")).order_by("currency"))
+    states = dict(Allocation.objects.filter(state__in=LIVE_STATES).values_list("state").annotate(n=Count("id"))
+                  .order_by())
+    return _page(request, "overview.html", {
+        "occupancy": occupancy, "utilization": utilization, "since": since, "revenue": revenue, "month": month,
+        "live": sum(states.values()), "states": states,
+        "node_count": Node.objects.count(), "tenant_count": Tenant.objects.count(),
+    } | _alerts(request))
+
+
+def _alerts(request) -> dict[str, Any]:
+    """The overview's alerts: unresolved drift, failed allocations, spend limits, billing alerts."""
     drift_qs = orders_sel.drift_events(request.principal).filter(resolved=False)
     failed_qs = (Allocation.objects.filter(state=Allocation.State.FAILED)
                  .select_related("tenant", "tier", "node").order_by("-updated_at"))
-    states = dict(Allocation.objects.filter(state__in=LIVE_STATES).values_list("state").annotate(n=Count("id"))
-                  .order_by())
     open_alerts = BillingAlert.objects.filter(resolved_at__isnull=True).select_related("tenant").order_by("-at")
-    return _page(request, "overview.html", {
-        "billing_alerts": list(open_alerts[:10]), "billing_alert_count": open_alerts.count(),
-        "occupancy": occupancy, "utilization": utilization, "since": since, "revenue": revenue, "month": month,
-        "drift": list(drift_qs[:10]), "drift_count": drift_qs.count(),
-        "failed": list(failed_qs[:10]), "failed_count": failed_qs.count(),
-        "spend_alerts": spend_alerts(), "live": sum(states.values()), "states": states,
-        "node_count": Node.objects.count(), "tenant_count": Tenant.objects.count(),
-    })
+    return {"billing_alerts": list(open_alerts[:10]), "billing_alert_count": open_alerts.count(),
+            "drift": list(drift_qs[:10]), "drift_count": drift_qs.count(),
+            "failed": list(failed_qs[:10]), "failed_count": failed_qs.count(), "spend_alerts": spend_alerts()}
+
+
+@require_GET
+@operator_required
+def overview_alerts(request):
+    """The overview's alerts alone: what its live region fetches every few seconds."""
+    resp = _page(request, "_alerts.html", _alerts(request))
+    patch_vary_headers(resp, ["HX-Request"])
+    return resp
 
 
 # --- nodes --------------------------------------------------------------------------------------
@@ -154,7 +204,7 @@ def slot_cells(gpu: Gpu) -> list[dict]:
     """The GPU's 8 memory slices as cells: one per instance (spanning its slices), one per free slice."""
     cells: list[dict | None] = [{"used": False, "start": i, "size": 1} for i in range(8)]
     for inst in gpu.instances.all():
-        profile = inst.placement.profile.name if inst.placement_id else "whole GPU"
+        profile = inst.placement.profile.name if inst.placement is not None else "whole GPU"
         cells[inst.start] = {"used": True, "start": inst.start, "size": inst.size, "tenant": inst.tenant.slug,
                              "profile": profile, "color": tenant_color(inst.tenant.slug), "state": inst.state}
         for s in range(inst.start + 1, inst.start + inst.size):
@@ -188,10 +238,8 @@ def nodes(request):
                      "tenant", "placement__profile").order_by("start")))),
         Prefetch("triton_servers", to_attr="live_servers", queryset=TritonServer.objects.exclude(
             state=TritonServer.State.STOPPED).defer("log_tail").order_by("http_port", "pk")))
-    state = request.GET.get("state", "")
-    if state in Node.State.values:
-        qs = qs.filter(state=state)
-    t = table(request, qs, [Column("hostname", "Node"), Column("platform__name", "Platform"),
+    f = _filter(request, NodeFilter, qs)
+    t = table(request, f.qs, [Column("hostname", "Node"), Column("platform__name", "Platform"),
                             Column("state", "State"), Column("last_heartbeat", "Last heartbeat")],
               default_sort="hostname", per_page=10)
     rows = []
@@ -200,20 +248,10 @@ def nodes(request):
                 for g in node.gpus.all()]
         rows.append({"node": node, "gpus": gpus, "used": sum(g["used"] for g in gpus), "total": 8 * len(gpus),
                      "servers": node.live_servers})
-    return _page(request, "nodes.html", {"table": t, "rows": rows, "state": state, "states": Node.State.choices})
+    return _page(request, "nodes.html", {"table": t, "rows": rows, "f": f.values, "states": Node.State.choices})
 
 
 # --- allocations --------------------------------------------------------------------------------
-
-class AllocationFilter(forms.Form):
-    """GET filters. Tenant, tier and node are matched by slug, key and hostname; an unknown value
-    simply matches nothing. The template renders the options from `filter_options` (cheap on a big fleet)."""
-
-    state = forms.ChoiceField(required=False, choices=[("", "any")] + Allocation.State.choices)
-    tenant = forms.CharField(required=False, max_length=63)
-    tier = forms.CharField(required=False, max_length=60)
-    node = forms.CharField(required=False, max_length=253)
-
 
 def filter_options() -> dict:
     return {"tenant": list(Tenant.objects.order_by("slug").values_list("slug", flat=True)),
@@ -231,18 +269,11 @@ ALLOCATION_COLUMNS = [
 @require_GET
 @operator_required
 def allocations(request):
-    qs = orders_sel.allocations(request.principal).prefetch_related(None)
-    f = AllocationFilter(request.GET or None)
-    if f.is_bound and f.is_valid():
-        d = f.cleaned_data
-        if d["state"]:
-            qs = qs.filter(state=d["state"])
-        for name, path in (("tenant", "tenant__slug"), ("tier", "tier__key"), ("node", "node__hostname")):
-            if d[name]:
-                qs = qs.filter(**{path: d[name]})
-    t = table(request, qs, ALLOCATION_COLUMNS, default_sort="-created_at")
-    return _page(request, "allocations.html", {"table": t, "filter": f, "f": f.cleaned_data if f.is_bound else {},
-                                               "options": filter_options(), "states": Allocation.State.choices})
+    f = _filter(request, AllocationFilter, orders_sel.allocations(request.principal).prefetch_related(None))
+    t = table(request, f.qs, ALLOCATION_COLUMNS, default_sort="-created_at")
+    return _live_page(request, "allocations.html", "_allocations_list.html", {
+        "table": t, "f": f.values, "problems": f.problems, "states": Allocation.State.choices,
+        "options": {} if _live(request) else filter_options()})  # a refresh redraws the list, not the form
 
 
 @require_GET
@@ -286,16 +317,13 @@ def allocation_release(request, pk: int):
 @require_GET
 @operator_required
 def drift(request):
-    qs = orders_sel.drift_events(request.principal).select_related("allocation")
-    show = request.GET.get("resolved", "open")
-    if show == "open":
-        qs = qs.filter(resolved=False)
-    elif show == "resolved":
-        qs = qs.filter(resolved=True)
-    t = table(request, qs, [Column("at", "When"), Column("node__hostname", "Node"), Column("gpu_index", "GPU"),
+    f = _filter(request, DriftEventFilter, orders_sel.drift_events(request.principal).select_related("allocation"),
+                defaults={"resolved": "false"})  # the open ones unless asked: they need an operator
+    t = table(request, f.qs, [Column("at", "When"), Column("node__hostname", "Node"), Column("gpu_index", "GPU"),
                             Column("kind", "Kind"), Column("", "Detail"), Column("allocation_id", "Allocation"),
                             Column("resolved", "Resolved")], default_sort="-at")
-    return _page(request, "drift.html", {"table": t, "show": show})
+    return _live_page(request, "drift.html", "_drift_list.html", {"table": t, "f": f.values, "problems": f.problems,
+                                                                   "kinds": DriftEvent.Kind.choices})
 
 
 @require_GET
@@ -333,14 +361,9 @@ def tenants(request):
     qs = Tenant.objects.visible_to(request.principal).annotate(
         live=Count("allocations", filter=Q(allocations__state__in=LIVE_STATES)),
         spend=_current_total_subquery())
-    status = request.GET.get("status", "")
-    if status in Tenant.Status.values:
-        qs = qs.filter(status=status)
-    q = request.GET.get("q", "").strip()
-    if q:
-        qs = qs.filter(Q(name__icontains=q) | Q(slug__icontains=q))
-    t = table(request, qs, TENANT_COLUMNS, default_sort="name")
-    return _page(request, "tenants.html", {"table": t, "status": status, "q": q, "statuses": Tenant.Status.choices})
+    f = _filter(request, TenantFilter, qs)
+    t = table(request, f.qs, TENANT_COLUMNS, default_sort="name")
+    return _page(request, "tenants.html", {"table": t, "f": f.values, "statuses": Tenant.Status.choices})
 
 
 class QuotaForm(forms.Form):
@@ -492,12 +515,6 @@ def tier_detail(request, pk: int):
 
 # --- invoices -----------------------------------------------------------------------------------
 
-class InvoiceFilter(forms.Form):
-    tenant = forms.CharField(required=False, max_length=63)
-    status = forms.ChoiceField(required=False, choices=[("", "any")] + Invoice.Status.choices)
-    period = forms.DateField(required=False, input_formats=["%Y-%m"])
-
-
 INVOICE_COLUMNS = [
     Column("number", "Number"), Column("tenant__slug", "Tenant"), Column("period_start", "Period"),
     Column("status", "Status"), Column("total", "Total"), Column("currency", "Currency"),
@@ -508,19 +525,10 @@ INVOICE_COLUMNS = [
 @require_GET
 @operator_required
 def invoices(request):
-    qs = billing_sel.invoices(request.principal).prefetch_related(None)
-    f = InvoiceFilter(request.GET or None)
-    if f.is_bound and f.is_valid():
-        d = f.cleaned_data
-        if d["tenant"]:
-            qs = qs.filter(tenant__slug=d["tenant"])
-        if d["status"]:
-            qs = qs.filter(status=d["status"])
-        if d["period"]:
-            qs = qs.filter(period_start=d["period"].replace(day=1))
-    t = table(request, qs, INVOICE_COLUMNS, default_sort="-period_start")
+    f = _filter(request, InvoiceFilter, billing_sel.invoices(request.principal).prefetch_related(None))
+    t = table(request, f.qs, INVOICE_COLUMNS, default_sort="-period_start")
     tenants_ = list(Tenant.objects.order_by("slug").values_list("slug", flat=True))
-    return _page(request, "invoices.html", {"table": t, "filter": f, "tenants": tenants_,
+    return _page(request, "invoices.html", {"table": t, "f": f.values, "tenants": tenants_,
                                             "statuses": Invoice.Status.choices})
 
 
@@ -586,14 +594,10 @@ DEPLOYMENT_COLUMNS = [
 def deployments(request):
     qs = orders_sel.deployments(request.principal).select_related(
         "allocation__node", "allocation__tier", "allocation__tier__profile")
-    state = request.GET.get("state", "")
-    if state in ModelDeployment.State.values:
-        qs = qs.filter(state=state)
-    else:
-        state = ""
-    t = table(request, qs, DEPLOYMENT_COLUMNS, default_sort="-updated_at")
-    return _page(request, "deployments.html", {"table": t, "state": state,
-                                               "states": ModelDeployment.State.choices})
+    f = _filter(request, DeploymentFilter, qs)
+    t = table(request, f.qs, DEPLOYMENT_COLUMNS, default_sort="-updated_at")
+    return _live_page(request, "deployments.html", "_deployments_list.html", {
+        "table": t, "f": f.values, "problems": f.problems, "states": ModelDeployment.State.choices})
 
 
 @require_GET
@@ -601,3 +605,170 @@ def deployments(request):
 def charts(request):
     return _page(request, "charts.html", {"charts": [{"name": c.name, "title": c.title, "url": f"/charts/{c.name}/"}
                                                      for c in CHARTS.values()]})
+
+
+# --- create: tenants, tiers, nodes --------------------------------------------------------------
+# Each form validates the input, then calls the same service as the API; the service writes in one
+# transaction, so a refused request stores nothing, and its refusal is shown next to the field it names.
+
+class TenantCreateForm(forms.ModelForm):
+    owner_email = forms.EmailField(required=False, help_text="invite this person as the tenant's first owner")
+
+    class Meta:
+        model = Tenant
+        fields = ["name", "slug", "billing_email", "currency", "max_slices", "max_slices_per_tier",
+                  "max_memory_gb", "monthly_spend_limit"]
+        labels = {"max_memory_gb": "Max GPU memory (GB)", "monthly_spend_limit": "Monthly spend limit"}
+
+
+class TierCreateForm(forms.ModelForm):
+    class Meta:
+        model = Tier
+        fields = ["key", "name", "gpu_model", "profile", "dedicated", "description", "allowed_backends"]
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        gpu_model = self.fields["gpu_model"]
+        profile = self.fields["profile"]
+        assert isinstance(gpu_model, forms.ModelChoiceField) and isinstance(profile, forms.ModelChoiceField)
+        gpu_model.queryset = GpuModel.objects.order_by("memory_gb", "key")
+        profile.queryset = MigProfile.objects.select_related("gpu_model").order_by("gpu_model__key", "memory_slices")
+        profile.empty_label = "whole GPU (MIG off)"
+
+    def clean(self) -> dict[str, Any]:
+        data = super().clean() or {}
+        if data.get("profile") is not None and data.get("gpu_model") is not None \
+                and data["profile"].gpu_model_id != data["gpu_model"].pk:
+            self.add_error("profile", f"{data['profile'].name} is not a {data['gpu_model'].name} profile")
+        return data
+
+
+NVIDIA_SMI_GPU = re.compile(r"^GPU (\d+): (.+?) \(UUID: (GPU-[0-9A-Za-z-]+)\)$")
+
+
+def parse_nvidia_smi_list(text: str) -> list[DiscoveredGpu]:
+    """`nvidia-smi -L` as the node prints it: one "GPU i: NAME (UUID: GPU-...)" line per GPU, each
+    followed by its "MIG ... Device" lines when MIG instances exist (then MIG mode is on)."""
+    gpus: list[dict[str, Any]] = []
+    for n, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line:
+            continue
+        if m := NVIDIA_SMI_GPU.match(line):
+            gpus.append({"index": int(m[1]), "name": m[2], "uuid": m[3], "mig_mode": False})
+        elif line.startswith("MIG ") and gpus:
+            gpus[-1]["mig_mode"] = True
+        else:
+            raise forms.ValidationError(f"line {n} is not nvidia-smi -L output: “{line[:80]}”")
+    if len({g["index"] for g in gpus}) != len(gpus) or len({g["uuid"] for g in gpus}) != len(gpus):
+        raise forms.ValidationError("a GPU index or UUID is listed twice")
+    return [DiscoveredGpu(**g) for g in gpus]
+
+
+class NodeCreateForm(forms.Form):
+    hostname = forms.CharField(max_length=253, help_text="as the node's worker will name itself")
+    platform = forms.ModelChoiceField(queryset=ServerPlatform.objects.select_related("gpu_model").order_by("key"),
+                                      help_text="the server model; its GPUs must match")
+    gpus = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 6}), label="GPUs (nvidia-smi -L)",
+                           help_text="paste `nvidia-smi -L` from the node; empty with the simulated NVML backend")
+
+    def clean_hostname(self) -> str:
+        hostname = fleet.normalize_hostname(self.cleaned_data["hostname"])
+        if not re.fullmatch(r"[a-z0-9]([a-z0-9.-]*[a-z0-9])?", hostname):
+            raise forms.ValidationError("letters, digits, dots and hyphens only")
+        if Node.objects.filter(hostname=hostname).exists():
+            raise forms.ValidationError("a node with this hostname is registered")
+        return hostname
+
+    def clean_gpus(self) -> list[DiscoveredGpu]:
+        return parse_nvidia_smi_list(self.cleaned_data["gpus"])
+
+    def discovered(self) -> list[DiscoveredGpu]:
+        from django.conf import settings
+
+        gpus: list[DiscoveredGpu] = self.cleaned_data["gpus"]
+        if gpus:
+            return gpus
+        if settings.TESSERA_NVML_BACKEND == "sim":
+            from marketplace.services.nodes import sim_discovery
+
+            return sim_discovery(self.cleaned_data["hostname"], self.cleaned_data["platform"])
+        raise ServiceError("paste the node's `nvidia-smi -L`, or run `manage.py register_node` on it", field="gpus")
+
+
+def _create_page(request, form: forms.BaseForm, *, title: str, intro: str, button: str, status: int = 200):
+    return _page(request, "create.html", {"form": form, "title": title, "intro": intro, "button": button},
+                 status=status)
+
+
+def _create(request, form_class: type[forms.BaseForm], save, *, title: str, intro: str, button: str):
+    """GET: the empty form; POST: validate, `save(cleaned_data)` through a service, redirect to the new
+    object's page; a refusal re-renders with the error next to its field (400)."""
+    if request.method == "GET":
+        return _create_page(request, form_class(), title=title, intro=intro, button=button)
+    if request.method != "POST":
+        return HttpResponse(status=405)
+    form = form_class(request.POST)
+    if form.is_valid():
+        try:
+            return save(form)
+        except ServiceError as exc:
+            form.add_error(exc.field if exc.field in form.fields else None, exc.text_for(operator=True))
+    return _create_page(request, form, title=title, intro=intro, button=button, status=400)
+
+
+@operator_required
+def tenant_create(request):
+    def save(form: forms.BaseForm):
+        data = dict(form.cleaned_data)
+        owner = data.pop("owner_email") or None
+        tenant = tenant_services.create_tenant(request.principal, owner_email=owner, **data)
+        invited = f" {owner} is invited as its owner." if owner else ""
+        messages.success(request, f"Tenant {tenant.name} created.{invited}")
+        return redirect("console:tenant_detail", pk=tenant.pk)
+
+    return _create(request, TenantCreateForm, save, title="New tenant", button="Create tenant",
+                   intro="A customer of the MSP: its quotas apply from the start; the owner gets an invitation.")
+
+
+@operator_required
+def tier_create(request):
+    def save(form: forms.BaseForm):
+        tier = offers.create_tier(request.principal, **form.cleaned_data)
+        messages.success(request, f"Tier {tier.key} created. Add a price plan so tenants can order it.")
+        return redirect("console:tier_detail", pk=tier.pk)
+
+    return _create(request, TierCreateForm, save, title="New tier", button="Create tier",
+                   intro="What tenants order: a GPU model and a MIG profile (or the whole GPU). Prices come next.")
+
+
+@operator_required
+def node_create(request):
+    def save(form: forms.BaseForm):
+        assert isinstance(form, NodeCreateForm)
+        node = fleet.register_node(form.cleaned_data["hostname"], form.cleaned_data["platform"], form.discovered())
+        messages.success(request, f"Node {node.hostname} registered. Start its worker: TESSERA_NODE_HOSTNAME="
+                                  f"{node.hostname} celery -A marketplace worker -Q {node.queue} -c 1")
+        return redirect(reverse("console:nodes") + f"?state={node.state}")
+
+    return _create(request, NodeCreateForm, save, title="Register a node", button="Register node",
+                   intro="A GPU server joins the fleet with the GPUs NVML reports on it.")
+
+
+# --- audit log ----------------------------------------------------------------------------------
+
+AUDIT_COLUMNS = [Column("at", "When"), Column("actor", "Who"), Column("tenant__slug", "Tenant"),
+                 Column("action", "Action"), Column("target", "Target"), Column("", "Detail")]
+
+
+@require_GET
+@operator_required
+def audit_log(request):
+    """Every staff and tenant-admin action, newest first: the API's audit list and filters."""
+    f = _filter(request, AuditEventFilter, tenant_selectors.audit_events(request.principal))
+    t = table(request, f.qs, AUDIT_COLUMNS, default_sort="-at")
+    return _page(request, "audit.html", {
+        "table": t, "f": f.values,
+        "tenants": list(Tenant.objects.order_by("slug").values_list("slug", flat=True)),
+        "actions": list(AuditEvent.objects.order_by("action").values_list("action", flat=True).distinct()),
+    })

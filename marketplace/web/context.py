@@ -8,6 +8,7 @@ CONSOLE = [
     ("console:overview", "Overview"), ("console:nodes", "Nodes & GPUs"), ("console:allocations", "Allocations"),
     ("console:tenants", "Tenants"), ("console:tiers", "Tiers & prices"), ("console:invoices", "Invoices"),
     ("console:deployments", "Deployments"), ("console:charts", "Charts"), ("console:planner", "Planner"),
+    ("console:audit", "Audit log"),
 ]
 PORTAL = [
     ("portal:home", "Overview"), ("portal:catalog", "Catalog"), ("portal:slices", "Slices"),

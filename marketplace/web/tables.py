@@ -1,12 +1,15 @@
-"""Consistent list pages: sorting (?sort=field or -field, whitelisted), filters (GET params the view
-whitelists), pagination (?page=, 25 a page) — one helper every table uses."""
+"""Consistent list pages: sorting (?sort=field or -field, whitelisted), filters (the list's FilterSet, the
+same one the REST API uses), pagination (?page=, 25 a page) — one helper every table uses."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
-from django.core.paginator import Paginator
-from django.http import QueryDict
+import django_filters
+from django.core.paginator import Page, Paginator
+from django.db.models import QuerySet
+from django.http import HttpRequest, QueryDict
 
 
 @dataclass
@@ -17,14 +20,14 @@ class Column:
 
 @dataclass
 class Table:
-    page: object
-    columns: list[dict]
+    page: Page
+    columns: list[dict[str, Any]]
     query: QueryDict
     total: int
 
     def url_for_page(self, n: int) -> str:
         q = self.query.copy()
-        q["page"] = n
+        q["page"] = str(n)
         return "?" + q.urlencode()
 
     @property
@@ -36,7 +39,8 @@ class Table:
         return self.url_for_page(self.page.next_page_number()) if self.page.has_next() else None
 
 
-def table(request, qs, columns: list[Column], *, default_sort: str, per_page: int = 25) -> Table:
+def table(request: HttpRequest, qs: QuerySet, columns: list[Column], *, default_sort: str,
+          per_page: int = 25) -> Table:
     allowed = {c.key for c in columns if c.key}
     sort = request.GET.get("sort", default_sort)
     if sort.lstrip("-") not in allowed:
@@ -53,3 +57,31 @@ def table(request, qs, columns: list[Column], *, default_sort: str, per_page: in
         cols.append({"label": c.label, "sortable": bool(c.key), "url": "?" + q.urlencode(),
                      "dir": ("asc" if sort == c.key else "desc" if sort == f"-{c.key}" else "")})
     return Table(page=page, columns=cols, query=request.GET, total=paginator.count)
+
+
+@dataclass
+class Filtered:
+    """A list's FilterSet bound to the page's query string. ``values`` are what the filters hold
+    (for the form's selected options); ``problems`` say which values were left out and why."""
+
+    qs: QuerySet
+    filterset: django_filters.FilterSet
+    values: dict[str, str] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+
+def filtered(request: HttpRequest, filterset_class: type[django_filters.FilterSet], qs: QuerySet,
+             *, defaults: dict[str, str] | None = None) -> Filtered:
+    """Bind the list's FilterSet (the API's) to GET. A value the filter rejects (an edited URL, a state
+    that does not exist) is not applied and is reported in words, never a 500; the other filters apply."""
+    data = request.GET.copy()
+    for name, value in (defaults or {}).items():
+        data.setdefault(name, value)
+    fs = filterset_class(data, queryset=qs, request=request)
+    problems = []
+    if not fs.is_valid():
+        for name, errors in fs.errors.items():
+            label = fs.form.fields[name].label or name if name in fs.form.fields else name
+            problems.append(f"{label} “{data.get(name, '')}” was ignored: {' '.join(errors)}")
+    values = {name: data.get(name, "") for name in fs.filters}
+    return Filtered(qs=fs.qs, filterset=fs, values=values, problems=problems)

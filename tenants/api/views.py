@@ -10,10 +10,10 @@ from rest_framework.views import APIView
 
 from marketplace.api.viewsets import ScopedModelViewSet, ScopedViewSetMixin
 
-from .. import selectors, services
+from .. import filters, selectors, services
 from ..models import ApiKey, AuditEvent, Invitation, Membership, Tenant
 from ..scoping import principal_for
-from . import filters, serializers
+from . import serializers
 
 
 class TenantViewSet(ScopedModelViewSet):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from playwright.sync_api import expect
 
 from marketplace.models import Allocation
 from marketplace.services import orders
@@ -54,9 +55,9 @@ def test_operator_console(page, live_server, login, shot, fleet):
 
     page.click("nav.mainnav >> text=Allocations")
     page.select_option("select[name=tenant]", "bluefin")
-    page.click("form.filters button[type=submit]")
-    page.wait_for_load_state("networkidle")
-    assert page.locator("table.data tbody tr").count() == 2
+    page.click("form.filters button[type=submit]")  # htmx: the list alone is redrawn, the URL follows
+    page.wait_for_url("**/console/allocations/?*tenant=bluefin*")
+    expect(page.locator("table.data tbody tr")).to_have_count(2)
     shot(page, "console-allocations")
 
     target = Allocation.objects.filter(tenant=fleet["blue"]).order_by("pk").first()

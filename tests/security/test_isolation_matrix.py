@@ -165,7 +165,9 @@ CLASSIFICATION: dict[str, str] = {
     "console:allocation_drift": OPERATOR, "console:allocation_metering": OPERATOR, "console:tenants": OPERATOR,
     "console:tiers": OPERATOR,
     "console:tier_detail": OPERATOR, "console:invoices": OPERATOR, "console:deployments": OPERATOR,
-    "console:charts": OPERATOR, "console:planner": OPERATOR, "api:planner": OPERATOR,
+    "console:charts": OPERATOR, "console:planner": OPERATOR, "console:overview_alerts": OPERATOR,
+    "console:tenant_create": OPERATOR, "console:tier_create": OPERATOR, "console:node_create": OPERATOR,
+    "console:audit": OPERATOR, "api:planner": OPERATOR,
     "api:planner-inputs": OPERATOR,
 }
 

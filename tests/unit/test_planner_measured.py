@@ -325,3 +325,36 @@ def test_console_planner_queries_do_not_grow_with_deployments(client, operator, 
                                                  backend="python", spec={}, memory_mb=10, state="ready"))
     assert len(client.get("/console/planner/").context["report"].request.workloads) == 6
     assert count() == one
+
+
+@pytest.mark.parametrize("edit", [
+    {"w-TOTAL_FORMS": None, "w-INITIAL_FORMS": None, "w-MIN_NUM_FORMS": None, "w-MAX_NUM_FORMS": None},
+    {"w-TOTAL_FORMS": "abc"},
+    {"w-TOTAL_FORMS": "-3", "w-INITIAL_FORMS": "9"},
+    {"w-TOTAL_FORMS": "100000"},
+    {"w-MAX_NUM_FORMS": "zz", "w-MIN_NUM_FORMS": "5"},
+    {"target_utilization": None, "growth": None, "price_per_kwh": None, "currency": None, f"cost_{H100}": None},
+])
+def test_console_planner_edited_url_never_shows_hidden_field_messages(client, operator, catalog, tiers, edit):
+    """Issue 15 point 7: a link whose hidden formset counts were edited or dropped, or that lacks some
+    settings, plans what it holds (settings at their defaults) instead of Django's hidden-field errors."""
+    client.force_login(operator)
+    params = {k: v for k, v in (_page_params() | edit).items() if v is not None}
+    r = client.get("/console/planner/", params)
+    html = r.content.decode()
+    assert r.status_code == 200
+    assert "Hidden field" not in html and "ManagementForm" not in html and "tampered" not in html
+    assert r.context["report"] is not None and r.context["report"].best.result.feasible, html[:2000]
+    if edit.get("w-TOTAL_FORMS") == "100000":
+        assert "at most 40 workloads" in html
+    if "currency" in edit:
+        assert "Not in the link, so at their defaults" in html and r.context["plan"]["currency"] == "USD"
+
+
+def test_console_planner_bare_plan_link_says_what_is_missing(client, operator, catalog):
+    client.force_login(operator)
+    html = client.get("/console/planner/", {"plan": "1"}).content.decode()
+    assert "Hidden field" not in html and "ManagementForm" not in html
+    assert "give at least one workload" in html
+    html = client.get("/console/planner/", _page_params(target_utilization="lots")).content.decode()
+    assert "Hidden field" not in html and "Enter a number." in html

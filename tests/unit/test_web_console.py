@@ -23,7 +23,7 @@ from tests.fleet_fixtures import make_node
 pytestmark = pytest.mark.django_db
 
 PAGES = ["overview", "nodes", "allocations", "allocation_drift", "tenants", "tiers", "invoices", "deployments",
-         "charts"]
+         "charts", "tenant_create", "tier_create", "node_create", "audit"]
 
 
 @pytest.fixture
@@ -286,7 +286,7 @@ def _queries(client, url) -> int:
 
 
 @pytest.mark.parametrize("name", ["allocations", "tenants", "invoices", "deployments", "allocation_drift",
-                                  "overview", "tiers"])
+                                  "overview", "tiers", "overview_alerts", "audit"])
 def test_query_count_independent_of_rows(op_client, h100_node, tiers, name):
     url = reverse(f"console:{name}")
     _add_rows(2, tiers, h100_node)
@@ -306,3 +306,307 @@ def test_nodes_query_count_independent_of_nodes_and_instances(op_client, h100_no
     orders.create_order(principal_for_user(operator), tenant=world["b"], tier=tiers["1g"], quantity=4)
     many = _queries(op_client, url)
     assert few == many
+
+
+# --- filters: the API's FilterSets ----------------------------------------------------------------
+
+def test_console_lists_and_the_api_share_one_filterset_per_list():
+    from marketplace import filters
+    from marketplace.api.billing import InvoiceViewSet
+    from marketplace.api.catalog import NodeViewSet
+    from marketplace.api.deployments import DeploymentViewSet
+    from marketplace.api.orders import AllocationViewSet, DriftEventViewSet
+    from tenants import filters as tenant_filters
+    from tenants.api.views import AuditEventViewSet, TenantViewSet
+
+    assert AllocationViewSet.filterset_class is filters.AllocationFilter
+    assert DriftEventViewSet.filterset_class is filters.DriftEventFilter
+    assert InvoiceViewSet.filterset_class is filters.InvoiceFilter
+    assert NodeViewSet.filterset_class is filters.NodeFilter
+    assert DeploymentViewSet.filterset_class is filters.DeploymentFilter
+    assert TenantViewSet.filterset_class is tenant_filters.TenantFilter
+    assert AuditEventViewSet.filterset_class is tenant_filters.AuditEventFilter
+
+
+@pytest.mark.parametrize(("name", "params", "words"), [
+    ("allocations", {"state": "bogus"}, "State “bogus” was ignored"),
+    ("invoices", {"period": "2024-13"}, "“2024-13” was ignored"),
+    ("invoices", {"status": "paidish", "tenant": "alpha"}, "“paidish” was ignored"),
+    ("tenants", {"status": "nope"}, "“nope” was ignored"),
+    ("deployments", {"state": "<script>"}, "“&lt;script&gt;” was ignored"),
+    ("nodes", {"state": "melted"}, "“melted” was ignored"),
+    ("allocation_drift", {"kind": "weird"}, "“weird” was ignored"),
+])
+def test_invalid_filter_values_are_said_not_a_500(op_client, world, name, params, words):
+    resp = op_client.get(reverse(f"console:{name}"), params)
+    assert resp.status_code == 200
+    assert words in resp.content.decode()
+
+
+def test_drift_shows_open_events_unless_asked(op_client, h100_node):
+    DriftEvent.objects.create(node=h100_node, kind="error", detail="still-open", resolved=False)
+    DriftEvent.objects.create(node=h100_node, kind="error", detail="long-fixed", resolved=True)
+    url = reverse("console:allocation_drift")
+    html = op_client.get(url).content.decode()
+    assert "still-open" in html and "long-fixed" not in html
+    html = op_client.get(url, {"resolved": "true"}).content.decode()
+    assert "long-fixed" in html and "still-open" not in html
+    html = op_client.get(url, {"resolved": ""}).content.decode()
+    assert "long-fixed" in html and "still-open" in html
+
+
+def test_tenant_search_filter(op_client, world):
+    html = op_client.get(reverse("console:tenants"), {"q": "alp"}).content.decode()
+    assert "Alpha" in html or "alpha" in html
+    assert "bravo" not in html.lower().split("<tbody>")[1]
+
+
+# --- create forms ---------------------------------------------------------------------------------
+
+TENANT_POST = {"name": "Charlie Labs", "slug": "charlie", "billing_email": "billing@charlie.example",
+               "currency": "EUR", "max_slices": "4", "max_slices_per_tier": "2", "max_memory_gb": "160",
+               "monthly_spend_limit": "", "owner_email": "cto@charlie.example"}
+
+
+def test_create_tenant_from_console(op_client, world):
+    from tenants.models import AuditEvent, Invitation
+
+    resp = op_client.post(reverse("console:tenant_create"), TENANT_POST)
+    t = Tenant.objects.get(slug="charlie")
+    assert resp.status_code == 302 and resp["Location"] == reverse("console:tenant_detail", args=[t.pk])
+    assert (t.currency, t.max_slices, t.max_memory_gb, t.monthly_spend_limit) == ("EUR", 4, 160, None)
+    assert Invitation.objects.filter(tenant=t, email="cto@charlie.example", role=Role.OWNER).exists()
+    assert AuditEvent.objects.filter(action="tenant.create", tenant=t).exists()
+
+
+@pytest.mark.parametrize(("over", "field", "words"), [
+    ({"slug": "alpha"}, "slug", "already exists"),
+    ({"slug": "Not a slug!"}, "slug", "valid"),
+    ({"billing_email": "nope"}, "billing_email", "valid email"),
+    ({"max_slices": "-1"}, "max_slices", "greater than or equal to 0"),
+    ({"owner_email": "x@"}, "owner_email", "valid email"),
+    ({"currency": "XXX"}, "currency", "valid choice"),
+])
+def test_bad_tenant_input_stores_nothing_and_says_where(op_client, world, over, field, words):
+    from tenants.models import AuditEvent
+
+    before = (Tenant.objects.count(), AuditEvent.objects.count())
+    resp = op_client.post(reverse("console:tenant_create"), TENANT_POST | over)
+    assert resp.status_code == 400
+    assert words in str(resp.context["form"].errors[field])
+    html = resp.content.decode()
+    assert 'class="field has-error"' in html and words in html
+    assert (Tenant.objects.count(), AuditEvent.objects.count()) == before
+
+
+def test_create_tier_from_console(op_client, catalog):
+    from marketplace.models import GpuModel, MigProfile, Tier
+
+    h100 = GpuModel.objects.get(key="h100-sxm-80gb")
+    h200_profile = MigProfile.objects.filter(gpu_model__key="h200-sxm-141gb").first()
+    post = {"key": "h100-2g", "name": "H100 2g", "gpu_model": h100.pk,
+            "profile": MigProfile.objects.get(gpu_model=h100, name="2g.20gb").pk,
+            "description": "", "allowed_backends": "python,onnxruntime"}
+    bad = op_client.post(reverse("console:tier_create"), post | {"profile": h200_profile.pk})
+    assert bad.status_code == 400 and "is not a H100 SXM 80GB profile" in bad.content.decode()
+    assert not Tier.objects.filter(key="h100-2g").exists()
+    resp = op_client.post(reverse("console:tier_create"), post)
+    tier = Tier.objects.get(key="h100-2g")
+    assert resp.status_code == 302 and resp["Location"] == reverse("console:tier_detail", args=[tier.pk])
+    assert tier.profile.name == "2g.20gb" and tier.backends == ["python", "onnxruntime"]
+    again = op_client.post(reverse("console:tier_create"), post)
+    assert again.status_code == 400 and "already exists" in str(again.context["form"].errors["key"])
+    whole = op_client.post(reverse("console:tier_create"), post | {"key": "h100-whole", "profile": ""})
+    assert whole.status_code == 302 and Tier.objects.get(key="h100-whole").profile is None
+
+
+def _smi(names: list[str], mig_on: set[int] = frozenset()) -> str:
+    out = []
+    for i, name in enumerate(names):
+        out.append(f"GPU {i}: {name} (UUID: GPU-{i:08x}-aaaa-bbbb-cccc-{i:012x})")
+        if i in mig_on:
+            out.append(f"  MIG 1g.10gb     Device  0: (UUID: MIG-{i:08x}-1111-2222-3333-444444444444)")
+    return "\n".join(out)
+
+
+def test_register_node_from_console(op_client, catalog, sim_dir):
+    from marketplace.models import Gpu, Node, ServerPlatform
+
+    platform = ServerPlatform.objects.get(key="hgx-h100-8")
+    resp = op_client.post(reverse("console:node_create"), {"hostname": " Node-Z ", "platform": platform.pk,
+                                                           "gpus": ""})  # the simulated backend discovers
+    assert resp.status_code == 302
+    assert Gpu.objects.filter(node__hostname="node-z").count() == 8
+    resp = op_client.post(reverse("console:node_create"), {
+        "hostname": "node-y", "platform": platform.pk, "gpus": _smi(["NVIDIA H100 80GB HBM3"] * 8, {0, 3})})
+    assert resp.status_code == 302
+    gpus = Gpu.objects.filter(node__hostname="node-y").order_by("index")
+    assert [g.mig_mode for g in gpus] == [i in (0, 3) for i in range(8)]
+    assert Node.objects.count() == 2
+
+
+@pytest.mark.parametrize(("post", "field", "words"), [
+    ({"hostname": "node-z"}, "hostname", "is registered"),
+    ({"hostname": "bad host!"}, "hostname", "letters, digits"),
+    ({"gpus": _smi(["NVIDIA H200"] * 8)}, "gpus", "but hgx-h100-8 has H100 SXM 80GB"),
+    ({"gpus": _smi(["NVIDIA GeForce RTX 4090"] * 8)}, "gpus", "which the catalog does not sell"),
+    ({"gpus": _smi(["NVIDIA H100 80GB HBM3"] * 4)}, "gpus", "has 8 GPUs; the node reports 4"),
+    ({"gpus": "hello world"}, "gpus", "is not nvidia-smi -L output"),
+    ({"platform": "999999"}, "platform", "valid choice"),
+])
+def test_bad_node_input_stores_nothing_and_says_where(op_client, catalog, sim_dir, post, field, words):
+    from marketplace.models import Gpu, Node, ServerPlatform
+
+    platform = ServerPlatform.objects.get(key="hgx-h100-8")
+    make_node("node-z")
+    before = (Node.objects.count(), Gpu.objects.count())
+    resp = op_client.post(reverse("console:node_create"), {"hostname": "node-new", "platform": platform.pk,
+                                                           "gpus": ""} | post)
+    assert resp.status_code == 400
+    errors = resp.context["form"].errors
+    assert words in str(errors[field]), errors
+    assert (Node.objects.count(), Gpu.objects.count()) == before
+
+
+def test_register_node_without_gpus_needs_the_list_on_real_nvml(op_client, catalog, settings):
+    from marketplace.models import Node, ServerPlatform
+
+    settings.TESSERA_NVML_BACKEND = "pynvml"
+    resp = op_client.post(reverse("console:node_create"), {
+        "hostname": "node-q", "platform": ServerPlatform.objects.get(key="hgx-h100-8").pk, "gpus": ""})
+    assert resp.status_code == 400 and "nvidia-smi -L" in str(resp.context["form"].errors["gpus"])
+    assert not Node.objects.exists()
+
+
+# --- audit log ------------------------------------------------------------------------------------
+
+def _audit(n: int, tenant, action="tier.update", **kw):
+    from tenants.models import AuditEvent
+
+    now = timezone.now()
+    AuditEvent.objects.bulk_create([
+        AuditEvent(at=now - timedelta(minutes=i), actor="user:op@msp.example", tenant=tenant, action=action,
+                   target=f"thing:{i}", detail={"n": i}, **kw) for i in range(n)])
+
+
+def test_audit_log_newest_first_filtered_and_paginated(op_client, world):
+    from tenants.models import AuditEvent
+
+    AuditEvent.objects.all().delete()
+    _audit(30, world["a"], action="member.role")
+    _audit(3, world["b"], action="key.revoke")
+    AuditEvent.objects.create(at=timezone.now() + timedelta(minutes=1), actor="user:op@msp.example",
+                              tenant=world["b"], action="tenant.suspend", target="tenant:bravo")
+    url = reverse("console:audit")
+    resp = op_client.get(url)
+    html = resp.content.decode().split("<tbody>")[1]
+    assert resp.context["table"].total == 34
+    assert html.index("tenant.suspend") < html.index("key.revoke")  # newest first
+    assert "page 1 of 2" in html
+    html = op_client.get(url, {"tenant": "bravo"}).content.decode().split("<tbody>")[1]
+    assert "key.revoke" in html and "member.role" not in html
+    resp = op_client.get(url, {"tenant": "alpha", "action": "member.role", "page": "2"})
+    assert resp.context["table"].total == 30 and "thing:29" in resp.content.decode()
+    resp = op_client.get(url, {"action": "key.revoke", "sort": "at"})
+    assert [e.target for e in resp.context["table"].page] == ["thing:2", "thing:1", "thing:0"]
+
+
+def test_audit_log_query_count_is_pinned_and_independent_of_rows(op_client, world,
+                                                                   django_assert_max_num_queries):
+    url = reverse("console:audit")
+    _audit(2, world["a"])
+    with django_assert_max_num_queries(12):
+        few = _queries(op_client, url)
+    for i in range(10):
+        _audit(5, TenantFactory(), action=f"action.{i}")
+    with django_assert_max_num_queries(12):
+        many = _queries(op_client, url)
+    assert few == many
+
+
+@pytest.mark.parametrize("name", ["tenant_create", "tier_create", "node_create"])
+def test_create_pages_query_count_is_pinned(op_client, h100_node, tiers, world, name, django_assert_max_num_queries):
+    with django_assert_max_num_queries(10):
+        few = _queries(op_client, reverse(f"console:{name}"))
+    for i in range(5):
+        make_node(f"node-x{i}")
+    with django_assert_max_num_queries(10):
+        assert _queries(op_client, reverse(f"console:{name}")) == few
+
+
+# --- live lists (htmx) ----------------------------------------------------------------------------
+
+LIVE = [("allocations", "live-list"), ("deployments", "live-list"), ("allocation_drift", "live-list"),
+        ("overview", "live-alerts")]
+
+
+def _hx(client, url, params=None):
+    return client.get(url, params or {}, HTTP_HX_REQUEST="true")
+
+
+@pytest.mark.parametrize(("name", "region"), LIVE)
+def test_live_lists_poll_and_answer_htmx_with_the_list_alone(op_client, placed, name, region):
+    url = reverse(f"console:{name}")
+    page = op_client.get(url).content.decode()
+    assert f'id="{region}"' in page and 'hx-trigger="every 5s"' in page
+    assert "django_htmx/htmx-2.min.js" in page  # shipped by the django-htmx package, no CDN
+    poll = page.split(f'id="{region}"')[1].split('hx-get="')[1].split('"')[0]
+    resp = _hx(op_client, poll)
+    body = resp.content.decode()
+    assert resp.status_code == 200 and "HX-Request" in resp["Vary"]
+    assert body.lstrip().startswith(f'<div id="{region}"') and "<html" not in body and "mainnav" not in body
+
+
+def test_live_allocations_list_shows_a_new_state_without_a_reload(op_client, placed):
+    url = reverse("console:allocations")
+    assert "failed</span>" not in _hx(op_client, url).content.decode()
+    alloc_svc.fail(placed[0], "test", "boom")
+    assert "failed</span>" in _hx(op_client, url).content.decode()
+    alerts = _hx(op_client, reverse("console:overview_alerts")).content.decode()
+    assert f"#{placed[0].pk}</a>" in alerts and "boom" in alerts
+
+
+def test_live_filter_keeps_its_query_and_says_bad_values_in_the_list(op_client, placed):
+    url = reverse("console:allocations")
+    body = _hx(op_client, url, {"state": "bogus", "tenant": "alpha"}).content.decode()
+    assert "State “bogus” was ignored" in body
+    assert 'hx-get="/console/allocations/?state=bogus&amp;tenant=alpha"' in body  # the poll keeps the filter
+    assert "was ignored" not in op_client.get(reverse("console:tenants")).content.decode()  # no stale message
+
+
+@pytest.mark.parametrize(("name", "most"), [("allocations", 8), ("deployments", 6), ("allocation_drift", 7),
+                                            ("overview_alerts", 12)])
+def test_live_refresh_query_count_pinned_and_independent_of_rows(op_client, h100_node, tiers, name, most,
+                                                                   django_assert_max_num_queries):
+    url = reverse(f"console:{name}")
+    _add_rows(2, tiers, h100_node)
+    with CaptureQueriesContext(connection) as few, django_assert_max_num_queries(most):
+        assert _hx(op_client, url).status_code == 200
+    _add_rows(20, tiers, h100_node)
+    with CaptureQueriesContext(connection) as many:
+        assert _hx(op_client, url).status_code == 200
+    assert len(few.captured_queries) == len(many.captured_queries)
+
+
+def test_htmx_is_a_static_file_of_an_installed_package():
+    from django.contrib.staticfiles import finders
+
+    path = finders.find("django_htmx/htmx-2.min.js")
+    assert path and "site-packages" in str(path)
+
+
+def test_the_shared_filtersets_filter_the_api_the_same_way(op_client, world, h100_node):
+    """The console's month and search filters are the API's too (one FilterSet per list)."""
+    Invoice.objects.create(tenant=world["a"], period_start=date(2024, 1, 1), period_end=date(2024, 2, 1),
+                           currency="USD", total=Decimal("11.11"))
+    Invoice.objects.create(tenant=world["b"], period_start=date(2024, 2, 1), period_end=date(2024, 3, 1),
+                           currency="USD", total=Decimal("22.22"))
+    rows = op_client.get("/api/v1/invoices/", {"period": "2024-02"}).json()["results"]
+    assert [r["total"] for r in rows] == ["22.22"]
+    assert op_client.get("/api/v1/invoices/", {"period": "2024-13"}).status_code == 400
+    slugs = [r["slug"] for r in op_client.get("/api/v1/tenants/", {"q": "alp"}).json()["results"]]
+    assert slugs == ["alpha"]
+    DriftEvent.objects.create(node=h100_node, kind="error", detail="open", resolved=False)
+    DriftEvent.objects.create(node=h100_node, kind="error", detail="done", resolved=True)
+    rows = op_client.get("/api/v1/fleet/drift/", {"resolved": "false"}).json()["results"]
+    assert [r["detail"] for r in rows] == ["open"]

@@ -1,14 +1,23 @@
+"""One FilterSet per tenant-side list, shared by the REST API and the operator console (see
+``marketplace.filters`` for the fleet, order and billing lists)."""
+
 import django_filters
 from django.db.models import Q
 from django.utils import timezone
 
-from ..models import ApiKey, AuditEvent, Invitation, Membership, Tenant
+from .models import ApiKey, AuditEvent, Invitation, Membership, Tenant
 
 
 class TenantFilter(django_filters.FilterSet):
+    q = django_filters.CharFilter(method="filter_q", help_text="part of the name or slug")
+
     class Meta:
         model = Tenant
         fields = {"status": ["exact"], "currency": ["exact"], "slug": ["exact"]}
+
+    def filter_q(self, qs, name, value):
+        value = value.strip()
+        return qs.filter(Q(name__icontains=value) | Q(slug__icontains=value)) if value else qs
 
 
 class MembershipFilter(django_filters.FilterSet):
