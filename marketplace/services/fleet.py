@@ -17,6 +17,7 @@ from django.utils import timezone
 from marketplace import placement as engine
 from marketplace.models import Gpu, GpuInstance, GpuModel, GpuSlot, MigPlacement, MigProfile, Node, ServerPlatform
 from marketplace.selectors.catalog import gpu_states
+from tenants import audit
 from tenants.errors import Conflict, ServiceError
 from tenants.models import Tenant
 
@@ -49,9 +50,10 @@ def normalize_hostname(hostname: str) -> str:
 
 
 @transaction.atomic
-def register_node(hostname: str, platform: ServerPlatform, gpus: list[DiscoveredGpu]) -> Node:
+def register_node(hostname: str, platform: ServerPlatform, gpus: list[DiscoveredGpu], principal=None) -> Node:
     """Create or update a node and its GPUs from discovery. GPU models are matched on the NVML
-    name; a GPU that does not match the platform's model is refused (nothing stored)."""
+    name; a GPU that does not match the platform's model is refused (nothing stored). principal: the
+    operator registering it from the console (an audit event; a node's own worker registers unaudited)."""
     hostname = normalize_hostname(hostname)
     if not hostname:
         raise ServiceError("may not be blank", field="hostname")
@@ -66,16 +68,19 @@ def register_node(hostname: str, platform: ServerPlatform, gpus: list[Discovered
     if len(gpus) != platform.gpu_count:
         raise ServiceError(f"{platform.key} has {platform.gpu_count} GPUs; the node reports {len(gpus)}",
                            field="gpus")
-    node, _ = Node.objects.update_or_create(
-        hostname=hostname,
-        defaults={"platform": platform, "queue": Node.queue_for(hostname), "last_heartbeat": timezone.now()},
-    )
-    for g in gpus:
-        Gpu.objects.update_or_create(
-            node=node, index=g.index,
-            defaults={"uuid": g.uuid, "gpu_model": platform.gpu_model, "mig_mode": g.mig_mode},
+    with transaction.atomic():
+        node, _ = Node.objects.update_or_create(
+            hostname=hostname,
+            defaults={"platform": platform, "queue": Node.queue_for(hostname), "last_heartbeat": timezone.now()},
         )
-    Gpu.objects.filter(node=node).exclude(index__in=[g.index for g in gpus]).delete()
+        for g in gpus:
+            Gpu.objects.update_or_create(
+                node=node, index=g.index,
+                defaults={"uuid": g.uuid, "gpu_model": platform.gpu_model, "mig_mode": g.mig_mode},
+            )
+        Gpu.objects.filter(node=node).exclude(index__in=[g.index for g in gpus]).delete()
+        if principal is not None:
+            audit.record(principal, "node.register", f"node:{hostname}", platform=platform.key, gpus=len(gpus))
     log.info("node registered", extra={"node": hostname, "gpus": len(gpus)})
     return node
 

@@ -443,6 +443,10 @@ def test_register_node_from_console(op_client, catalog, sim_dir):
     gpus = Gpu.objects.filter(node__hostname="node-y").order_by("index")
     assert [g.mig_mode for g in gpus] == [i in (0, 3) for i in range(8)]
     assert Node.objects.count() == 2
+    from tenants.models import AuditEvent
+
+    assert sorted(AuditEvent.objects.filter(action="node.register").values_list("target", flat=True)) == [
+        "node:node-y", "node:node-z"]
 
 
 @pytest.mark.parametrize(("post", "field", "words"), [
