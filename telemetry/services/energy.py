@@ -109,7 +109,8 @@ def choose_resolutions(start: datetime, end: datetime, gpus=None, coarsest: str 
 def _apportion_sql(res: str, gpu_ids: list[int] | None, start: datetime, end: datetime) -> tuple[str, list]:
     """One statement over the GPUs at `res` (all of them when `gpu_ids` is None): each stored counter
     increase from the anchor (the last row standing at or before start) to end (a decrease, a driver
-    reload, counts the new value), split by the compute share of the slices present at its end. Rows:
+    reload, counts the new value), split by the compute share of the slices present at its end (each GPU's
+    model joined before the slices, so that the planner never loops over the GPUs per slice sample). Rows:
     (0, gpu, None, joules, unallocated joules) per GPU and (1, allocation, tenant, joules, None)."""
     ops = connection.ops
     lo, anchor_hi, hi = (ops.adapt_datetimefield_value(x) for x in _window(res, start, end))
@@ -128,16 +129,15 @@ def _apportion_sql(res: str, gpu_ids: list[int] | None, start: datetime, end: da
         WHERE g.resolution = %s {only.replace("gpu_id", "g.gpu_id")} AND g.ts >= %s AND g.ts <= %s
           AND g.ts >= COALESCE(a.anchor, %s)),
       inc AS (
-        SELECT gpu_id, ts, CASE WHEN energy_j >= prev THEN energy_j - prev ELSE energy_j END AS j
-        FROM s WHERE prev IS NOT NULL),
+        SELECT s.gpu_id, s.ts, CASE WHEN s.energy_j >= s.prev THEN s.energy_j - s.prev ELSE s.energy_j END AS j,
+               COALESCE(NULLIF(gm.compute_slices, 0), 7) AS cs
+        FROM s JOIN {gpu} gpu ON gpu.id = s.gpu_id JOIN {gm} gm ON gm.id = gpu.gpu_model_id
+        WHERE s.prev IS NOT NULL),
       sl AS (
         SELECT inc.gpu_id, inc.ts, inc.j, ms.allocation_id, ms.tenant_id,
-               CASE WHEN ms.compute_slices >= COALESCE(NULLIF(gm.compute_slices, 0), 7) THEN 1.0
-                    ELSE ms.compute_slices * 1.0 / COALESCE(NULLIF(gm.compute_slices, 0), 7) END AS share
+               CASE WHEN ms.compute_slices >= inc.cs THEN 1.0 ELSE ms.compute_slices * 1.0 / inc.cs END AS share
         FROM inc
         JOIN {m} ms ON ms.gpu_id = inc.gpu_id AND ms.resolution = %s AND ms.ts = inc.ts
-        JOIN {gpu} gpu ON gpu.id = inc.gpu_id
-        JOIN {gm} gm ON gm.id = gpu.gpu_model_id
         WHERE ms.ts >= %s AND ms.ts <= %s AND (ms.allocation_id IS NOT NULL OR ms.tenant_id IS NOT NULL)),
       held AS (SELECT gpu_id, ts, SUM(share) AS s FROM sl GROUP BY gpu_id, ts)
     SELECT 0, inc.gpu_id, NULL, SUM(inc.j),
