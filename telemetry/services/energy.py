@@ -23,12 +23,13 @@ from decimal import ROUND_HALF_UP, Decimal
 
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import Case, Count, F, Max, Min, Q, QuerySet, Sum, When
+from django.db.models import Case, Count, F, Max, Min, Q, QuerySet, Sum, Value, When
 from django.db.models.functions import TruncDay
 from django.utils import timezone
 
 from marketplace.models import Allocation, Gpu, GpuModel, Tier
 from telemetry.models import EnergyDaily, EnergyHourly, GpuSample, MigSample, Resolution, UsageHourly
+from telemetry.sqlbuckets import EpochBucket
 
 J_PER_KWH = 3_600_000.0
 STEP = {Resolution.RAW: timedelta(0), Resolution.FIVE_MIN: timedelta(minutes=5), Resolution.HOUR: timedelta(hours=1)}
@@ -89,18 +90,20 @@ def choose_resolutions(start: datetime, end: datetime, gpus=None, coarsest: str 
     for res in ORDER:
         lo, anchor_hi, hi = _window(res, start, end)
         cond |= Q(resolution=res, ts__gte=lo, ts__lte=hi)
-        anchors.append(When(resolution=res, ts__lte=anchor_hi, then="ts"))
+        anchors.append(When(resolution=res, ts__lte=anchor_hi, then=Value(1)))
     qs = GpuSample.objects.filter(cond)
     if gpus is not None:
         qs = qs.filter(gpu_id__in=list(gpus))
-    found: dict[int, dict[str, tuple[datetime, datetime | None]]] = defaultdict(dict)
-    for gpu_id, res, first, anchor in (qs.values("gpu_id", "resolution")
-                                       .annotate(first=Min("ts"), anchor=Max(Case(*anchors)))
-                                       .values_list("gpu_id", "resolution", "first", "anchor")):
-        found[gpu_id][res] = (first + STEP[res], anchor)
+    # epoch seconds and a flag, not datetimes: thousands of rows at fleet scale, parsed cheaply
+    found: dict[int, dict[str, tuple[float, bool]]] = defaultdict(dict)
+    for gpu_id, res, first, anchored in (qs.values("gpu_id", "resolution")
+                                         .annotate(first=Min(EpochBucket("ts", 1)),
+                                                   anchored=Max(Case(*anchors, default=Value(0))))
+                                         .values_list("gpu_id", "resolution", "first", "anchored")):
+        found[gpu_id][res] = (first + STEP[res].total_seconds(), bool(anchored))
     out = {}
     for gpu_id, by_res in found.items():
-        anchored = [r for r in order if r in by_res and by_res[r][1] is not None]
+        anchored = [r for r in order if r in by_res and by_res[r][1]]
         out[gpu_id] = anchored[0] if anchored else min((r for r in ORDER if r in by_res),
                                                        key=lambda r: (by_res[r][0], ORDER.index(r)))
     return out
