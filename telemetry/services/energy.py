@@ -296,7 +296,7 @@ def apportion_range(start: datetime, end: datetime, coarsest: str = Resolution.R
     lo, hi = _ceil_hour(start), _floor_hour(end)
     if hi - lo < ROLLUP_FROM:
         return apportion(start, end, coarsest=coarsest)
-    hourly = _covered_run(EnergyHourly.objects.all(), "hour", lo, hi, HOUR)
+    hourly = _covered_run(EnergyHourly.objects.filter(MARKER), "hour", lo, hi, HOUR)
     if hourly is None or hourly[0] != lo:
         return apportion(start, end, coarsest=coarsest)
     hi = hourly[1]  # rolled up to here; the samples cover the rest
