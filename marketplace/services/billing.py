@@ -632,14 +632,21 @@ def amount_between(d: Draft, lo: datetime, hi: datetime) -> Decimal:
 
 def amount_by_bucket(d: Draft, lo: datetime, hi: datetime, step: timedelta) -> dict[datetime, Decimal]:
     """`amount_between` of each UTC bucket of `step` (epoch-aligned: hours, days) inside [lo, hi), keyed by
-    the bucket's start, going through the line's pieces once."""
+    the bucket's start. A piece inside one bucket goes to it whole; the others accrue evenly over their time,
+    summed as one rate that changes at their ends (a sweep: many slices held over the same span cost one
+    pass over the buckets, not one each)."""
     price, out = d.unit_price, defaultdict(Decimal)
     step_s = int(step.total_seconds())
+    seen: dict[datetime, datetime] = {}
 
     def start_of(t: datetime) -> datetime:
-        e = int(t.timestamp())
-        return datetime.fromtimestamp(e - e % step_s, tz=UTC)
+        found = seen.get(t)
+        if found is None:
+            e = int(t.timestamp())
+            found = seen[t] = datetime.fromtimestamp(e - e % step_s, tz=UTC)
+        return found
 
+    change: dict[datetime, Decimal] = defaultdict(Decimal)  # the amount per second starts/stops accruing at t
     for a, b, qty in d.pieces:
         if b <= a:
             if lo <= a < hi:
@@ -649,13 +656,18 @@ def amount_by_bucket(d: Draft, lo: datetime, hi: datetime, step: timedelta) -> d
         if lo <= a and b <= hi and b <= first + step:  # inside one bucket and the range: all of it there
             out[first] += qty * price
             continue
-        length = seconds(b - a)
-        t = start_of(max(a, lo))
-        while t < min(b, hi):
-            ov = min(b, hi, t + step) - max(a, lo, t)
-            if ov > timedelta(0):
-                out[t] += qty * seconds(ov) / length * price
-            t += step
+        a2, b2 = max(a, lo), min(b, hi)
+        if a2 < b2:
+            rate = qty * price / seconds(b - a)
+            change[a2] += rate
+            change[b2] -= rate
+    rate, times = Decimal(0), sorted(change)
+    for t, nxt in zip(times, times[1:], strict=False):
+        rate += change[t]
+        while t < nxt and rate:
+            edge = min(nxt, start_of(t) + step)
+            out[start_of(t)] += rate * seconds(edge - t)
+            t = edge
     return out
 
 
