@@ -17,7 +17,7 @@ from rest_framework.views import APIView
 
 from marketplace.api.disclosure import reader_is_operator
 from marketplace.filters import InvoiceFilter
-from marketplace.models import CreditNote, CreditNoteLine, Invoice, InvoiceLine, WebhookDelivery, WebhookEndpoint
+from marketplace.models import CreditNote, CreditNoteLine, Invoice, InvoiceLine, Tier, WebhookDelivery, WebhookEndpoint
 from marketplace.selectors import billing as selectors
 from marketplace.selectors.exports import credit_note_csv, invoice_csv
 from marketplace.services import billing, webhooks
@@ -31,7 +31,7 @@ from .viewsets import ScopedViewSetMixin, reject_unsettable_fields
 
 
 class InvoiceLineSerializer(serializers.ModelSerializer):
-    tier = serializers.SlugRelatedField(slug_field="key", read_only=True)
+    tier: serializers.SlugRelatedField[Tier] = serializers.SlugRelatedField(slug_field="key", read_only=True)
 
     class Meta:
         model = InvoiceLine
@@ -46,7 +46,7 @@ class CreditNoteBriefSerializer(serializers.ModelSerializer):
 
 
 class InvoiceSerializer(serializers.ModelSerializer):
-    tenant = serializers.SlugRelatedField(slug_field="slug", read_only=True)
+    tenant: serializers.SlugRelatedField[Tenant] = serializers.SlugRelatedField(slug_field="slug", read_only=True)
     lines = InvoiceLineSerializer(many=True, read_only=True)
     credit_notes = CreditNoteBriefSerializer(many=True, read_only=True, help_text="credit notes correcting it")
 
@@ -146,10 +146,11 @@ class RechargeSerializer(serializers.Serializer):
 
 
 class CreditNoteSerializer(serializers.ModelSerializer):
-    tenant = serializers.SlugRelatedField(slug_field="slug", read_only=True)
+    tenant: serializers.SlugRelatedField[Tenant] = serializers.SlugRelatedField(slug_field="slug", read_only=True)
     invoice_number = serializers.CharField(source="invoice.number", read_only=True)
-    recharged_on = serializers.SlugRelatedField(slug_field="number", read_only=True, allow_null=True,
-                                                help_text="the invoice that carried the corrected charges")
+    recharged_on: serializers.SlugRelatedField[Invoice] = serializers.SlugRelatedField(
+        slug_field="number", read_only=True, allow_null=True,
+        help_text="the invoice that carried the corrected charges")
     lines = CreditNoteLineSerializer(many=True, read_only=True)
     recharge = RechargeSerializer(many=True, read_only=True)
 

@@ -10,12 +10,13 @@ A serializer without a request in its context treats the reader as a tenant. Fil
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from tenants.scoping import principal_for
 
 
-def reader_is_operator(context: dict | None) -> bool:
+def reader_is_operator(context: Mapping[str, Any] | None) -> bool:
     """Operators read the fleet's internals; anyone else, and any doubt (no request, a principal that
     cannot be worked out, e.g. while the database is down), reads what tenants read."""
     request = (context or {}).get("request")
