@@ -3,6 +3,7 @@ the raw usage events: a tenant-month is at most (deployments x 744) rows on the 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -81,11 +82,11 @@ def usage_summary(principal: Principal, start: datetime, end: datetime, group_by
     rows = list(qs.values(*keys).annotate(**{s: Sum(s) for s in SUMS}).order_by(*keys))
     # Names in one query each, after the aggregate (joins inside it would widen the GROUP BY).
     tenants = dict(Tenant.objects.filter(pk__in={r["tenant_id"] for r in rows}).values_list("pk", "slug"))
-    deps = {}
+    deps: dict[int, Mapping[str, object]] = {}
     if group_by == "deployment":
         deps = {d["pk"]: d for d in ModelDeployment.objects.filter(pk__in={r["deployment_id"] for r in rows})
                 .values("pk", "name", "allocation_id", "allocation__tier__key")}
-    tiers = {}
+    tiers: dict[int, str] = {}
     if group_by == "tier":
         from marketplace.models import Tier
 
@@ -93,7 +94,7 @@ def usage_summary(principal: Principal, start: datetime, end: datetime, group_by
                      .values_list("pk", "key"))
     out = []
     for r in rows:
-        row = {"tenant": tenants.get(r.pop("tenant_id"))}
+        row: dict[str, object] = {"tenant": tenants.get(r.pop("tenant_id"))}
         if group_by == "deployment":
             d = deps.get(r["deployment_id"], {})
             row.update(deployment=r.pop("deployment_id"), model=d.get("name"), allocation=d.get("allocation_id"),
@@ -104,10 +105,11 @@ def usage_summary(principal: Principal, start: datetime, end: datetime, group_by
             row["hour"] = r.pop("hour")
         elif group_by == "day":
             row["day"] = r.pop("day")
-        row.update({s: int(r[s] or 0) for s in SUMS})
-        row["unbilled_input_tokens"] = row["input_tokens"] - row["billed_input_tokens"]
-        row["unbilled_output_tokens"] = row["output_tokens"] - row["billed_output_tokens"]
-        row["unbilled_requests"] = row["requests"] - row["billed_requests"]
+        sums = {s: int(r[s] or 0) for s in SUMS}
+        row.update(sums)
+        row["unbilled_input_tokens"] = sums["input_tokens"] - sums["billed_input_tokens"]
+        row["unbilled_output_tokens"] = sums["output_tokens"] - sums["billed_output_tokens"]
+        row["unbilled_requests"] = sums["requests"] - sums["billed_requests"]
         out.append(row)
     return out
 
@@ -138,7 +140,7 @@ def metered_vs_served(principal: Principal, since: datetime, until: datetime, te
         "pk", "name", "state", "tenant__slug", "allocation_id", "allocation__node_id", "allocation__node__hostname")}
     rows = []
     for pk in sorted(ids):
-        d = deps.get(pk, {})
+        d: Mapping[str, object] = deps.get(pk, {})
         m = int((metered.get(pk) or {}).get("requests") or 0)
         s = int((served.get(pk) or {}).get("requests") or 0)
         rows.append({
