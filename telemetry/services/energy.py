@@ -32,9 +32,11 @@ from telemetry.models import EnergyDaily, EnergyHourly, GpuSample, MigSample, Re
 from telemetry.sqlbuckets import EpochBucket
 
 J_PER_KWH = 3_600_000.0
-STEP = {Resolution.RAW: timedelta(0), Resolution.FIVE_MIN: timedelta(minutes=5), Resolution.HOUR: timedelta(hours=1)}
-LOOKBACK = {Resolution.RAW: timedelta(hours=1), Resolution.FIVE_MIN: timedelta(minutes=10),
-            Resolution.HOUR: timedelta(hours=2)}
+# Keyed by the stored resolution value (a Resolution is that str): rows read back give plain strs.
+STEP: dict[str, timedelta] = {Resolution.RAW: timedelta(0), Resolution.FIVE_MIN: timedelta(minutes=5),
+                              Resolution.HOUR: timedelta(hours=1)}
+LOOKBACK: dict[str, timedelta] = {Resolution.RAW: timedelta(hours=1), Resolution.FIVE_MIN: timedelta(minutes=10),
+                                  Resolution.HOUR: timedelta(hours=2)}
 
 
 def price_per_kwh() -> Decimal:
@@ -57,10 +59,11 @@ class EnergyReport:
         for k, v in other.gpu_kwh.items():
             self.gpu_kwh[k] = self.gpu_kwh.get(k, 0.0) + v
         for mine, theirs in ((self.allocation_kwh, other.allocation_kwh), (self.tenant_kwh, other.tenant_kwh),
-                             (self.gpu_unallocated_kwh, other.gpu_unallocated_kwh),
-                             (self.held_kwh, other.held_kwh)):
+                             (self.gpu_unallocated_kwh, other.gpu_unallocated_kwh)):
             for k, v in theirs.items():
                 mine[k] += v
+        for held, v in other.held_kwh.items():
+            self.held_kwh[held] += v
         self.unallocated_kwh += other.unallocated_kwh
 
     @property
@@ -87,10 +90,10 @@ def choose_resolutions(start: datetime, end: datetime, gpus=None, coarsest: str 
     else the one whose first row is earliest."""
     order = ORDER[:ORDER.index(coarsest) + 1][::-1]
     cond, anchors = Q(), []
-    for res in ORDER:
-        lo, anchor_hi, hi = _window(res, start, end)
-        cond |= Q(resolution=res, ts__gte=lo, ts__lte=hi)
-        anchors.append(When(resolution=res, ts__lte=anchor_hi, then=Value(1)))
+    for level in ORDER:
+        lo, anchor_hi, hi = _window(level, start, end)
+        cond |= Q(resolution=level, ts__gte=lo, ts__lte=hi)
+        anchors.append(When(resolution=level, ts__lte=anchor_hi, then=Value(1)))
     qs = GpuSample.objects.filter(cond)
     if gpus is not None:
         qs = qs.filter(gpu_id__in=list(gpus))
