@@ -56,6 +56,7 @@ from decimal import ROUND_HALF_UP, Decimal
 
 from django.db import transaction
 from django.db.models import (
+    Aggregate,
     BigIntegerField,
     BooleanField,
     Case,
@@ -231,6 +232,8 @@ class Draft:
         return money(self.rounded_quantity * self.unit_price)
 
     def line(self, invoice: Invoice) -> InvoiceLine:
+        if self.usage_from is None or self.usage_to is None:  # every draft is made with its first piece
+            raise ValueError(f"draft {self.description!r} has no usage span")
         return InvoiceLine(invoice=invoice, kind=self.kind, tier=self.tier, plan=self.plan,
                            allocation_id=self.allocation_id, deployment_id=self.deployment_id,
                            description=self.description[:300], quantity=self.rounded_quantity, unit=self.unit,
@@ -277,7 +280,7 @@ def token_groups(rows: QuerySet, book: PlanBook, month_start: datetime, pieces: 
     spreading a month's lines over time needs; `rows` within one month)."""
     qs = rows.annotate(plan_id=book.case(TIER, PLAN_KIND, "hour"))
     keys = [TIER, PLAN_KIND, "plan_id"] + (["tenant_id"] if by_tenant else [])
-    sums = {"input_tokens": Sum("input_tokens"), "output_tokens": Sum("output_tokens")}
+    sums: dict[str, Aggregate] = {"input_tokens": Sum("input_tokens"), "output_tokens": Sum("output_tokens")}
     if by_deployment:  # what an invoice needs besides: the line keys, late usage, what was billed before
         qs = qs.annotate(
             late=Case(When(hour__lt=month_start, then=Value(True)), default=Value(False), output_field=BooleanField()),
@@ -388,11 +391,11 @@ def rate_month(inp: MonthInputs, start: datetime, end: datetime, now: datetime
         spans = book.spans(a.tier_id, a.plan_kind, a_from, a_to)
         if a_from < a_to and sum((hi - lo for _, lo, hi in spans), timedelta(0)) < a_to - a_from:
             unpriced[f"{tier.name}: {a.plan_kind} slice-hours with no {currency} price in force"] = None
-        for plan, lo, hi in spans:
-            key = (L.SLICE_HOURS, a.tier_id, plan.pk)
+        for span_plan, lo, hi in spans:
+            key = (L.SLICE_HOURS, a.tier_id, span_plan.pk)
             d = drafts.get(key) or drafts.setdefault(key, Draft(
-                L.SLICE_HOURS, tier, plan, f"{tier.name}: slice-hours at {plan.price_per_slice_hour}/h "
-                f"({plan.get_kind_display().lower()})", "hour"))
+                L.SLICE_HOURS, tier, span_plan, f"{tier.name}: slice-hours at {span_plan.price_per_slice_hour}/h "
+                f"({span_plan.get_kind_display().lower()})", "hour"))
             d.add(Decimal((hi - lo).total_seconds()) / 3600, lo, hi)
     late_reserved: dict[tuple[date, int], Decimal] = defaultdict(Decimal)
     for g in inp.groups:
@@ -412,12 +415,12 @@ def rate_month(inp: MonthInputs, start: datetime, end: datetime, now: datetime
                              else ((L.INPUT_TOKENS, ins), (L.OUTPUT_TOKENS, outs))):
             if tokens <= 0:
                 continue
-            key = (kind, tier.pk, plan.pk, g["deployment_id"], g["adapter"])  # a LoRA adapter is its own line
+            line_key = (kind, tier.pk, plan.pk, g["deployment_id"], g["adapter"])  # a LoRA adapter: its own line
             what = "input" if kind in (L.INPUT_TOKENS, L.ADJUSTMENT_INPUT) else "output"
             prefix = "late usage from a finalized month: " if is_late else ""
             name = inp.names.get(g["deployment_id"], "")
             served = f"LoRA adapter {g['adapter']} of {name}" if g["adapter"] else name
-            d = drafts.get(key) or drafts.setdefault(key, Draft(
+            d = drafts.get(line_key) or drafts.setdefault(line_key, Draft(
                 kind, tier, plan, f"{prefix}{served} on {tier.name}: {what} tokens (per 1M)",
                 "1M tokens", deployment_id=g["deployment_id"]))
             d.add(Decimal(tokens) / MILLION, g["first"], g["last"] + timedelta(hours=1))
@@ -481,9 +484,12 @@ def commitment_credits(tenant: Tenant, late_reserved: dict[tuple[date, int], Dec
                                             plan_id=plan_pk).select_related("plan", "tier").first())
         if topup is None:
             continue
-        given = -sum((li.amount for li in InvoiceLine.objects.filter(
+        credit_lines = InvoiceLine.objects.filter(
             invoice__tenant=tenant, invoice__status=Invoice.Status.FINALIZED, kind=L.COMMITMENT_CREDIT,
-            plan_id=plan_pk, usage_from=m_start).exclude(invoice_id=invoice_id)), Decimal(0))
+            plan_id=plan_pk, usage_from=m_start)
+        if invoice_id is not None:  # (no invoice yet: nothing of its own to leave out)
+            credit_lines = credit_lines.exclude(invoice_id=invoice_id)
+        given = -sum((li.amount for li in credit_lines), Decimal(0))
         credit = min(money(late_amount), topup.amount - given)
         if credit <= 0:
             continue
@@ -575,11 +581,11 @@ def spread_lines_many(tenants: list[Tenant], start: datetime, end: datetime, now
         month = rate_months_many(tenants, m, min(now, m_end), tokens=reserved)
         for tid, (drafts, currency) in month.items():
             out[tid].extend((d, currency) for d in drafts if d.kind not in NOT_THIS_MONTH and d.kind not in TOKEN_KINDS)
-        currency = {tid: cur for tid, (_, cur) in month.items()}
-        books = PlanBook.many(set(currency.values()))
+        currency_of = {tid: cur for tid, (_, cur) in month.items()}
+        books = PlanBook.many(set(currency_of.values()))
         groups: list[tuple[str, dict]] = []
         for cur, book in books.items():
-            rows = UsageHourly.objects.filter(tenant_id__in=[t for t in ids if currency[t] == cur],
+            rows = UsageHourly.objects.filter(tenant_id__in=[t for t in ids if currency_of[t] == cur],
                                               hour__gte=max(m_start, lo - hour), hour__lt=min(m_end, hi + hour))
             groups += [(cur, g) for g in token_groups(rows, book, m_start, (step, lo, hi), by_tenant=True,
                                                       by_deployment=False)]
@@ -635,7 +641,8 @@ def amount_by_bucket(d: Draft, lo: datetime, hi: datetime, step: timedelta) -> d
     the bucket's start. A piece inside one bucket goes to it whole; the others accrue evenly over their time,
     summed as one rate that changes at their ends (a sweep: many slices held over the same span cost one
     pass over the buckets, not one each)."""
-    price, out = d.unit_price, defaultdict(Decimal)
+    price = d.unit_price
+    out: dict[datetime, Decimal] = defaultdict(Decimal)
     step_s = int(step.total_seconds())
     seen: dict[datetime, datetime] = {}
 
@@ -851,7 +858,8 @@ def finalize(invoice: Invoice, *, now: datetime | None = None, force: bool = Fal
 
 def _months(a: datetime, b: datetime) -> list[date]:
     """The calendar months [a, b) touches."""
-    out, m = [], month_of(a)
+    out: list[date] = []
+    m = month_of(a)
     while True:
         lo, _ = bounds(m)
         if lo >= b:
@@ -884,6 +892,7 @@ def periods_used(now: datetime | None = None, since: datetime | None = None,
         out[tenant_id].add(month_of(m))
     for tenant_id, activated, released, state, updated in allocs.values_list(
             "tenant_id", "activated_at", "released_at", "state", "updated_at"):
+        assert activated is not None  # activated_at__isnull=False above
         stopped = released or (updated if state == Allocation.State.FAILED else None)
         out[tenant_id].update(_months(activated, min(stopped or now, now)))
     pending_late = (hourly.filter(Q(input_tokens__gt=F("billed_input_tokens"))
@@ -1010,7 +1019,11 @@ def start_rating_run(now: datetime | None = None) -> RatingRun:
             .values_list("tenant_id", flat=True)))
         RatingRunTenant.objects.bulk_create([RatingRunTenant(run=run, tenant_id=t) for t in ids])
         if ids:
-            transaction.on_commit(lambda: [enqueue.send(enqueue.RATE_TENANT, [run.pk, t], "control") for t in ids])
+            def send_all() -> None:
+                for t in ids:
+                    enqueue.send(enqueue.RATE_TENANT, [run.pk, t], "control")
+
+            transaction.on_commit(send_all)
     if not ids:
         finish_rating_run(run.pk)
     log.info("rating run started", extra={"run": run.pk, "tenants": len(ids)})
@@ -1066,7 +1079,8 @@ def _run_finalized(run: RatingRun, stragglers: list[str]) -> list[str]:
     draft `finalize_due` caught at the end (normally none)."""
     by_tasks = Invoice.objects.filter(tenant_id__in=run.tenants.values("tenant_id"), status=Invoice.Status.FINALIZED,
                                       finalized_at__gte=run.started_at, finalized_at__lte=run.finished_at)
-    return sorted(set(by_tasks.values_list("number", flat=True)) | set(stragglers))
+    numbers = {n for n in by_tasks.values_list("number", flat=True) if n is not None}  # finalized: all numbered
+    return sorted(numbers | set(stragglers))
 
 
 def invoice_payload(invoice: Invoice) -> dict:
@@ -1188,8 +1202,8 @@ def spend_status(tenant: Tenant, now: datetime | None = None) -> dict:
     ratio = (spend / limit) if limit else None
     return {
         "spend": spend, "limit": limit, "currency": currency, "ratio": ratio,
-        "warn": bool(limit and ratio >= tenant.spend_warn_ratio),
-        "blocked": bool(limit and ratio >= tenant.spend_block_ratio),
+        "warn": ratio is not None and ratio >= tenant.spend_warn_ratio,
+        "blocked": ratio is not None and ratio >= tenant.spend_block_ratio,
         "period_start": period,
     }
 
@@ -1207,7 +1221,7 @@ def evaluate_spend(tenant: Tenant, now: datetime | None = None) -> list[str]:
     from marketplace.services import webhooks
 
     s = spend_status(tenant, now)
-    fired = []
+    fired: list[str] = []
     for level, hit, event in ((SpendNotice.Level.WARN, s["warn"], "spend_limit.warning"),
                               (SpendNotice.Level.BLOCK, s["blocked"], "spend_limit.reached")):
         if not hit:
