@@ -38,7 +38,8 @@ from tenants.models import Tenant
 from tenants.scoping import Principal
 
 MILLION = Decimal(1_000_000)
-LAYOUT = {"template": "plotly_white", "margin": {"l": 60, "r": 20, "t": 60, "b": 50}}
+MARGIN = {"l": 60, "r": 20, "t": 60, "b": 50}
+LAYOUT: dict[str, object] = {"template": "plotly_white", "margin": MARGIN}
 
 
 L = InvoiceLine.Kind
@@ -85,7 +86,8 @@ HEATMAP_COLUMNS = 120
 HEATMAP_ROWS = 128
 TOP_TENANTS = 12
 NICE_STEPS = (60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200, 86400, 172800, 604800)
-NATIVE_STEP = {Resolution.RAW: 60, Resolution.FIVE_MIN: 300, Resolution.HOUR: 3600}
+#: keyed by the stored resolution value (a Resolution is that str; a Period carries the plain str)
+NATIVE_STEP: dict[str, int] = {Resolution.RAW: 60, Resolution.FIVE_MIN: 300, Resolution.HOUR: 3600}
 
 
 def period(params: dict | None) -> Period:
@@ -195,8 +197,8 @@ def fleet_utilization(per: Period, principal: Principal):
                                                                               "title": "GPU activity (%)"},
                             "xaxis": {"title": f"time (UTC), {_step_words(step)} averages"}})
     fig.add_trace(go.Scatter(x=ts, y=numbers["fleet"], name="fleet", mode="lines"))
-    for m, v in sorted(numbers["by_model"].items()):
-        fig.add_trace(go.Scatter(x=v["ts"], y=v["avg"], name=m, mode="lines", line={"dash": "dot"}))
+    for model, v in sorted(by_model.items()):
+        fig.add_trace(go.Scatter(x=v["ts"], y=v["avg"], name=model, mode="lines", line={"dash": "dot"}))
     return (fig if ts else _empty(fig)), numbers
 
 
@@ -245,14 +247,15 @@ def mig_slot_map(per: Period, principal: Principal):
             "gpu_id", "slot", "instance__tenant__slug", "instance__placement__profile__name"):
         held[(gpu_id, slot)] = (tenant, profile or "whole GPU")
     tenants = sorted({t for t, _w in held.values()})
-    code = {t: i + 1 for i, t in enumerate(tenants)}
-    rows = []
+    code: dict[str | None, int] = {t: i + 1 for i, t in enumerate(tenants)}  # a free slot (None): 0
+    rows, z, text = [], [], []
     for pk, host, index, model, mig in gpus:
-        rows.append({"gpu": Gpu.label_for(host, index), "model": model, "mig": mig,
-                     "slots": [held.get((pk, s), (None, None))[0] for s in range(8)],
-                     "profiles": [held.get((pk, s), (None, None))[1] for s in range(8)]})
-    z = [[code.get(t, 0) for t in r["slots"]] for r in rows]
-    text = [[f"{t} ({p})" if t else "free" for t, p in zip(r["slots"], r["profiles"], strict=True)] for r in rows]
+        slots = [held.get((pk, s), (None, None))[0] for s in range(8)]
+        profiles = [held.get((pk, s), (None, None))[1] for s in range(8)]
+        rows.append({"gpu": Gpu.label_for(host, index), "model": model, "mig": mig, "slots": slots,
+                     "profiles": profiles})
+        z.append([code.get(t, 0) for t in slots])
+        text.append([f"{t} ({p})" if t else "free" for t, p in zip(slots, profiles, strict=True)])
     n = len(tenants)
     palette = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
     colors = ["#eeeeee"] + [palette[i % len(palette)] for i in range(n)]
@@ -278,6 +281,10 @@ def _tenants_used(per: Period, tenant_ids=None) -> list[Tenant]:
     return list(Tenant.objects.filter(pk__in=used).order_by("pk"))
 
 
+#: a line kind's amount in `tier_spend` (any other kind: token_amount)
+AMOUNT_KEY: dict[str, str] = {L.SLICE_HOURS: "slice_amount", L.COMMITMENT_TOPUP: "commitment_amount"}
+
+
 def tier_spend(per: Period) -> dict[int, dict]:
     """tier id -> requests, tokens, token/slice-hour/commitment/total amounts over the period: the
     invoices' own rating (billing.rated_lines: the plan in force at each hour, slice-hours per second,
@@ -292,23 +299,25 @@ def tier_spend(per: Period) -> dict[int, dict]:
                 continue
             priced.add(tid)
             part = amount_between(d, per.start, per.end)
-            key = {L.SLICE_HOURS: "slice_amount", L.COMMITMENT_TOPUP: "commitment_amount"}.get(d.kind, "token_amount")
+            key = AMOUNT_KEY.get(d.kind, "token_amount")
             out[d.tier.pk][key] += part
     for tier_id, requests, tokens in (
             UsageHourly.objects.filter(hour__gte=per.start, hour__lt=per.end, tenant_id__in=priced)
             .values("deployment__allocation__tier_id").order_by()
             .annotate(rq=Sum("requests"), t=Sum(F("input_tokens") + F("output_tokens")))
             .values_list("deployment__allocation__tier_id", "rq", "t")):
-        d = out[tier_id]
-        d["requests"] += int(requests or 0)
-        d["tokens"] += int(tokens or 0)
-    for d in out.values():
-        d["amount"] = _money(d["token_amount"] + d["slice_amount"] + d["commitment_amount"])
+        row = out[tier_id]
+        row["requests"] += int(requests or 0)
+        row["tokens"] += int(tokens or 0)
+    for row in out.values():
+        row["amount"] = _money(row["token_amount"] + row["slice_amount"] + row["commitment_amount"])
         for k in ("token_amount", "slice_amount", "commitment_amount"):
-            d[k] = _money(d[k])
-        d["cost_per_inference"] = _money(d["amount"] / d["requests"], "0.00000001") if d["requests"] else None
-        d["cost_per_1k_tokens"] = _money(d["amount"] * 1000 / d["tokens"], "0.00000001") if d["tokens"] else None
-        d["cost_per_1m_tokens"] = _money(d["amount"] * MILLION / d["tokens"], "0.0001") if d["tokens"] else None
+            row[k] = _money(row[k])
+        row["cost_per_inference"] = (_money(row["amount"] / row["requests"], "0.00000001") if row["requests"]
+                                     else None)
+        row["cost_per_1k_tokens"] = (_money(row["amount"] * 1000 / row["tokens"], "0.00000001") if row["tokens"]
+                                     else None)
+        row["cost_per_1m_tokens"] = _money(row["amount"] * MILLION / row["tokens"], "0.0001") if row["tokens"] else None
     return out
 
 
@@ -366,12 +375,13 @@ def power_cost(per: Period, principal: Principal):
 
 def h100_vs_h200(per: Period, principal: Principal):
     """Per GPU model side by side: tokens/s per GPU, cost per 1K tokens, average utilization."""
-    gpus = defaultdict(int)
+    gpus: defaultdict[str, int] = defaultdict(int)
     for key in Gpu.objects.values_list("gpu_model__key", flat=True):
         gpus[key] += 1
     spend = tier_spend(per)
     model_of = dict(Tier.objects.filter(pk__in=list(spend)).values_list("pk", "gpu_model__key"))
-    tokens, amount = defaultdict(int), defaultdict(Decimal)
+    tokens: defaultdict[str, int] = defaultdict(int)
+    amount: defaultdict[str, Decimal] = defaultdict(Decimal)
     for tier_id, d in spend.items():
         tokens[model_of[tier_id]] += d["tokens"]
         amount[model_of[tier_id]] += d["amount"]
@@ -418,8 +428,8 @@ def tenant_usage(per: Period, principal: Principal, params: dict | None = None):
     slug, own_currency = {}, {}
     for pk, s, cur in tenants.values_list("pk", "slug", "currency"):
         slug[pk], own_currency[pk] = s, cur
-    tok = defaultdict(lambda: defaultdict(int))
-    spend = defaultdict(lambda: defaultdict(Decimal))
+    tok: defaultdict[int, defaultdict[datetime, int]] = defaultdict(lambda: defaultdict(int))
+    spend: defaultdict[int, defaultdict[datetime, Decimal]] = defaultdict(lambda: defaultdict(Decimal))
     step = timedelta(days=1) if bucket == "day" else timedelta(hours=1)
     for r in (UsageHourly.objects.filter(tenant_id__in=list(slug), hour__gte=per.start, hour__lt=per.end)
               .annotate(b=EpochBucket("hour", int(step.total_seconds()))).values("tenant_id", "b")
@@ -442,7 +452,7 @@ def tenant_usage(per: Period, principal: Principal, params: dict | None = None):
     unit = currencies[0] if len(currencies) == 1 else "each tenant's billing currency"
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.12,
                         subplot_titles=("tokens", f"spend ({unit})"))
-    for tid in sorted(slug, key=slug.get):
+    for tid in sorted(slug, key=lambda t: slug[t]):
         times = sorted(set(tok[tid]) | set(spend[tid]))
         numbers[slug[tid]] = {"ts": [t.isoformat() for t in times], "tokens": [tok[tid].get(t, 0) for t in times],
                               "spend": [_money(spend[tid].get(t, Decimal(0)), "0.01") for t in times],
@@ -452,14 +462,15 @@ def tenant_usage(per: Period, principal: Principal, params: dict | None = None):
     ranked = sorted((t for t in slug if tok[t] or spend[t]),
                     key=lambda t: (-sum(spend[t].values(), Decimal(0)), -sum(tok[t].values()), slug[t]))
     shown, rest = ranked[:TOP_TENANTS], ranked[TOP_TENANTS:]
-    series = [(slug[t], tok[t], spend[t]) for t in sorted(shown, key=slug.get)]
+    series = [(slug[t], tok[t], spend[t]) for t in sorted(shown, key=lambda t: slug[t])]
     if rest:
-        other_tok, other_spend = defaultdict(int), defaultdict(Decimal)
+        other_tok: defaultdict[datetime, int] = defaultdict(int)
+        other_spend: defaultdict[datetime, Decimal] = defaultdict(Decimal)
         for t in rest:
-            for b, v in tok[t].items():
-                other_tok[b] += v
-            for b, v in spend[t].items():
-                other_spend[b] += v
+            for b, n in tok[t].items():
+                other_tok[b] += n
+            for b, part in spend[t].items():
+                other_spend[b] += part
         series.append((f"{len(rest)} other tenants", other_tok, other_spend))
     for name, tokens, money in series:
         times = sorted(set(tokens) | set(money))
@@ -507,7 +518,7 @@ def capacity_plan(report) -> dict:
                              name=f"{model} GPUs", marker_color=colors[model], text=[u.gpus for _l, u in mine],
                              textposition="auto"), 2, 1)
     longest = max((len(label) for label, _u in rows), default=10)
-    fig.update_layout(**{**LAYOUT, "margin": {**LAYOUT["margin"], "l": min(420, 40 + 6 * longest)}},
+    fig.update_layout(**{**LAYOUT, "margin": {**MARGIN, "l": min(420, 40 + 6 * longest)}},
                       barmode="stack", title="Capacity plan: lowest cost per 1K tokens",
                       legend={"orientation": "h", "y": -0.12})
     fig.update_yaxes(tickformat=".6f", exponentformat="none", row=1, col=1)
