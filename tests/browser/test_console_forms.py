@@ -65,7 +65,8 @@ def test_create_forms_and_audit_log(browser, page, live_server, login, shot, cat
     page.click("nav.mainnav >> text=Audit log")
     page.wait_for_url(f"{base}/console/audit/")
     rows = page.locator("table.audit tbody tr")
-    assert rows.first.locator("code").inner_text() == "tier.create"  # newest first
+    assert rows.first.locator("code").inner_text() == "node.register"  # newest first
+    assert rows.nth(1).locator("code").inner_text() == "tier.create"
     assert page.locator("table.audit", has_text="tenant.create").is_visible()
     shot(page, "console-audit")
     page.select_option("select[name=action]", "tenant.create")
