@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from decimal import ROUND_HALF_UP, Decimal
 
@@ -375,9 +375,8 @@ def power_cost(per: Period, principal: Principal):
 
 def h100_vs_h200(per: Period, principal: Principal):
     """Per GPU model side by side: tokens/s per GPU, cost per 1K tokens, average utilization."""
-    gpus: defaultdict[str, int] = defaultdict(int)
-    for key in Gpu.objects.values_list("gpu_model__key", flat=True):
-        gpus[key] += 1
+    gpus: dict[str, int] = dict(Gpu.objects.values("gpu_model__key").order_by().annotate(n=Count("pk"))
+                                .values_list("gpu_model__key", "n"))
     spend = tier_spend(per)
     model_of = dict(Tier.objects.filter(pk__in=list(spend)).values_list("pk", "gpu_model__key"))
     tokens: defaultdict[str, int] = defaultdict(int)
@@ -385,7 +384,9 @@ def h100_vs_h200(per: Period, principal: Principal):
     for tier_id, d in spend.items():
         tokens[model_of[tier_id]] += d["tokens"]
         amount[model_of[tier_id]] += d["amount"]
-    util = {r["gpu__gpu_model__key"]: r["avg"] for r in activity(per, "gpu__gpu_model__key")}
+    # one average over the whole range: hourly rollups (and the raw minutes after them) beyond a few hours
+    coarse = per if per.end - per.start <= RAW_UP_TO else replace(per, resolution=Resolution.HOUR)
+    util = {r["gpu__gpu_model__key"]: r["avg"] for r in activity(coarse, "gpu__gpu_model__key")}
     models = sorted(set(gpus) | set(tokens))
     numbers = {m: {
         "gpus": gpus.get(m, 0),
