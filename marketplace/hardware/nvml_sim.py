@@ -274,15 +274,19 @@ class SimNvml:
         return {"version": STATE_VERSION, **self._signature(), "gpus": gpus}
 
     def _file_stamp(self) -> tuple[int, int, int] | None:
+        if self.state_path is None:  # in memory only: no file
+            return None
         try:
-            st = os.stat(self.state_path)  # type: ignore[arg-type]
+            st = os.stat(self.state_path)
         except FileNotFoundError:
             return None
         return (st.st_ino, st.st_mtime_ns, st.st_size)
 
     def _read_file(self) -> dict[str, Any] | None:
+        if self.state_path is None:
+            return None
         try:
-            data = json.loads(self.state_path.read_text())  # type: ignore[union-attr]
+            data = json.loads(self.state_path.read_text())
         except (FileNotFoundError, json.JSONDecodeError):
             return None
         if data.get("version") != STATE_VERSION or {k: data.get(k) for k in ("node", "fleet")} != self._signature():
@@ -426,9 +430,9 @@ class SimNvml:
         if dec is None or dec[0] != _KIND_CI or dec[1] >= len(self.fleet):
             raise _err(_pynvml.NVML_ERROR_INVALID_ARGUMENT)
         gi, ci = self._find_ci(dec[1], dec[2])
-        if ci is None:
+        if ci is None or gi is None:  # a compute instance is always found inside its GPU instance
             raise _err(_pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        return dec[1], gi, ci  # type: ignore[return-value]
+        return dec[1], gi, ci
 
     def _dev_handle(self, gpu: int) -> Any:
         return _make_handle(_pynvml.c_nvmlDevice_t, _KIND_GPU, gpu, 0)
@@ -972,9 +976,9 @@ class SimNvml:
 
     def nvmlDeviceGetAttributes(self, device: Any) -> Any:
         gpu, gi, ci = self._dev(device, allow_mig=True)
-        if ci is None:
+        if ci is None or gi is None:  # a whole GPU (or a GPU instance) has no compute-instance attributes
             raise _err(_pynvml.NVML_ERROR_NOT_SUPPORTED)
-        p = self._gi_profile(gpu, gi)  # type: ignore[arg-type]
+        p = self._gi_profile(gpu, gi)
         a = _pynvml.c_nvmlDeviceAttributes()
         a.multiprocessorCount = self._ci_sms(p, ci["size"])
         a.sharedCopyEngineCount = p.copy_engines

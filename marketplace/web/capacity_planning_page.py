@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from django import forms
-from django.http import QueryDict
+from django.http import HttpRequest, HttpResponse, QueryDict
 from django.shortcuts import render
 from django.views.decorators.http import require_GET
 
@@ -180,7 +181,7 @@ def _workloads(formset) -> list[planner.Workload]:
 
 @require_GET
 @operator_required
-def planner_page(request):
+def planner_page(request: HttpRequest) -> HttpResponse:
     models = _models()
     since, until = capacity_planning.window()
     shapes = capacity_planning.shape_figures(since, until, measure=False)  # the form's fields; the plan measures
@@ -208,12 +209,13 @@ def planner_page(request):
                     planner.Workload(d["name"], d["tokens_per_s"], d["min_memory_gib"]) for d in demand]))
             except planner.PlanError as exc:
                 error = exc.message
-    ctx = {"formset": formset, "settings_form": settings_form, "report": report, "error": error, "notes": notes,
-           "base_fields": [settings_form[n] for n in ("target_utilization", "growth", "window_days", "price_per_kwh",
-                                                      "currency", "gpu_models")],
-           "cost_fields": [settings_form[n] for n in settings_form.cost_fields],
-           "tps_fields": [settings_form[n] for n in settings_form.tps_fields],
-           "measured_default": not bound}
+    ctx: dict[str, Any] = {
+        "formset": formset, "settings_form": settings_form, "report": report, "error": error, "notes": notes,
+        "base_fields": [settings_form[n] for n in ("target_utilization", "growth", "window_days", "price_per_kwh",
+                                                   "currency", "gpu_models")],
+        "cost_fields": [settings_form[n] for n in settings_form.cost_fields],
+        "tps_fields": [settings_form[n] for n in settings_form.tps_fields],
+        "measured_default": not bound}
     if report is not None:
         for f in report.shapes:  # hint the measured (or modelled) figure an override replaces
             hint = f.measured_tps if f.measured_tps is not None else f.modelled_tps

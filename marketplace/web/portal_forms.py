@@ -9,6 +9,7 @@ nothing: the view calls the service only with `cleaned_data`.
 from __future__ import annotations
 
 from datetime import UTC, datetime, time
+from typing import cast
 
 from django import forms
 from django.utils import timezone
@@ -113,10 +114,11 @@ class DeploymentForm(forms.Form):
 
     def __init__(self, *args, principal, tenant, **kw):
         super().__init__(*args, **kw)
-        f = self.fields
-        f["allocation"].queryset = order_sel.allocations(principal).filter(tenant=tenant)  # type: ignore[attr-defined]
-        f["repository"].queryset = model_sel.repositories(principal).filter(tenant=tenant)  # type: ignore[attr-defined]
-        f["adapters"].queryset = model_sel.adapters(principal).filter(tenant=tenant)  # type: ignore[attr-defined]
+        choices = {name: cast(forms.ModelChoiceField, self.fields[name]) for name in ("allocation", "repository",
+                                                                                     "adapters")}
+        choices["allocation"].queryset = order_sel.allocations(principal).filter(tenant=tenant)
+        choices["repository"].queryset = model_sel.repositories(principal).filter(tenant=tenant)
+        choices["adapters"].queryset = model_sel.adapters(principal).filter(tenant=tenant)
 
     def clean(self):
         data = super().clean()
