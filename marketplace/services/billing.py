@@ -53,6 +53,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
 from decimal import ROUND_HALF_UP, Decimal
+from functools import lru_cache
 
 from django.db import transaction
 from django.db.models import (
@@ -607,6 +608,7 @@ def spread_lines_many(tenants: list[Tenant], start: datetime, end: datetime, now
     return out
 
 
+@lru_cache(maxsize=4096)
 def _piece_span(piece: int, step: int, lo: datetime, hi: datetime) -> tuple[datetime, datetime]:
     """The time a piece of `_piece` covers: an edge hour's hour; an inner bucket's part of [lo, hi)."""
     if piece < 0:
@@ -636,6 +638,14 @@ def amount_between(d: Draft, lo: datetime, hi: datetime) -> Decimal:
     return q * price
 
 
+@lru_cache(maxsize=4096)
+def _bucket_start(t: datetime, step_s: int) -> datetime:
+    """The start of the epoch-aligned UTC bucket of `step_s` seconds that holds t (a chart asks for the same
+    few bucket edges thousands of times)."""
+    e = int(t.timestamp())
+    return datetime.fromtimestamp(e - e % step_s, tz=UTC)
+
+
 def amount_by_bucket(d: Draft, lo: datetime, hi: datetime, step: timedelta) -> dict[datetime, Decimal]:
     """`amount_between` of each UTC bucket of `step` (epoch-aligned: hours, days) inside [lo, hi), keyed by
     the bucket's start. A piece inside one bucket goes to it whole; the others accrue evenly over their time,
@@ -644,14 +654,9 @@ def amount_by_bucket(d: Draft, lo: datetime, hi: datetime, step: timedelta) -> d
     price = d.unit_price
     out: dict[datetime, Decimal] = defaultdict(Decimal)
     step_s = int(step.total_seconds())
-    seen: dict[datetime, datetime] = {}
 
     def start_of(t: datetime) -> datetime:
-        found = seen.get(t)
-        if found is None:
-            e = int(t.timestamp())
-            found = seen[t] = datetime.fromtimestamp(e - e % step_s, tz=UTC)
-        return found
+        return _bucket_start(t, step_s)
 
     change: dict[datetime, Decimal] = defaultdict(Decimal)  # the amount per second starts/stops accruing at t
     for a, b, qty in d.pieces:
