@@ -47,7 +47,7 @@ def _energy_mj() -> list[int]:
     return out
 
 
-def test_demo_traffic_makes_utilization_and_power_visible(demo_fleet):
+def test_demo_traffic_makes_utilization_and_power_visible(demo_fleet, monkeypatch):
     # each tenant's requests carry its share of the slice's modelled throughput, less at night
     dep = next(d for d in demo_fleet if d.tenant.slug == "cobalt-health")  # a whole H200 (7g.141gb)
     noon = timezone.now().replace(hour=12, minute=0, second=0, microsecond=0)
@@ -59,6 +59,12 @@ def test_demo_traffic_makes_utilization_and_power_visible(demo_fleet):
     n = traffic.requests_in(dep, noon, 60, random.Random(1))
     assert 0.7 * mean - 1 <= n <= 1.3 * mean + 1
     assert traffic.INPUT_WORDS[0] < len(traffic.prompt(random.Random(2)).split()) <= traffic.INPUT_WORDS[1] + 10
+    # a tick sends those requests through the gateway (recorded here instead of sent over HTTP)
+    sent = []
+    monkeypatch.setattr(traffic, "_post", lambda url, body, token: sent.append(body) or {})
+    assert traffic.gateway_tick(dep.allocation.node_id) == len(sent) >= 3
+    assert {b["model"] for b in sent} == {"tiny-gen"}
+    assert all(traffic.OUTPUT_TOKENS[0] <= b["max_tokens"] <= traffic.OUTPUT_TOKENS[1] <= 1024 for b in sent)
     real_now = timezone.now()
     # the end of an afternoon hour whose traffic is all in the past (ingest refuses future events)
     end = real_now.replace(hour=14, minute=59, second=0, microsecond=0)
