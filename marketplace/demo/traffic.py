@@ -10,13 +10,14 @@ import json
 import logging
 import random
 import urllib.request
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.utils import timezone
 
 from marketplace.gateway.state import mint_try_token
 from marketplace.models import Allocation, ModelDeployment
+from marketplace.selectors.catalog import modelled_tokens_per_s
 from telemetry.models import TritonServedHourly
 from telemetry.services.ingest import ingest_batch
 from tenants.scoping import Principal
@@ -25,18 +26,46 @@ log = logging.getLogger("tessera.demo")
 PROMPTS = ["summarize the quarterly GPU utilization report", "translate this support ticket to German",
            "write a haiku about memory slices", "classify the sentiment of these reviews",
            "draft a reply to the customer about latency", "explain MIG placement to a new operator"]
-# requests per minute per tenant: different tenants, different stories
-RATES = {"acme-ai": 40, "borealis": 18, "cobalt-health": 60, "dynamo-search": 8}
+# How busy each tenant's application keeps its slices in the daytime: the share of the slice's modelled
+# throughput (tokens/s, selectors.catalog.modelled_tokens_per_s; what the simulated Triton serves flat out)
+# that its requests use. Different tenants, different stories; the GPUs' activity and power follow (the
+# collector estimates a slice's activity from the tokens metered on it and drives the simulated NVML with it).
+LOAD = {"acme-ai": 0.45, "borealis": 0.3, "cobalt-health": 0.6, "dynamo-search": 0.25}
+DEFAULT_LOAD = 0.3
+NIGHT = 0.4  # share of the daytime load outside 08:00-20:59 UTC
+# A request: a document of 1,500 to 6,000 words (the tiny model counts words as tokens) and an answer of
+# 100 to 1,000 tokens (the model's max_tokens is 1,024).
+INPUT_WORDS = (1500, 6000)
+OUTPUT_TOKENS = (100, 1000)
+MEAN_TOKENS = (sum(INPUT_WORDS) + sum(OUTPUT_TOKENS)) / 2
 SYSTEM = Principal(is_operator=True)  # the gateway writes usage on the tenants' behalf
 #: deployments the seeded history covers (live or on their way)
 TRAFFIC_STATES = (ModelDeployment.State.READY, ModelDeployment.State.LOADING, ModelDeployment.State.PENDING)
 
 
 def prompt(rng: random.Random) -> str:
-    """A request with a document attached: 150 to 1,500 words (the tiny model counts words as tokens)."""
+    """A request with a document attached (INPUT_WORDS words)."""
     words = " ".join(PROMPTS).split()
-    n = rng.randint(150, 1500)
+    n = rng.randint(*INPUT_WORDS)
     return f"{rng.choice(PROMPTS)}: " + " ".join(words[i % len(words)] for i in range(n))
+
+
+def tokens_per_s(dep: ModelDeployment, at: datetime) -> float:
+    """The tokens/s the tenant's application sends to the deployment at ``at`` (before the per-tick jitter):
+    its LOAD share of the slice's modelled throughput, less at night."""
+    tier = dep.allocation.tier
+    capacity = modelled_tokens_per_s(tier.gpu_model, tier.profile if tier.profile_id else None)
+    daytime = 1.0 if 8 <= at.hour <= 20 else NIGHT
+    return LOAD.get(dep.tenant.slug, DEFAULT_LOAD) * capacity * daytime
+
+
+def requests_in(dep: ModelDeployment, at: datetime, seconds: float, rng: random.Random) -> int:
+    """How many requests (of MEAN_TOKENS on average) carry that load over ``seconds``."""
+    return max(1, round(tokens_per_s(dep, at) * seconds / MEAN_TOKENS * rng.uniform(0.7, 1.3)))
+
+
+def _deployments():
+    return ModelDeployment.objects.select_related("tenant", "allocation__tier__gpu_model", "allocation__tier__profile")
 
 
 def gateway_tick(node_id: int, seconds: int = 60) -> int:
@@ -44,15 +73,15 @@ def gateway_tick(node_id: int, seconds: int = 60) -> int:
     tenant's application would send them. The gateway meters what it served (its usage stream or spool,
     written to the database by the consume-usage beat task): nothing here reports usage."""
     sent = 0
-    deps = ModelDeployment.objects.filter(state=ModelDeployment.State.READY, allocation__node_id=node_id,
-                                          allocation__state=Allocation.State.ACTIVE).select_related("tenant")
+    deps = _deployments().filter(state=ModelDeployment.State.READY, allocation__node_id=node_id,
+                                 allocation__state=Allocation.State.ACTIVE)
     now = timezone.now()
     for dep in deps:
         rng = random.Random(f"{dep.pk}-{now:%Y%m%d%H%M}")
-        n = max(1, int(RATES.get(dep.tenant.slug, 10) * seconds / 60 * rng.uniform(0.5, 1.5)))
+        n = requests_in(dep, now, seconds, rng)
         token = mint_try_token(dep.tenant_id, 0)  # a short-lived token: the demo's "application" holds no key
         for _ in range(n):
-            body = {"model": dep.name, "prompt": prompt(rng), "max_tokens": rng.randint(40, 400)}
+            body = {"model": dep.name, "prompt": prompt(rng), "max_tokens": rng.randint(*OUTPUT_TOKENS)}
             try:
                 _post(f"{settings.TESSERA_GATEWAY_INTERNAL_URL}/v1/completions", body, token)
                 sent += 1
@@ -69,6 +98,9 @@ def _post(url: str, body: dict, token: str) -> dict:
         return json.loads(resp.read())
 
 
+BATCH = 60  # requests per seeded usage event
+
+
 def backfill(days: int = 3) -> int:
     """Seed: the past days' history, for the demo charts: what the gateway metered (hourly batches) and what the
     slices' Triton servers served (the same requests), so metered and served agree as they would have."""
@@ -77,18 +109,17 @@ def backfill(days: int = 3) -> int:
     since = now - timedelta(hours=days * 24)
     # the seeded history is the deployments' own: they "existed" over it (ingest refuses earlier events)
     ModelDeployment.objects.filter(state__in=TRAFFIC_STATES, created_at__gt=since).update(created_at=since)
-    for dep in ModelDeployment.objects.filter(state__in=TRAFFIC_STATES).select_related("tenant"):
+    for dep in _deployments().filter(state__in=TRAFFIC_STATES):
         for h in range(days * 24, 0, -1):
             hour = now - timedelta(hours=h)
             rng = random.Random(f"backfill-{dep.pk}-{hour:%Y%m%d%H}")
-            daytime = 0.4 + 0.6 * (8 <= hour.hour <= 20)
-            n = int(RATES.get(dep.tenant.slug, 10) * 60 * daytime * rng.uniform(0.6, 1.4) / 20)
+            n = requests_in(dep, hour, 3600, rng) // BATCH  # one event per BATCH requests (the gateway's hour)
             events = [{"event_id": f"bf-{dep.pk}-{hour:%Y%m%d%H}-{i}", "deployment": dep.pk,
                        "ts": (hour + timedelta(seconds=3600 * i / max(n, 1))).isoformat(),
-                       "input_tokens": rng.randint(200, 2400), "output_tokens": rng.randint(50, 900),
-                       "requests": 20} for i in range(n)]
+                       "input_tokens": BATCH * rng.randint(*INPUT_WORDS),
+                       "output_tokens": BATCH * rng.randint(*OUTPUT_TOKENS), "requests": BATCH} for i in range(n)]
             if events:
                 total += ingest_batch(SYSTEM, dep.tenant, events).new
                 TritonServedHourly.objects.update_or_create(tenant=dep.tenant, deployment=dep, hour=hour,
-                                                            defaults={"requests": 20 * n})
+                                                            defaults={"requests": BATCH * n})
     return total

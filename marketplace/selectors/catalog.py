@@ -91,10 +91,11 @@ AVAILABILITY_CAP = 10
 def availability(tiers: Iterable[Tier], tenant_id: int) -> dict[int, int | str]:
     """Free places now per tier for this tenant (engine.Fleet.free_places: every start where the tier's
     profile fits, on the GPUs the placement engine would give the tenant), over the healthy GPUs of ready
-    nodes, capped at AVAILABILITY_CAP (one query for the GPUs and one for their instances)."""
+    nodes, capped at AVAILABILITY_CAP (one query for the GPUs with their nodes, whose hostnames label them, and
+    one for their instances)."""
     groups: dict[tuple[int, bool], list[Gpu]] = {}
     for g in (Gpu.objects.filter(state=Gpu.State.OK, node__state=Node.State.READY)
-              .select_related("gpu_model").prefetch_related("instances__placement__profile")):
+              .select_related("gpu_model", "node").prefetch_related("instances__placement__profile")):
         groups.setdefault((g.gpu_model_id, g.mig_mode), []).append(g)
     fleets = {key: (engine.Fleet(gpu_states(group)), group[0].gpu_model.key) for key, group in groups.items()}
     out: dict[int, int | str] = {}
