@@ -1,11 +1,13 @@
-"""Time buckets computed by the database (PostgreSQL and SQLite alike): a timestamp's UNIX epoch
-seconds rounded down to a multiple of ``step``. Charts GROUP BY it instead of reading every sample."""
+"""Aggregates computed by the database (PostgreSQL and SQLite alike). Time buckets: a timestamp's UNIX epoch
+seconds rounded down to a multiple of ``step`` (charts GROUP BY it instead of reading every sample); and the
+maximum of grouped sums (the busiest hour), which the ORM cannot nest."""
 
 from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from django.db.models import BigIntegerField, Func
+from django.db import connections
+from django.db.models import BigIntegerField, Func, QuerySet
 
 
 class EpochBucket(Func):
@@ -33,3 +35,15 @@ class EpochBucket(Func):
 
 def from_epoch(seconds: int) -> datetime:
     return datetime.fromtimestamp(int(seconds), tz=UTC)
+
+
+def max_per_group(rows: QuerySet, keys: list[str], value: str) -> list[tuple]:
+    """The largest `value` per `keys`, computed by the database over `rows` (a ``values(...).annotate(value=...)``
+    queryset, itself grouped: e.g. tokens per allocation and hour): a maximum of sums, which the ORM cannot
+    nest. Returns (key..., maximum) tuples."""
+    sql, params = rows.query.sql_with_params()
+    qn = connections[rows.db].ops.quote_name
+    cols = ", ".join(qn(k) for k in keys)
+    with connections[rows.db].cursor() as cur:
+        cur.execute(f"SELECT {cols}, MAX({qn(value)}) FROM ({sql}) AS grouped GROUP BY {cols}", params)
+        return cur.fetchall()

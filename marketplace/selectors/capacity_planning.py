@@ -42,6 +42,7 @@ from marketplace.selectors.catalog import modelled_tokens_per_s
 from marketplace.services import billing
 from telemetry.models import GpuSample, Resolution, TritonServedHourly, UsageHourly
 from telemetry.services.energy import price_per_kwh
+from telemetry.sqlbuckets import max_per_group
 
 MIN_MEASURED_SECONDS = 60.0  # execution seconds before a measured rate is trusted over the model
 MIN_POWER_SAMPLES = 12
@@ -157,15 +158,12 @@ def shape_figures(since: datetime, until: datetime, currency: str = "USD", *,
             f.measured_tps = f.measured_tokens / f.measured_requests * f.served_requests / f.measured_seconds
 
     # Busiest slice-hour per shape: tokens per (allocation, hour), then the maximum.
-    peak: dict[tuple[int, int | None], int] = defaultdict(int)
-    for row in (UsageHourly.objects.filter(hour__gte=since, hour__lt=until)
+    per_hour = (UsageHourly.objects.filter(hour__gte=since, hour__lt=until)
                 .values("deployment__allocation_id", "hour", g, p)
-                .annotate(t=Sum(F("input_tokens") + F("output_tokens"))).order_by()):
-        key = (row[g], row[p])
-        peak[key] = max(peak[key], int(row["t"] or 0))
-    for key, t in peak.items():
-        if key in out and t:
-            out[key].peak_tps = t / 3600
+                .annotate(t=Sum(F("input_tokens") + F("output_tokens"))).order_by())
+    for model_id, profile_id, t in max_per_group(per_hour, [g, p], "t"):
+        if (model_id, profile_id) in out and t:
+            out[(model_id, profile_id)].peak_tps = int(t) / 3600
 
     now = timezone.now()
     book = billing.PlanBook(currency)  # the rating's own plan lookup: the plan in force now
@@ -185,6 +183,8 @@ def power_figures(since: datetime, until: datetime) -> dict[str, PowerFigures]:
         idle = geo.sim.idle_watts if geo else 0.1 * m.tdp_watts
         out[m.key] = PowerFigures(m, float(idle), float(m.tdp_watts), "modelled")
     for res in (Resolution.FIVE_MIN, Resolution.RAW, Resolution.HOUR):
+        if all(f.source == "measured" for f in out.values()):
+            break  # a finer resolution fitted every model: the coarser ones (millions of rows) are not read
         rows = (GpuSample.objects.filter(resolution=res, ts__gte=since, ts__lt=until)
                 .values("gpu__gpu_model__key")
                 .annotate(n=Count("id"), sx=Sum("activity"), sy=Sum("power_w"),
@@ -211,13 +211,11 @@ def power_figures(since: datetime, until: datetime) -> dict[str, PowerFigures]:
 def measured_demand(since: datetime, until: datetime, limit: int = 12) -> list[dict]:
     """One workload per tenant and model name (all its deployments together): the busiest hour in the
     window in tokens/s and the largest declared model memory, busiest first."""
-    rows = (UsageHourly.objects.filter(hour__gte=since, hour__lt=until)
-            .values("tenant__slug", "deployment__name", "hour")
-            .annotate(t=Sum(F("input_tokens") + F("output_tokens"))).order_by())
-    peak: dict[tuple[str, str], int] = defaultdict(int)
-    for r in rows:
-        key = (r["tenant__slug"], r["deployment__name"])
-        peak[key] = max(peak[key], int(r["t"] or 0))
+    per_hour = (UsageHourly.objects.filter(hour__gte=since, hour__lt=until)
+                .values("tenant__slug", "deployment__name", "hour")
+                .annotate(t=Sum(F("input_tokens") + F("output_tokens"))).order_by())
+    peak = {(slug, name): int(t or 0)
+            for slug, name, t in max_per_group(per_hour, ["tenant__slug", "deployment__name"], "t")}
     top = sorted((k for k in peak if peak[k] > 0), key=lambda k: (-peak[k], k))[:limit]
     memory: dict[tuple[str, str], int] = defaultdict(int)
     tiers: dict[tuple[str, str], set[str]] = defaultdict(set)
