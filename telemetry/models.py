@@ -203,21 +203,28 @@ class CollectorError(models.Model):
         return f"{self.gpu_id} {self.kind} x{self.count}"
 
 
-class EnergyHourly(models.Model):
-    """Energy of one completed UTC hour, apportioned once by the downsampling job (telemetry.services.energy
-    rollup_hours) so that long-range power charts sum rows instead of re-reading every sample. A row with
-    a GPU: that GPU's kWh in the hour and the part no slice held (``unallocated_kwh``); a row without: one
-    allocation's (or tenant's) compute-share kWh across the fleet in the hour; one row with neither and 0 kWh
-    marks the hour as rolled up."""
+class EnergyRows(models.Model):
+    """The rows of an energy rollup: with a GPU, that GPU's kWh in the period and the part no slice held
+    (``unallocated_kwh``); without, one allocation's (or tenant's) compute-share kWh across the fleet; one row
+    with neither and 0 kWh marks the period as rolled up."""
 
     id = models.BigAutoField(primary_key=True)
-    hour = models.DateTimeField(help_text="start of the UTC hour")
     gpu = models.ForeignKey("marketplace.Gpu", null=True, blank=True, on_delete=models.CASCADE, related_name="+")
     allocation = models.ForeignKey("marketplace.Allocation", null=True, blank=True, on_delete=models.SET_NULL,
                                    related_name="+")
     tenant = models.ForeignKey("tenants.Tenant", null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
     kwh = models.FloatField(default=0.0)
     unallocated_kwh = models.FloatField(default=0.0)
+
+    class Meta:
+        abstract = True
+
+
+class EnergyHourly(EnergyRows):
+    """Energy of one completed UTC hour, apportioned once by the downsampling job (telemetry.services.energy
+    rollup_hours) so that long-range power charts sum rows instead of re-reading every sample."""
+
+    hour = models.DateTimeField(help_text="start of the UTC hour")
 
     class Meta:
         indexes = [models.Index(fields=["hour"]),
@@ -229,19 +236,11 @@ class EnergyHourly(models.Model):
         return f"{self.hour:%Y-%m-%d %H}: {self.kwh:.3f} kWh"
 
 
-class EnergyDaily(models.Model):
+class EnergyDaily(EnergyRows):
     """EnergyHourly summed per completed UTC day (telemetry.services.energy.rollup_days), once all 24 of its
-    hours are rolled up: month-long power charts sum 30 rows per GPU and allocation instead of 720. The
-    same rows as EnergyHourly (a GPU's, an allocation's or tenant's, and one marker with neither)."""
+    hours are rolled up: month-long power charts sum 30 rows per GPU and allocation instead of 720."""
 
-    id = models.BigAutoField(primary_key=True)
     day = models.DateTimeField(help_text="start of the UTC day")
-    gpu = models.ForeignKey("marketplace.Gpu", null=True, blank=True, on_delete=models.CASCADE, related_name="+")
-    allocation = models.ForeignKey("marketplace.Allocation", null=True, blank=True, on_delete=models.SET_NULL,
-                                   related_name="+")
-    tenant = models.ForeignKey("tenants.Tenant", null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
-    kwh = models.FloatField(default=0.0)
-    unallocated_kwh = models.FloatField(default=0.0)
 
     class Meta:
         indexes = [models.Index(fields=["day"])]
