@@ -249,6 +249,7 @@ def accept_invitation(user: User, token: str) -> Membership:
 
 
 @transaction.atomic
+@transaction.atomic
 def sign_up_and_accept(token: str, *, full_name: str, password: str) -> Membership:
     """An invitee without an account: create it (for the invited e-mail, with a password that passes
     AUTH_PASSWORD_VALIDATORS) and accept the invitation, in one transaction."""
@@ -261,7 +262,7 @@ def sign_up_and_accept(token: str, *, full_name: str, password: str) -> Membersh
     except ValidationError as exc:
         raise ServiceError(" ".join(exc.messages), field="password") from None
     try:
-        with transaction.atomic():
+        with transaction.atomic():  # a savepoint: the unique e-mail may be taken meanwhile
             user = User.objects.create_user(email=email, password=password, full_name=full_name)
     except IntegrityError:  # created meanwhile by a concurrent request
         raise Conflict("an account with this e-mail exists: sign in to accept", field="email") from None

@@ -150,6 +150,20 @@ def test_signup_when_an_account_was_made_meanwhile_is_refused(invite):
     assert not Membership.objects.filter(user__email="new.person@example.com").exists()
 
 
+
+def test_signup_whose_acceptance_fails_leaves_no_account(invite, monkeypatch):
+    """The account and the membership are one transaction: an acceptance that fails takes the account back."""
+    _, token, _url = invite()
+
+    def refuse(user, token):
+        raise services.Conflict("this invitation was revoked")
+
+    monkeypatch.setattr(services, "accept_invitation", refuse)
+    with pytest.raises(services.Conflict):
+        services.sign_up_and_accept(token, full_name="New Person", password=GOOD_PW)
+    assert not User.objects.filter(email="new.person@example.com").exists()
+
+
 # --- someone with an account --------------------------------------------------------------------
 
 def test_existing_account_signs_in_and_joins(invite):
