@@ -249,7 +249,6 @@ def accept_invitation(user: User, token: str) -> Membership:
 
 
 @transaction.atomic
-@transaction.atomic
 def sign_up_and_accept(token: str, *, full_name: str, password: str) -> Membership:
     """An invitee without an account: create it (for the invited e-mail, with a password that passes
     AUTH_PASSWORD_VALIDATORS) and accept the invitation, in one transaction."""
