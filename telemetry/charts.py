@@ -1,6 +1,6 @@
 """Plotly figures, built in Python from stored data only: GPU samples (GpuSample/MigSample, any
 resolution), slot occupancy (GpuSlot), the hourly usage rollups (UsageHourly; never raw usage
-events) and, for money, the invoices' own rating (``billing.rated_lines``: one rating function for
+events) and, for money, the invoices' own rating (``billing.spread_lines_many``: one rating function for
 invoices, spend, charts and the planner). Every builder returns ``(figure, numbers)``: the plotly
 Figure and the plain numbers it shows (what the JSON endpoint and the tests read).
 
@@ -287,7 +287,7 @@ AMOUNT_KEY: dict[str, str] = {L.SLICE_HOURS: "slice_amount", L.COMMITMENT_TOPUP:
 
 def tier_spend(per: Period) -> dict[int, dict]:
     """tier id -> requests, tokens, token/slice-hour/commitment/total amounts over the period: the
-    invoices' own rating (billing.rated_lines: the plan in force at each hour, slice-hours per second,
+    invoices' own rating (billing.spread_lines_many: the plan in force at each hour, slice-hours per second,
     reserved commitments) of the tenants billed in `per.currency` (amounts in other currencies are not
     added up)."""
     out: dict[int, dict] = defaultdict(lambda: {"requests": 0, "tokens": 0, "token_amount": Decimal(0),
