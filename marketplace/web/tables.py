@@ -10,6 +10,7 @@ import django_filters
 from django.core.paginator import Page, Paginator
 from django.db.models import QuerySet
 from django.http import HttpRequest, QueryDict
+from django.utils.text import capfirst
 
 
 @dataclass
@@ -81,7 +82,8 @@ def filtered(request: HttpRequest, filterset_class: type[django_filters.FilterSe
     problems = []
     if not fs.is_valid():
         for name, errors in fs.errors.items():
-            label = fs.form.fields[name].label or name if name in fs.form.fields else name
+            # capfirst: a filter's label may be its bare field name (django-filter caches whichever it made first)
+            label = capfirst(str(fs.form.fields[name].label or name if name in fs.form.fields else name))
             problems.append(f"{label} “{data.get(name, '')}” was ignored: {' '.join(errors)}")
     values = {name: data.get(name, "") for name in fs.filters}
     return Filtered(qs=fs.qs, filterset=fs, values=values, problems=problems)
