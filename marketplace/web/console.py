@@ -747,7 +747,7 @@ def node_create(request):
     def save(form: forms.BaseForm):
         assert isinstance(form, NodeCreateForm)
         node = fleet.register_node(form.cleaned_data["hostname"], form.cleaned_data["platform"], form.discovered(),
-                                   principal=principal_for(request))
+                                   principal=request.principal)
         messages.success(request, f"Node {node.hostname} registered. Start its worker: TESSERA_NODE_HOSTNAME="
                                   f"{node.hostname} celery -A marketplace worker -Q {node.queue} -c 1")
         return redirect(reverse("console:nodes") + f"?state={node.state}")

@@ -67,6 +67,20 @@ def test_email_has_an_absolute_link_from_the_inviting_request(owner, tenant_a, m
     assert Client().get(f"/invitations/{token}/").status_code == 200
 
 
+def test_a_forged_host_never_becomes_the_link(owner, tenant_a, mailoutbox, django_capture_on_commit_callbacks):
+    """A tenant admin inviting through a request with a Host the site does not serve (a phishing domain) never
+    gets that host into the e-mail: the request is refused, or the link keeps the site's own address."""
+    c = Client()
+    c.force_login(owner)
+    with django_capture_on_commit_callbacks(execute=True):
+        r = c.post("/portal/members/invite/", {"email": "victim@example.com", "role": "member"},
+                   HTTP_HOST="evil.example", HTTP_X_FORWARDED_HOST="evil.example")
+    sent = [m for m in mailoutbox if "victim@example.com" in m.to]
+    assert r.status_code in (302, 400)
+    assert all("evil.example" not in m.body for m in sent)
+    assert r.status_code == 400 or sent  # refused, or sent with a safe link
+
+
 def test_site_url_setting_wins_over_the_request(owner, tenant_a, mailoutbox, settings,
                                                 django_capture_on_commit_callbacks):
     settings.TESSERA_SITE_URL = "https://tessera.msp.example"

@@ -492,9 +492,17 @@ def test_reserved_plans_are_orderable_with_a_monthly_estimate(owner_client, h100
     assert (two["slice_hours"], two["top_up"]) == (Decimal(4 * hours).quantize(Decimal("0.01")), 0)
     body = r.content.decode()
     assert 'id="reserved-h100-3g"' in body and "2,000.00 USD" in body and '<option value="reserved">' in body
-    r = owner_client.post(reverse("portal:order", args=[tiers["3g"].pk]), {"quantity": "1", "plan_kind": "reserved"})
+    # a hostile form: another tenant, a currency and a price of its own: none of them is taken
+    r = owner_client.post(reverse("portal:order", args=[tiers["3g"].pk]), {
+        "quantity": "1", "plan_kind": "reserved", "tenant": world["b"].pk, "currency": "EUR",
+        "price_per_slice_hour": "0.0001", "monthly_commit": "0"})
     assert r.status_code == 302
     assert Order.objects.get(tenant=world["a"]).plan_kind == "reserved"
+    assert not Order.objects.filter(tenant=world["b"]).exists()
+    world["a"].refresh_from_db()
+    assert world["a"].currency == "USD"
+    plan = PricePlan.objects.get(tier=tiers["3g"], kind="reserved")
+    assert (plan.price_per_slice_hour, plan.monthly_commit) == (Decimal("2.0000"), Decimal("2000.00"))
     r = owner_client.post(reverse("portal:order", args=[tiers["1g"].pk]), {"quantity": "1", "plan_kind": "reserved"})
     assert r.status_code == 400 and "has no reserved price in USD" in r.content.decode()
     assert Order.objects.count() == 1
