@@ -49,7 +49,7 @@ def seed_usage(n_events: int) -> None:
                        FROM marketplace_modeldeployment)
             INSERT INTO telemetry_usageevent (tenant_id, deployment_id, event_id, ts, input_tokens, output_tokens,
                                               requests, received_at, latency_ms, adapter)
-            SELECT d.tenant_id, d.id, 'bench-' || g, now() - (g %% 2592000) * interval '1 second',
+            SELECT d.tenant_id, d.id, 'scale-' || g, now() - (g %% 2592000) * interval '1 second',
                    200 + g %% 800, 50 + g %% 300, 1, now(), 20 + g %% 200, ''
             FROM generate_series(1, %s) g JOIN d ON d.k = g %% d.n""", [n_events])
         c.execute("""
@@ -185,6 +185,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=5)
     ap.add_argument("--reuse", action="store_true",
                     help="measure the scratch database a previous run seeded (skips the ~8 min of seeding)")
+    ap.add_argument("--db", default="tessera_bench_scale",
+                    help="scratch database name (e.g. a copy: CREATE DATABASE x TEMPLATE tessera_bench_scale)")
     args = ap.parse_args()
     if not os.environ.get("DATABASE_URL", "").startswith("postgres"):
         sys.exit("scale.py needs PostgreSQL: set DATABASE_URL=postgres://...")
@@ -193,7 +195,7 @@ def main() -> None:
         import tempfile
 
         base = os.environ["DATABASE_URL"].rpartition("/")[0]
-        os.environ["DATABASE_URL"] = f"{base}/tessera_bench_scale"
+        os.environ["DATABASE_URL"] = f"{base}/{args.db}"
         scratch = Path(tempfile.mkdtemp(prefix="tessera-bench-scale-"))
         os.environ.setdefault("DJANGO_SETTINGS_MODULE", "marketplace.settings")
         import django
@@ -203,7 +205,7 @@ def main() -> None:
 
         call_command("migrate", verbosity=0)  # the scratch set may predate a migration
     else:
-        scratch = setup_django("tessera_bench_scale", "tessera-bench-scale-")
+        scratch = setup_django(args.db, "tessera-bench-scale-")
     from django.conf import settings
     from django.db import connection
     from django.test import Client
