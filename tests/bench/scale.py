@@ -40,7 +40,8 @@ GOAL_24H_MS, GOAL_30D_MS, MAX_BYTES = 300.0, 1000.0, 2_000_000
 
 
 def seed_usage(n_events: int) -> None:
-    """Usage events over the last 30 days on every deployment, and their hourly rollups."""
+    """Usage events over the last 30 days on every deployment, and their hourly rollups (added to the
+    rollups the pages fleet already has for its last 8 days)."""
     from django.db import connection
 
     with connection.cursor() as c:
@@ -58,7 +59,12 @@ def seed_usage(n_events: int) -> None:
                                                billed_requests, updated_at)
             SELECT tenant_id, deployment_id, date_trunc('hour', ts), '', sum(input_tokens), sum(output_tokens),
                    sum(requests), count(*), 0, 0, 0, now()
-            FROM telemetry_usageevent GROUP BY 1, 2, 3""")
+            FROM telemetry_usageevent WHERE event_id LIKE 'scale-%%' GROUP BY 1, 2, 3
+            ON CONFLICT (tenant_id, deployment_id, adapter, hour) DO UPDATE SET
+                input_tokens = telemetry_usagehourly.input_tokens + excluded.input_tokens,
+                output_tokens = telemetry_usagehourly.output_tokens + excluded.output_tokens,
+                requests = telemetry_usagehourly.requests + excluded.requests,
+                events = telemetry_usagehourly.events + excluded.events""")
 
 
 def seed_samples() -> None:
