@@ -93,6 +93,8 @@ class TritonServedHourly(models.Model):
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["deployment", "hour"], name="served_hour_unique")]
+        # the console's metered-vs-served page and the scrape's check read a window of hours across deployments
+        indexes = [models.Index(fields=["hour"])]
 
     def __str__(self) -> str:
         return f"{self.deployment_id}@{self.hour:%Y-%m-%d %H}: {self.requests}"

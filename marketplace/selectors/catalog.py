@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from django.conf import settings
-from django.db.models import Count, Prefetch, Q
+from django.db.models import Count, Prefetch, Q, QuerySet
 
 from marketplace import placement as engine
 from marketplace.models import Gpu, GpuInstance, GpuModel, MigPlacement, MigProfile, Node, ServerPlatform, Tier
@@ -72,15 +72,35 @@ def platforms_by_gpu_model(*, in_fleet_only: bool = False) -> dict[int, list[Ser
     return out
 
 
-def gpu_states(gpus: Iterable[Gpu]) -> list[engine.GpuState]:
-    """The placement engine's view of GPUs (fetched with gpu_model and instances__placement__profile)."""
-    return [engine.GpuState(
-        gpu_id=gpu.pk, geometry=gpu.gpu_model.key, node_id=gpu.node_id,
-        instances=[(i.placement.profile.profile_id if i.placement is not None else None, i.start, i.tenant_id)
-                   for i in gpu.instances.all()],
-        dedicated_tenant_id=gpu.dedicated_tenant_id, dedication_sticky=gpu.dedicated_sticky,
-        label=gpu.label,
-    ) for gpu in gpus]
+def _gpu_state_rows(gpus: QuerySet[Gpu]) -> list[tuple[int, bool, engine.GpuState]]:
+    """``(gpu_model_id, mig_mode, state)`` for every GPU of ``gpus``, read as plain values in two queries (the
+    GPUs with their model's key and their node's hostname; the instances on them), no model instances."""
+    gpus = gpus.order_by().prefetch_related(None)
+    instances: dict[int, list[tuple[int | None, int, int]]] = {}
+    for gpu_id, pid, start, tenant_id in (GpuInstance.objects.filter(gpu__in=gpus.values("pk")).order_by()
+                                          .values_list("gpu_id", "placement__profile__profile_id", "start",
+                                                       "tenant_id")):
+        instances.setdefault(gpu_id, []).append((pid, start, tenant_id))
+    no_instances: list[tuple[int | None, int, int]] = []
+    return [(model_id, mig_mode, engine.GpuState(
+        gpu_id=pk, geometry=model_key, node_id=node_id, instances=instances.get(pk, no_instances),
+        dedicated_tenant_id=owner, dedication_sticky=sticky, label=Gpu.label_for(hostname, index),
+    )) for pk, model_id, model_key, mig_mode, node_id, hostname, index, owner, sticky in gpus.values_list(
+        "pk", "gpu_model_id", "gpu_model__key", "mig_mode", "node_id", "node__hostname", "index",
+        "dedicated_tenant_id", "dedicated_sticky")]
+
+
+def gpu_states_of(gpus: QuerySet[Gpu]) -> list[engine.GpuState]:
+    """The placement engine's view of the GPUs a queryset selects (their instances' profile ids, starts and
+    tenants, dedication, label), read as plain values: two queries whatever the fleet's size, no model
+    instances. The placement service and the catalog's availability both read the fleet through it."""
+    return [state for _model, _mig, state in _gpu_state_rows(gpus)]
+
+
+def ready_gpus() -> QuerySet[Gpu]:
+    """GPUs that may take new work: healthy, on a ready node (the placement service narrows it to a model and
+    a MIG mode)."""
+    return Gpu.objects.filter(state=Gpu.State.OK, node__state=Node.State.READY)
 
 
 #: The catalog shows free places up to this many ("10+" beyond): an exact count would tell a
@@ -90,14 +110,13 @@ AVAILABILITY_CAP = 10
 
 def availability(tiers: Iterable[Tier], tenant_id: int) -> dict[int, int | str]:
     """Free places now per tier for this tenant (engine.Fleet.free_places: every start where the tier's
-    profile fits, on the GPUs the placement engine would give the tenant), over the healthy GPUs of ready
-    nodes, capped at AVAILABILITY_CAP (one query for the GPUs with their nodes, whose hostnames label them, and
-    one for their instances)."""
-    groups: dict[tuple[int, bool], list[Gpu]] = {}
-    for g in (Gpu.objects.filter(state=Gpu.State.OK, node__state=Node.State.READY)
-              .select_related("gpu_model", "node").prefetch_related("instances__placement__profile")):
-        groups.setdefault((g.gpu_model_id, g.mig_mode), []).append(g)
-    fleets = {key: (engine.Fleet(gpu_states(group)), group[0].gpu_model.key) for key, group in groups.items()}
+    profile fits, on the GPUs the placement engine would give the tenant), over the GPUs placement may use
+    (:func:`ready_gpus`, read as the placement service reads them: :func:`gpu_states_of`), capped at
+    AVAILABILITY_CAP. Two queries whatever the fleet's size, and plain values, not model instances."""
+    groups: dict[tuple[int, bool], list[engine.GpuState]] = {}
+    for model_id, mig_mode, state in _gpu_state_rows(ready_gpus()):
+        groups.setdefault((model_id, mig_mode), []).append(state)
+    fleets = {key: (engine.Fleet(states), states[0].geometry) for key, states in groups.items()}
     out: dict[int, int | str] = {}
     for tier in tiers:
         profile = tier.profile  # None: a whole GPU

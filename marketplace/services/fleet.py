@@ -16,7 +16,7 @@ from django.utils import timezone
 
 from marketplace import placement as engine
 from marketplace.models import Gpu, GpuInstance, GpuModel, GpuSlot, MigPlacement, MigProfile, Node, ServerPlatform
-from marketplace.selectors.catalog import gpu_states
+from marketplace.selectors.catalog import gpu_states_of, ready_gpus
 from tenants import audit
 from tenants.errors import Conflict, ServiceError
 from tenants.models import Tenant
@@ -86,13 +86,9 @@ def register_node(hostname: str, platform: ServerPlatform, gpus: list[Discovered
 
 
 def candidate_gpus(gpu_model: GpuModel, whole_gpu: bool):
-    """GPUs that may take new work: healthy, on a ready node, in the right MIG mode."""
-    return (
-        Gpu.objects.filter(gpu_model=gpu_model, state=Gpu.State.OK, node__state=Node.State.READY,
-                           mig_mode=not whole_gpu)
-        .select_related("gpu_model", "node")
-        .prefetch_related("instances__placement__profile")
-    )
+    """GPUs that may take new work: healthy, on a ready node (``ready_gpus``, the catalog's availability reads
+    the same), in the right MIG mode."""
+    return ready_gpus().filter(gpu_model=gpu_model, mig_mode=not whole_gpu)
 
 
 def place_instance(tenant: Tenant, gpu_model: GpuModel, profile: MigProfile | None, *, dedicated: bool = False,
@@ -109,7 +105,7 @@ def place_instance(tenant: Tenant, gpu_model: GpuModel, profile: MigProfile | No
     )
     last_reason = ""
     for _attempt in range(PLACEMENT_ATTEMPTS):
-        fleet = engine.Fleet(gpu_states(candidate_gpus(gpu_model, profile is None)), policy=policy)
+        fleet = engine.Fleet(gpu_states_of(candidate_gpus(gpu_model, profile is None)), policy=policy)
         decision = fleet.choose(request)
         if isinstance(decision, engine.NoCapacity):
             raise NoCapacityError(decision.summary, field="profile", diagnostic=decision.reason)

@@ -1,7 +1,7 @@
 """Benchmark: the operator console's and the tenant portal's pages on a large fleet, against a baseline
 measured in the same run, at two sizes so that a query count growing with the fleet or the tenants shows.
 
-    .venv/bin/python tests/bench/pages.py [--sizes 13x20,125x200] [--requests 50]
+    .venv/bin/python tests/bench/pages.py [--sizes 13x20,125x200] [--requests 50] [--pages catalog,metering]
     DATABASE_URL=postgres://USER@HOST:5432/NAME .venv/bin/python tests/bench/pages.py
 
 Each size is NODESxTENANTS; the full size is 125 nodes of 8 GPUs (half H100, half H200; 1,000 GPUs) and 200
@@ -12,7 +12,8 @@ hourly usage and served rollups, the measured deployment's usage events, invitat
 telemetry sample per GPU. Then times each page with Django's test client, N requests each: the console as an
 operator, the portal as the owner of a mid-list tenant, the invitation page anonymously; it prints p50/p95
 and the query count per page and size, next to /healthz and a trivial authenticated page (the console's chart
-list). Target: p95 < 150 ms at the full size, and the same query count at every size.
+list). --pages keeps only the pages whose label contains one of the comma-separated substrings (the two
+baseline rows are always measured). Target: p95 < 150 ms at the full size, and the same query count at every size.
 
 Database: DATABASE_URL if set (PostgreSQL: a scratch database NAME_bench_pages is created next to it and
 dropped at the end), else a scratch SQLite file.
@@ -308,7 +309,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="13x20,125x200", help="NODESxTENANTS,... (growing)")
     ap.add_argument("--requests", type=int, default=50)
+    ap.add_argument("--pages", default="", help="SUBSTRING,...: only the pages whose label contains one "
+                                               "(the baseline rows are always measured)")
     args = ap.parse_args()
+    wanted = [w.strip().lower() for w in args.pages.split(",") if w.strip()]
     sizes = parse_sizes(args.sizes)
     t0 = time.perf_counter()
     configure()
@@ -334,6 +338,8 @@ def main() -> None:
               + ", ".join(f"{v:,} {k}" for k, v in data["counts"].items()), flush=True)
         last = (n_nodes, n_tenants) == sizes[-1]
         for label, who, url in pages(data):
+            if wanted and not label.startswith("baseline") and not any(w in label.lower() for w in wanted):
+                continue
             xs, status, queries = timed(clients[who], url, args.requests)
             results.setdefault(label, []).append((status, queries, pct(xs, 50), pct(xs, 95)))
             if last and not label.startswith("baseline"):
