@@ -4,8 +4,10 @@ the Prometheus exposition and plotly.js served from static files."""
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
+from unittest import mock
 
 import pynvml
 import pytest
@@ -345,6 +347,89 @@ def test_tenant_usage_is_scoped_to_the_tenant(shop, op_p):
         charts.figure_json("tenant-usage", shop["alpha"]["p"], {**params, "tenant": "bravo"})
     with pytest.raises(charts.Forbidden):
         charts.figure_json("fleet-utilization", shop["alpha"]["p"], params)
+
+
+def _plotly_json(fig) -> dict:
+    return json.loads(fig.to_json())
+
+
+def _old_fleet_figure(name: str, data: dict):
+    """The fleet chart's figure built with plotly's graph objects from the chart's own numbers, as the charts did
+    before they wrote plotly's JSON themselves (telemetry.figures)."""
+    import plotly.graph_objects as go
+
+    words = charts._step_words(data["step_s"]) if "step_s" in data else ""
+    if name == "fleet-utilization":
+        fig = go.Figure(layout={**charts.LAYOUT, "title": "Fleet utilization",
+                                "yaxis": {"range": [0, 100], "title": "GPU activity (%)"},
+                                "xaxis": {"title": f"time (UTC), {words} averages"}})
+        fig.add_trace(go.Scatter(x=[datetime.fromisoformat(t) for t in data["ts"]], y=data["fleet"], name="fleet",
+                                 mode="lines"))
+        for model, v in sorted(data["by_model"].items()):
+            fig.add_trace(go.Scatter(x=v["ts"], y=v["avg"], name=model, mode="lines", line={"dash": "dot"}))
+        return fig if data["ts"] else charts._empty(fig)
+    if name == "gpu-heatmap":
+        per_node = data["per_node"]
+        fig = go.Figure(go.Heatmap(x=[datetime.fromisoformat(t) for t in data["ts"]], y=data["gpus"], z=data["z"],
+                                   zmin=0, zmax=100, colorscale="Viridis", colorbar={"title": "activity (%)"},
+                                   hoverongaps=False),
+                        layout={**charts.LAYOUT, "title": "GPU activity heatmap" + (" (per node)" if per_node else ""),
+                                "xaxis": {"title": f"time (UTC), {words} averages"},
+                                "yaxis": {"title": "node" if per_node else "GPU"},
+                                "height": max(360, min(1400, 60 + 14 * len(data["gpus"])))})
+        return fig if data["ts"] else charts._empty(fig)
+    if name == "mig-slots":
+        code = {t: i + 1 for i, t in enumerate(data["tenants"])}
+        z = [[code.get(t, 0) for t in r["slots"]] for r in data["gpus"]]
+        text = [[f"{t} ({p})" if t else "free" for t, p in zip(r["slots"], r["profiles"], strict=True)]
+                for r in data["gpus"]]
+        palette = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
+        colors = ["#eeeeee"] + [palette[i % len(palette)] for i in range(len(data["tenants"]))]
+        scale = []
+        for i, c in enumerate(colors):
+            scale += [[i / len(colors), c], [(i + 1) / len(colors), c]]
+        return go.Figure(go.Heatmap(x=[f"slot {s}" for s in range(8)], y=[r["gpu"] for r in data["gpus"]], z=z,
+                                    text=text, hoverinfo="text+y", texttemplate="%{text}", zmin=-0.5,
+                                    zmax=len(data["tenants"]) + 0.5, showscale=False, colorscale=scale, xgap=2,
+                                    ygap=2),
+                         layout={**charts.LAYOUT, "title": "MIG slot map (who holds which memory slices)"})
+    assert name == "power-cost"
+    rows = data["tiers"]
+    keys = sorted(rows)
+    per_1k = [None if rows[k]["cost_per_1k_tokens"] is None else float(rows[k]["cost_per_1k_tokens"]) for k in keys]
+    fig = go.Figure(go.Bar(x=keys, y=[None if v is None else float(Decimal(rows[k]["cost_per_1k_tokens"]) * 1000)
+                                      for k, v in zip(keys, per_1k, strict=True)],
+                           text=[f"{rows[k]['kwh']:,.3f} kWh" for k in keys], customdata=per_1k,
+                           hovertemplate="%{x}<br>%{y:,.4f} per 1M tokens<br>%{customdata:,.6f} per 1K<br>"
+                                         "%{text}<extra></extra>"),
+                    layout={**charts.LAYOUT, "title": f"Power cost per 1M tokens by tier (energy at "
+                                                      f"{data['price_per_kwh']} per kWh)"})
+    charts._money_axes(fig, "per 1M tokens (plans' currency)", "tier")
+    return fig if keys else charts._empty(fig)
+
+
+@pytest.mark.parametrize("with_data", [True, False], ids=["data", "empty"])
+def test_fleet_figures_are_the_json_plotly_builds(shop, op_p, with_data):
+    """The fleet charts write plotly's JSON themselves (no graph-object validation of a 1,000-row heatmap): what
+    the client gets is what plotly built from the same numbers before, and plotly reads it back unchanged."""
+    import plotly.graph_objects as go
+
+    if with_data:
+        _gpu, start, end = _energy_data(shop)
+        _usage(shop["alpha"], _hour(start), 6_000, 0)
+        params = {"start": start.isoformat(), "end": (start + timedelta(hours=1)).isoformat()}
+    else:
+        params = {"hours": "1"}
+    for name in ("fleet-utilization", "gpu-heatmap", "mig-slots", "power-cost"):
+        body = charts.figure_json(name, op_p, params)
+        sent = json.loads(json.dumps(body["figure"]))  # as the client reads it
+        assert sent == _plotly_json(_old_fleet_figure(name, body["data"])), name
+        assert _plotly_json(go.Figure(sent)) == sent, name  # every property valid, in plotly's own form
+        assert bool(with_data or name == "mig-slots") == ("annotations" not in sent["layout"]), name
+    with mock.patch.object(charts, "HEATMAP_ROWS", 4):  # one row per node
+        body = charts.figure_json("gpu-heatmap", op_p, params)
+    assert body["data"]["per_node"]
+    assert json.loads(json.dumps(body["figure"])) == _plotly_json(_old_fleet_figure("gpu-heatmap", body["data"]))
 
 
 def test_chart_endpoints_access(shop, operator, api, as_user, as_key):
