@@ -349,6 +349,73 @@ def test_tenant_usage_is_scoped_to_the_tenant(shop, op_p):
         charts.figure_json("fleet-utilization", shop["alpha"]["p"], params)
 
 
+def _sample(gpu, res, ts, energy_j=0.0):
+    return GpuSample(gpu=gpu, resolution=res, ts=ts, activity=0.5, memory_used_mb=1, memory_total_mb=2, power_w=500,
+                     energy_j=energy_j, temperature_c=50, sm_clock_mhz=1900)
+
+
+def _chosen_by_reading_every_row(start, end, coarsest):
+    """choose_resolutions' rule applied to every stored row of each window (the reference the probes must match)."""
+    order = energy.ORDER[:energy.ORDER.index(coarsest) + 1][::-1]
+    out = {}
+    for gpu in Gpu.objects.all():
+        found = {}
+        for r in energy.ORDER:
+            lo, anchor_hi, hi = energy._window(r, start, end)
+            ts = sorted(GpuSample.objects.filter(gpu=gpu, resolution=r, ts__gte=lo, ts__lte=hi)
+                        .values_list("ts", flat=True))
+            if ts:
+                found[r] = (ts[0].timestamp() + energy.STEP[r].total_seconds(), ts[0] <= anchor_hi)
+        anchored = [r for r in order if r in found and found[r][1]]
+        if anchored:
+            out[gpu.pk] = anchored[0]
+        elif found:
+            out[gpu.pk] = min(found, key=lambda r: (found[r][0], energy.ORDER.index(r)))
+    return out
+
+
+def test_resolutions_are_chosen_per_gpu_and_span_in_one_statement(h100_node, django_assert_num_queries):
+    g = list(Gpu.objects.order_by("index"))
+    rows = []
+    for m in range(-180, 180):
+        t = T0 + timedelta(minutes=m)
+        rows += [_sample(g[0], R.RAW, t, m), _sample(g[1], R.RAW, t, m)]  # GPUs 0 and 1: raw throughout
+        if m % 5 == 0:
+            rows.append(_sample(g[0], R.FIVE_MIN, t, m))  # GPU 0: 5-minute rollups too
+        if m % 60 == 0:
+            rows.append(_sample(g[3], R.HOUR, t, m))  # GPU 3: hourly only
+        if m >= 10 and m % 5 == 0:
+            rows.append(_sample(g[2], R.FIVE_MIN, t, m))  # GPU 2: 5-minute rows from T0 + 10 min ...
+        if m >= 20:
+            rows.append(_sample(g[2], R.RAW, t, m))  # ... raw from T0 + 20 min: neither anchors at T0
+        if m >= 3:
+            rows.append(_sample(g[4], R.RAW, t, m))  # GPU 4: raw from T0 + 3 min, 5-minute rows from T0
+        if m >= 0 and m % 5 == 0:
+            rows.append(_sample(g[4], R.FIVE_MIN, t, m))
+    GpuSample.objects.bulk_create(rows)
+    spans = [(T0, T0 + timedelta(hours=1)), (T0 + timedelta(minutes=30), T0 + timedelta(minutes=90)),
+             (T0 - timedelta(minutes=1), T0 + timedelta(minutes=4))]
+    for coarsest in (R.RAW, R.FIVE_MIN, R.HOUR):
+        with django_assert_num_queries(1):
+            chosen, every = energy.choose_spans(spans, None, coarsest)
+        assert [sorted(e) for e in every] == [sorted(x.pk for x in g)] * len(spans)
+        for (start, end), got in zip(spans, chosen, strict=True):
+            assert got == _chosen_by_reading_every_row(start, end, coarsest), (coarsest, start)
+    at_t0 = energy.choose_resolutions(T0, T0 + timedelta(hours=1), coarsest=R.FIVE_MIN)
+    assert at_t0 == {g[0].pk: R.FIVE_MIN, g[1].pk: R.RAW, g[2].pk: R.FIVE_MIN, g[3].pk: R.HOUR, g[4].pk: R.RAW}
+    assert energy.choose_resolutions(T0, T0 + timedelta(hours=1), gpus=[g[0].pk, g[5].pk]) == {g[0].pk: R.RAW}
+    # every span apportioned in the same two statements, each as it is alone
+    with django_assert_num_queries(2):
+        both = energy.apportion_spans(spans, coarsest=R.FIVE_MIN)
+    for (start, end), rep in zip(spans, both, strict=True):
+        alone = energy.apportion(start, end, coarsest=R.FIVE_MIN)
+        assert rep.gpu_kwh == alone.gpu_kwh and rep.total_kwh > 0
+    # GPU 0 at 5 minutes over T0 .. T0 + 1 h: 12 increases of 5 J; GPU 1 raw: 60 of 1 J
+    assert both[0].gpu_kwh[g[0].pk] * energy.J_PER_KWH == pytest.approx(60)
+    assert both[0].gpu_kwh[g[1].pk] * energy.J_PER_KWH == pytest.approx(60)
+    assert both[0].gpu_kwh[g[5].pk] == 0.0
+
+
 def _plotly_json(fig) -> dict:
     return json.loads(fig.to_json())
 
