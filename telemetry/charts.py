@@ -587,7 +587,20 @@ def build(name: str, principal: Principal, params: dict | None = None):
     return c, fig, numbers
 
 
+#: JSON-ready as they are (exact types: a subclass takes the general path below)
+_AS_IS = frozenset({str, int, float, bool, type(None)})
+
+
 def _plain(value):
+    """The numbers with Decimals as strings, datetimes in ISO 8601 and keys as strings. Lists of plain values (a
+    heatmap's 1,000 rows) are copied without a call per element."""
+    kind = type(value)
+    if kind in _AS_IS:
+        return value
+    if kind is list or kind is tuple:
+        return [v if type(v) in _AS_IS else _plain(v) for v in value]
+    if kind is dict:
+        return {k if type(k) is str else str(k): v if type(v) in _AS_IS else _plain(v) for k, v in value.items()}
     if isinstance(value, Decimal):
         return str(value)
     if isinstance(value, datetime):
