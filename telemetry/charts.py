@@ -253,16 +253,21 @@ def mig_slot_map(per: Period, principal: Principal):
     """Every GPU's 8 memory slots and the tenant that holds each (empty: free)."""
     gpus = Gpu.objects.order_by("node__hostname", "index").values_list("pk", "node__hostname", "index",
                                                                         "gpu_model__key", "mig_mode")
-    held: dict[tuple[int, int], tuple[str, str]] = {}
+    held: dict[int, list] = {}  # GPU -> its 8 slots' tenants, then their 8 profiles
+    used = 0
     for gpu_id, slot, tenant, profile in GpuSlot.objects.values_list(
             "gpu_id", "slot", "instance__tenant__slug", "instance__placement__profile__name"):
-        held[(gpu_id, slot)] = (tenant, profile or "whole GPU")
-    tenants = sorted({t for t, _w in held.values()})
+        cells = held.get(gpu_id) or held.setdefault(gpu_id, [None] * 16)
+        used += 1
+        if 0 <= slot < 8:
+            cells[slot], cells[8 + slot] = tenant, profile or "whole GPU"
+    tenants = sorted({t for cells in held.values() for t in cells[:8]} - {None})
     code: dict[str | None, int] = {t: i + 1 for i, t in enumerate(tenants)}  # a free slot (None): 0
     rows, z, text = [], [], []
+    free = [None] * 16
     for pk, host, index, model, mig in gpus:
-        slots = [held.get((pk, s), (None, None))[0] for s in range(8)]
-        profiles = [held.get((pk, s), (None, None))[1] for s in range(8)]
+        cells = held.get(pk, free)
+        slots, profiles = cells[:8], cells[8:]
         rows.append({"gpu": Gpu.label_for(host, index), "model": model, "mig": mig, "slots": slots,
                      "profiles": profiles})
         z.append([code.get(t, 0) for t in slots])
@@ -278,7 +283,7 @@ def mig_slot_map(per: Period, principal: Principal):
           "hoverinfo": "text+y", "texttemplate": "%{text}", "zmin": -0.5, "zmax": n + 0.5, "showscale": False,
           "colorscale": scale, "xgap": 2, "ygap": 2}],
         {**LAYOUT, "title": figures.title("MIG slot map (who holds which memory slices)")})
-    return fig, {"gpus": rows, "tenants": tenants, "used": len(held), "free": 8 * len(rows) - len(held)}
+    return fig, {"gpus": rows, "tenants": tenants, "used": used, "free": 8 * len(rows) - used}
 
 
 def _tenants_used(per: Period, tenant_ids=None) -> list[Tenant]:
