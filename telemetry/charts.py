@@ -2,7 +2,8 @@
 resolution), slot occupancy (GpuSlot), the hourly usage rollups (UsageHourly; never raw usage
 events) and, for money, the invoices' own rating (``billing.spread_lines_many``: one rating function for
 invoices, spend, charts and the planner). Every builder returns ``(figure, numbers)``: the plotly
-Figure and the plain numbers it shows (what the JSON endpoint and the tests read).
+figure (a Figure, or for the fleet charts, whose traces are large, the same figure already as plotly's JSON
+dict: telemetry.figures) and the plain numbers it shows (what the JSON endpoint and the tests read).
 
 Access: the fleet figures are for MSP operators only; ``tenant_usage`` is scoped through
 ``visible_to`` (capability "billing"), so a tenant user sees its own usage and spend only.
@@ -30,6 +31,7 @@ from plotly.subplots import make_subplots
 from marketplace.formatting import plotly_unit_price_format
 from marketplace.models import Allocation, Gpu, GpuSlot, InvoiceLine, Node, Tier
 from marketplace.services.billing import amount_between, amount_by_bucket, spread_lines_many
+from telemetry import figures
 from telemetry.models import GpuSample, Resolution, UsageHourly
 from telemetry.services import energy
 from telemetry.sqlbuckets import EpochBucket, from_epoch
@@ -144,8 +146,13 @@ def activity(per: Period, *keys: str, step: int | None = None) -> list[dict]:
     if step:
         qs = qs.annotate(b=EpochBucket("ts", step))
         group.insert(0, "b")
-    rows = (qs.values(*group).annotate(w=Sum(F("activity") * F("samples")), n=Sum("samples")).order_by(*group)
-            if group else [qs.aggregate(w=Sum(F("activity") * F("samples")), n=Sum("samples"))])
+    if group:
+        # no ORDER BY: PostgreSQL then hashes the (few) groups instead of sorting every sample row first (at
+        # 1,000 GPUs a sort that spills to disk); the groups are sorted here
+        rows = sorted(qs.values(*group).annotate(w=Sum(F("activity") * F("samples")), n=Sum("samples")).order_by(),
+                      key=lambda r: tuple(r[k] for k in group))
+    else:
+        rows = [qs.aggregate(w=Sum(F("activity") * F("samples")), n=Sum("samples"))]
     out = []
     for r in rows:
         if not r["n"]:
@@ -169,8 +176,10 @@ def _when(t: datetime) -> str:
     return t.strftime("%Y-%m-%d %H:%M")
 
 
-def _empty(fig: go.Figure, message: str = "no data yet") -> go.Figure:
-    """An empty chart says so instead of drawing a blank -1..1 axis."""
+def _empty(fig, message: str = "no data yet"):
+    """An empty chart says so instead of drawing a blank -1..1 axis (a plotly Figure or a plain-dict one)."""
+    if isinstance(fig, dict):
+        return figures.empty(fig, message)
     fig.add_annotation(text=message, showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper",
                        font={"size": 16, "color": "#666"})
     fig.update_xaxes(visible=False)
@@ -193,12 +202,12 @@ def fleet_utilization(per: Period, principal: Principal):
     ts = sorted(fleet)
     numbers = {"ts": [t.isoformat() for t in ts], "fleet": [round(fleet[t][0] / fleet[t][1], 4) for t in ts],
                "by_model": dict(by_model), "step_s": step}
-    fig = go.Figure(layout={**LAYOUT, "title": "Fleet utilization", "yaxis": {"range": [0, 100],
-                                                                              "title": "GPU activity (%)"},
-                            "xaxis": {"title": f"time (UTC), {_step_words(step)} averages"}})
-    fig.add_trace(go.Scatter(x=ts, y=numbers["fleet"], name="fleet", mode="lines"))
-    for model, v in sorted(by_model.items()):
-        fig.add_trace(go.Scatter(x=v["ts"], y=v["avg"], name=model, mode="lines", line={"dash": "dot"}))
+    traces = [{"type": "scatter", "x": numbers["ts"], "y": numbers["fleet"], "name": "fleet", "mode": "lines"}]
+    traces += [{"type": "scatter", "x": v["ts"], "y": v["avg"], "name": model, "mode": "lines", "line": {"dash": "dot"}}
+               for model, v in sorted(by_model.items())]
+    fig = figures.figure(traces, {**LAYOUT, "title": figures.title("Fleet utilization"),
+                                  "yaxis": {"range": [0, 100], "title": figures.title("GPU activity (%)")},
+                                  "xaxis": {"title": figures.title(f"time (UTC), {_step_words(step)} averages")}})
     return (fig if ts else _empty(fig)), numbers
 
 
@@ -228,30 +237,37 @@ def gpu_heatmap(per: Period, principal: Principal):
     for c in cells:
         if c[key] in keys:
             z[keys[c[key]]][col[c["t"]]] = round(c["avg"], 1 if per_node else 4)
-    fig = go.Figure(go.Heatmap(x=ts, y=labels, z=z, zmin=0, zmax=100, colorscale="Viridis",
-                               colorbar={"title": "activity (%)"}, hoverongaps=False),
-                    layout={**LAYOUT, "title": "GPU activity heatmap" + (" (per node)" if per_node else ""),
-                            "xaxis": {"title": f"time (UTC), {_step_words(step)} averages"},
-                            "yaxis": {"title": "node" if per_node else "GPU"},
-                            "height": max(360, min(1400, 60 + 14 * len(labels)))})
-    return (fig if ts else _empty(fig)), {"gpus": labels, "per_node": per_node, "step_s": step,
-                                          "ts": [t.isoformat() for t in ts], "z": z}
+    iso = [t.isoformat() for t in ts]
+    fig = figures.figure(
+        [{"type": "heatmap", "x": iso, "y": labels, "z": z, "zmin": 0, "zmax": 100,
+          "colorscale": figures.colorscale("Viridis"), "colorbar": {"title": figures.title("activity (%)")},
+          "hoverongaps": False}],
+        {**LAYOUT, "title": figures.title("GPU activity heatmap" + (" (per node)" if per_node else "")),
+         "xaxis": {"title": figures.title(f"time (UTC), {_step_words(step)} averages")},
+         "yaxis": {"title": figures.title("node" if per_node else "GPU")},
+         "height": max(360, min(1400, 60 + 14 * len(labels)))})
+    return (fig if ts else _empty(fig)), {"gpus": labels, "per_node": per_node, "step_s": step, "ts": iso, "z": z}
 
 
 def mig_slot_map(per: Period, principal: Principal):
     """Every GPU's 8 memory slots and the tenant that holds each (empty: free)."""
     gpus = Gpu.objects.order_by("node__hostname", "index").values_list("pk", "node__hostname", "index",
                                                                         "gpu_model__key", "mig_mode")
-    held: dict[tuple[int, int], tuple[str, str]] = {}
+    held: dict[int, list] = {}  # GPU -> its 8 slots' tenants, then their 8 profiles
+    used = 0
     for gpu_id, slot, tenant, profile in GpuSlot.objects.values_list(
             "gpu_id", "slot", "instance__tenant__slug", "instance__placement__profile__name"):
-        held[(gpu_id, slot)] = (tenant, profile or "whole GPU")
-    tenants = sorted({t for t, _w in held.values()})
+        cells = held.get(gpu_id) or held.setdefault(gpu_id, [None] * 16)
+        used += 1
+        if 0 <= slot < 8:
+            cells[slot], cells[8 + slot] = tenant, profile or "whole GPU"
+    tenants = sorted({t for cells in held.values() for t in cells[:8]} - {None})
     code: dict[str | None, int] = {t: i + 1 for i, t in enumerate(tenants)}  # a free slot (None): 0
     rows, z, text = [], [], []
+    free = [None] * 16
     for pk, host, index, model, mig in gpus:
-        slots = [held.get((pk, s), (None, None))[0] for s in range(8)]
-        profiles = [held.get((pk, s), (None, None))[1] for s in range(8)]
+        cells = held.get(pk, free)
+        slots, profiles = cells[:8], cells[8:]
         rows.append({"gpu": Gpu.label_for(host, index), "model": model, "mig": mig, "slots": slots,
                      "profiles": profiles})
         z.append([code.get(t, 0) for t in slots])
@@ -262,11 +278,12 @@ def mig_slot_map(per: Period, principal: Principal):
     scale = []  # discrete: value i (0 = free, i = i-th tenant) gets its own band
     for i, c in enumerate(colors):
         scale += [[i / len(colors), c], [(i + 1) / len(colors), c]]
-    fig = go.Figure(go.Heatmap(x=[f"slot {s}" for s in range(8)], y=[r["gpu"] for r in rows], z=z, text=text,
-                               hoverinfo="text+y", texttemplate="%{text}", zmin=-0.5, zmax=n + 0.5, showscale=False,
-                               colorscale=scale, xgap=2, ygap=2),
-                    layout={**LAYOUT, "title": "MIG slot map (who holds which memory slices)"})
-    return fig, {"gpus": rows, "tenants": tenants, "used": len(held), "free": 8 * len(rows) - len(held)}
+    fig = figures.figure(
+        [{"type": "heatmap", "x": [f"slot {s}" for s in range(8)], "y": [r["gpu"] for r in rows], "z": z, "text": text,
+          "hoverinfo": "text+y", "texttemplate": "%{text}", "zmin": -0.5, "zmax": n + 0.5, "showscale": False,
+          "colorscale": scale, "xgap": 2, "ygap": 2}],
+        {**LAYOUT, "title": figures.title("MIG slot map (who holds which memory slices)")})
+    return fig, {"gpus": rows, "tenants": tenants, "used": used, "free": 8 * len(rows) - used}
 
 
 def _tenants_used(per: Period, tenant_ids=None) -> list[Tenant]:
@@ -359,13 +376,16 @@ def power_cost(per: Period, principal: Principal):
     keys = sorted(rows)
     per_1m = [None if rows[k]["cost_per_1k_tokens"] is None else float(rows[k]["cost_per_1k_tokens"] * 1000)
               for k in keys]
-    fig = go.Figure(go.Bar(x=keys, y=per_1m, text=[f"{rows[k]['kwh']:,.3f} kWh" for k in keys],
-                           customdata=[_f(rows[k]["cost_per_1k_tokens"]) for k in keys],
-                           hovertemplate="%{x}<br>%{y:,.4f} per 1M tokens<br>%{customdata:,.6f} per 1K<br>"
-                                         "%{text}<extra></extra>"),
-                    layout={**LAYOUT, "title": f"Power cost per 1M tokens by tier (energy at "
-                                               f"{energy.price_per_kwh()} per kWh)"})
-    _money_axes(fig, "per 1M tokens (plans' currency)", "tier")
+    fig = figures.figure(
+        [{"type": "bar", "x": keys, "y": per_1m, "text": [f"{rows[k]['kwh']:,.3f} kWh" for k in keys],
+          "customdata": [_f(rows[k]["cost_per_1k_tokens"]) for k in keys],
+          "hovertemplate": "%{x}<br>%{y:,.4f} per 1M tokens<br>%{customdata:,.6f} per 1K<br>%{text}<extra></extra>"}],
+        {**LAYOUT, "title": figures.title(f"Power cost per 1M tokens by tier (energy at {energy.price_per_kwh()} "
+                                          "per kWh)"),
+         # as _money_axes writes them: the currency's digits, never an SI prefix
+         "yaxis": {"title": figures.title("per 1M tokens (plans' currency)"), "exponentformat": "none",
+                   "tickformat": plotly_unit_price_format("per 1M tokens (plans' currency)")},
+         "xaxis": {"title": figures.title("tier")}})
     if not keys:
         _empty(fig)
     return fig, {"tiers": rows, "price_per_kwh": energy.price_per_kwh(), "total_kwh": report.total_kwh,
@@ -563,7 +583,7 @@ def check_access(c: Chart, principal: Principal) -> None:
 
 
 def build(name: str, principal: Principal, params: dict | None = None):
-    """(Chart, Figure, numbers) after the access check."""
+    """(Chart, figure (a plotly Figure or its JSON dict), numbers) after the access check."""
     c = chart(name)
     check_access(c, principal)
     per = period(params)
@@ -572,7 +592,20 @@ def build(name: str, principal: Principal, params: dict | None = None):
     return c, fig, numbers
 
 
+#: JSON-ready as they are (exact types: a subclass takes the general path below)
+_AS_IS = frozenset({str, int, float, bool, type(None)})
+
+
 def _plain(value):
+    """The numbers with Decimals as strings, datetimes in ISO 8601 and keys as strings. Lists of plain values (a
+    heatmap's 1,000 rows) are copied without a call per element."""
+    kind = type(value)
+    if kind in _AS_IS:
+        return value
+    if kind is list or kind is tuple:
+        return [v if type(v) in _AS_IS else _plain(v) for v in value]
+    if kind is dict:
+        return {k if type(k) is str else str(k): v if type(v) in _AS_IS else _plain(v) for k, v in value.items()}
     if isinstance(value, Decimal):
         return str(value)
     if isinstance(value, datetime):
@@ -587,4 +620,6 @@ def _plain(value):
 def figure_json(name: str, principal: Principal, params: dict | None = None) -> dict:
     """{"name", "title", "figure" (plotly's JSON dict), "data" (the numbers, Decimals as strings)}."""
     c, fig, numbers = build(name, principal, params)
-    return {"name": c.name, "title": c.title, "figure": json.loads(fig.to_json()), "data": _plain(numbers)}
+    # the fleet charts build their figure as plotly's JSON already (telemetry.figures); the others are Figures
+    figure = fig if isinstance(fig, dict) else json.loads(fig.to_json())
+    return {"name": c.name, "title": c.title, "figure": figure, "data": _plain(numbers)}

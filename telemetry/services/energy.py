@@ -23,13 +23,12 @@ from decimal import ROUND_HALF_UP, Decimal
 
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import Case, Count, F, Max, Min, Q, QuerySet, Sum, Value, When
+from django.db.models import Count, F, Max, Min, Q, QuerySet, Sum
 from django.db.models.functions import TruncDay
 from django.utils import timezone
 
 from marketplace.models import Allocation, Gpu, GpuModel, Tier
 from telemetry.models import EnergyDaily, EnergyHourly, GpuSample, MigSample, Resolution, UsageHourly
-from telemetry.sqlbuckets import EpochBucket
 
 J_PER_KWH = 3_600_000.0
 # Keyed by the stored resolution value (a Resolution is that str): rows read back give plain strs.
@@ -85,31 +84,11 @@ def _window(res: str, start: datetime, end: datetime) -> tuple[datetime, datetim
 
 
 def choose_resolutions(start: datetime, end: datetime, gpus=None, coarsest: str = Resolution.RAW) -> dict[int, str]:
-    """Each GPU's resolution (one grouped query): the first with a row at or before `start` (an anchor),
-    from `coarsest` down to raw (a long range reads rollups: the counter is exact at their bucket ends);
-    else the one whose first row is earliest."""
-    order = ORDER[:ORDER.index(coarsest) + 1][::-1]
-    cond, anchors = Q(), []
-    for level in ORDER:
-        lo, anchor_hi, hi = _window(level, start, end)
-        cond |= Q(resolution=level, ts__gte=lo, ts__lte=hi)
-        anchors.append(When(resolution=level, ts__lte=anchor_hi, then=Value(1)))
-    qs = GpuSample.objects.filter(cond)
-    if gpus is not None:
-        qs = qs.filter(gpu_id__in=list(gpus))
-    # epoch seconds and a flag, not datetimes: thousands of rows at fleet scale, parsed cheaply
-    found: dict[int, dict[str, tuple[float, bool]]] = defaultdict(dict)
-    for gpu_id, res, first, anchored in (qs.values("gpu_id", "resolution")
-                                         .annotate(first=Min(EpochBucket("ts", 1)),
-                                                   anchored=Max(Case(*anchors, default=Value(0))))
-                                         .values_list("gpu_id", "resolution", "first", "anchored")):
-        found[gpu_id][res] = (first + STEP[res].total_seconds(), bool(anchored))
-    out = {}
-    for gpu_id, by_res in found.items():
-        anchored = [r for r in order if r in by_res and by_res[r][1]]
-        out[gpu_id] = anchored[0] if anchored else min((r for r in ORDER if r in by_res),
-                                                       key=lambda r: (by_res[r][0], ORDER.index(r)))
-    return out
+    """Each GPU's resolution: the first with a row at or before `start` (an anchor), from `coarsest` down to
+    raw (a long range reads rollups: the counter is exact at their bucket ends); else the one (of all three)
+    whose first row, standing at its bucket's end, is earliest. GPUs with no row in any window: absent."""
+    ids = None if gpus is None else [getattr(g, "pk", g) for g in gpus]
+    return choose_spans([(start, end)], ids, coarsest)[0][0]
 
 
 def _apportion_sql(res: str, gpu_ids: list[int] | None, start: datetime, end: datetime) -> tuple[str, list]:
@@ -154,37 +133,142 @@ def _apportion_sql(res: str, gpu_ids: list[int] | None, start: datetime, end: da
     return sql, [res, *ids, lo, anchor_hi, res, *ids, lo, hi, lo, res, lo, hi]
 
 
+def _epoch_sql(sql: str) -> str:
+    """Whole epoch seconds of a timestamp expression (rounded down), as EpochBucket(…, 1) computes them."""
+    if connection.vendor == "sqlite":
+        return f"CAST(strftime('%%s', {sql}) AS INTEGER)"
+    return f"FLOOR(DATE_PART('epoch', {sql}))"
+
+
+def _probe_sql(spans: list[tuple[datetime, datetime]], gpu_ids: list[int] | None, coarsest: str
+               ) -> tuple[str, list]:
+    """choose_resolutions' facts for every GPU and span in one statement of index probes (the first row of each
+    resolution in its window, not every row of it): rows (span, gpu, then per ORDER level the first row's epoch
+    seconds and whether it anchors). The levels other than `coarsest` are only probed for the GPUs that
+    `coarsest` does not anchor (choose_resolutions picks `coarsest` for those whatever the others hold)."""
+    ops = connection.ops
+    t, gpu = GpuSample._meta.db_table, Gpu._meta.db_table
+    only, ids = "", []
+    if gpu_ids is not None:
+        only, ids = f"WHERE {gpu}.id IN ({', '.join(['%s'] * len(gpu_ids))})", list(gpu_ids)
+    probe = f"(SELECT MIN(ts) FROM {t} WHERE gpu_id = {{gpu}} AND resolution = %s AND ts >= %s AND ts <= %s)"
+    others = [r for r in ORDER if r != coarsest]
+    ctes: list[str] = []
+    parts: list[str] = []
+    cte_params: list = []
+    params: list = []
+    for i, (start, end) in enumerate(spans):
+        win: dict[str, list] = {r: [ops.adapt_datetimefield_value(x) for x in _window(r, start, end)] for r in ORDER}
+        lo, anchor_hi, hi = win[coarsest]
+        inner = f"SELECT {gpu}.id AS id, {probe.format(gpu=f'{gpu}.id')} AS f0 FROM {gpu} {only}"
+        params_inner = [coarsest, lo, hi, *ids]
+        mid_cols = ", ".join(f"CASE WHEN c.f0 IS NOT NULL AND c.f0 <= %s THEN NULL ELSE {probe.format(gpu='c.id')} END "
+                             f"AS f{k + 1}" for k in range(len(others)))
+        params_mid = []
+        for r in others:
+            params_mid += [anchor_hi, r, win[r][0], win[r][2]]
+        outer_cols = [f"{_epoch_sql('m.f0')}", "CASE WHEN m.f0 <= %s THEN 1 ELSE 0 END"]
+        params_outer = [anchor_hi]
+        for k, r in enumerate(others, start=1):
+            outer_cols += [_epoch_sql(f"m.f{k}"), f"CASE WHEN m.f{k} <= %s THEN 1 ELSE 0 END"]
+            params_outer.append(win[r][1])
+        # MATERIALIZED: each probe runs once per GPU (inlined, PostgreSQL repeats a subquery per reference)
+        ctes.append(f"c{i} AS MATERIALIZED ({inner}), m{i} AS MATERIALIZED (SELECT c.id, c.f0, {mid_cols} FROM c{i} c)")
+        parts.append(f"SELECT %s, m.id, {', '.join(outer_cols)} FROM m{i} m")
+        cte_params += [*params_inner, *params_mid]
+        params += [i, *params_outer]
+    return f"WITH {', '.join(ctes)} " + " UNION ALL ".join(parts), [*cte_params, *params]
+
+
+def _choose(found: dict[str, tuple[float, bool]], coarsest: str) -> str | None:
+    """choose_resolutions' rule for one GPU: found[level] = (first row's epoch + step, anchored)."""
+    order = ORDER[:ORDER.index(coarsest) + 1][::-1]
+    anchored = [r for r in order if r in found and found[r][1]]
+    if anchored:
+        return anchored[0]
+    if not found:
+        return None
+    return min(found, key=lambda r: (found[r][0], ORDER.index(r)))
+
+
+def choose_spans(spans: list[tuple[datetime, datetime]], ids: list[int] | None, coarsest: str
+                 ) -> tuple[list[dict[int, str]], list[list[int]]]:
+    """choose_resolutions for each span (one statement): per span, {GPU: resolution} and every GPU asked about."""
+    chosen: list[dict[int, str]] = [{} for _ in spans]
+    every: list[list[int]] = [[] for _ in spans]
+    if not spans or (ids is not None and not ids):
+        return chosen, every
+    others = [r for r in ORDER if r != coarsest]
+    sql, params = _probe_sql(spans, ids, coarsest)
+    with connection.cursor() as cur:
+        cur.execute(sql, params)
+        rows = cur.fetchall()
+    for span, gpu_id, *facts in rows:
+        every[int(span)].append(gpu_id)
+        found = {}
+        for r, (first, anchored) in zip([coarsest, *others], zip(facts[::2], facts[1::2], strict=True), strict=True):
+            if first is not None:
+                found[r] = (float(first) + STEP[r].total_seconds(), bool(anchored))
+        res = _choose(found, coarsest)
+        if res is not None:
+            chosen[int(span)][gpu_id] = res
+    return chosen, every
+
+
+def apportion_spans(spans: list[tuple[datetime, datetime]], gpus=None, coarsest: str = Resolution.RAW
+                    ) -> list[EnergyReport]:
+    """`apportion` of each span, in two statements whatever the number of spans and GPUs: one that chooses each
+    GPU's resolution per span (index probes), one that apportions every span (the union of their _apportion_sql
+    statements)."""
+    reports = [EnergyReport(start, end) for start, end in spans]
+    if not spans:
+        return reports
+    ids = None if gpus is None else [getattr(g, "pk", g) for g in gpus]
+    if ids is not None and not ids:
+        return reports
+    for report in reports:  # every GPU asked about has a figure, 0 when it has no samples
+        report.gpu_kwh.update(dict.fromkeys(ids or (), 0.0))
+    chosen, every = choose_spans(spans, ids, coarsest)
+    for report, gpu_ids in zip(reports, every, strict=True):
+        report.gpu_kwh.update(dict.fromkeys(gpu_ids, 0.0))
+    statements, params = [], []
+    for span, (start, end) in enumerate(spans):
+        in_use = set(chosen[span].values())
+        for res in ORDER:
+            if res not in in_use:
+                continue
+            group = (None if ids is None and len(in_use) == 1
+                     else sorted(g for g, r in chosen[span].items() if r == res))
+            part, part_params = _apportion_sql(res, group, start, end)
+            statements.append(f"SELECT %s AS span, q.* FROM ({part}) q")
+            params += [span, *part_params]
+    if not statements:
+        return reports
+    with connection.cursor() as cur:
+        cur.execute(" UNION ALL ".join(statements), params)
+        rows = cur.fetchall()
+    for span, kind, key, tenant, joules, unheld in rows:
+        report = reports[int(span)]
+        kwh = float(joules or 0) / J_PER_KWH
+        if kind == 0:
+            report.gpu_kwh[key] = kwh
+            report.gpu_unallocated_kwh[key] = float(unheld or 0) / J_PER_KWH
+            report.unallocated_kwh += float(unheld or 0) / J_PER_KWH
+            continue
+        report.held_kwh[(key, tenant)] += kwh
+        if key is not None:
+            report.allocation_kwh[key] += kwh
+        if tenant is not None:
+            report.tenant_kwh[tenant] += kwh
+    return reports
+
+
 def apportion(start: datetime, end: datetime, gpus=None, coarsest: str = Resolution.RAW) -> EnergyReport:
     """kWh per GPU, per allocation, per tenant and unallocated over [start, end]: the counter increases
-    and their compute-share split are summed by the database (one statement per resolution in use, plus
-    one to choose them), whatever the fleet's size. `gpus`: GPU ids (or a queryset of GPUs); all by
-    default. `coarsest`: the coarsest resolution to read (see choose_resolutions); raw by default."""
-    report = EnergyReport(start, end)
-    ids = None if gpus is None else [getattr(g, "pk", g) for g in gpus]
-    chosen = choose_resolutions(start, end, ids, coarsest)
-    for gpu_id in (ids if ids is not None else Gpu.objects.values_list("pk", flat=True)):
-        report.gpu_kwh[gpu_id] = 0.0
-    in_use = {r for r in chosen.values()}
-    for res in ORDER:
-        if res not in in_use:
-            continue
-        group = None if ids is None and len(in_use) == 1 else sorted(g for g, r in chosen.items() if r == res)
-        sql, params = _apportion_sql(res, group, start, end)
-        with connection.cursor() as cur:
-            cur.execute(sql, params)
-            for kind, key, tenant, joules, unheld in cur.fetchall():
-                kwh = float(joules or 0) / J_PER_KWH
-                if kind == 0:
-                    report.gpu_kwh[key] = kwh
-                    report.gpu_unallocated_kwh[key] = float(unheld or 0) / J_PER_KWH
-                    report.unallocated_kwh += float(unheld or 0) / J_PER_KWH
-                    continue
-                report.held_kwh[(key, tenant)] += kwh
-                if key is not None:
-                    report.allocation_kwh[key] += kwh
-                if tenant is not None:
-                    report.tenant_kwh[tenant] += kwh
-    return report
+    and their compute-share split are summed by the database (two statements, whatever the fleet's size:
+    apportion_spans). `gpus`: GPU ids (or a queryset of GPUs); all by default. `coarsest`: the coarsest
+    resolution to read (see choose_resolutions); raw by default."""
+    return apportion_spans([(start, end)], gpus, coarsest)[0]
 
 
 HOUR = timedelta(hours=1)
@@ -265,14 +349,17 @@ def rollup_days() -> int:
 
 
 def _add_rolled(report: EnergyReport, rolled: QuerySet) -> None:
-    """Sum rollup rows (EnergyHourly or EnergyDaily) into `report`: two grouped queries."""
-    for gpu_id, kwh, unheld in (rolled.filter(gpu__isnull=False).values("gpu_id").order_by()
-                                .annotate(k=Sum("kwh"), u=Sum("unallocated_kwh")).values_list("gpu_id", "k", "u")):
-        report.gpu_kwh[gpu_id] = report.gpu_kwh.get(gpu_id, 0.0) + (kwh or 0.0)
-        report.gpu_unallocated_kwh[gpu_id] += unheld or 0.0
-        report.unallocated_kwh += unheld or 0.0
-    for alloc, tenant, kwh in (rolled.filter(gpu__isnull=True).exclude(MARKER).values("allocation_id", "tenant_id")
-                               .order_by().annotate(k=Sum("kwh")).values_list("allocation_id", "tenant_id", "k")):
+    """Sum rollup rows (EnergyHourly or EnergyDaily) into `report`: one grouped query (a GPU's rows name no
+    allocation or tenant, a held share's rows no GPU, so one GROUP BY gives both)."""
+    for gpu_id, alloc, tenant, kwh, unheld in (
+            rolled.exclude(MARKER).values("gpu_id", "allocation_id", "tenant_id").order_by()
+            .annotate(k=Sum("kwh"), u=Sum("unallocated_kwh"))
+            .values_list("gpu_id", "allocation_id", "tenant_id", "k", "u")):
+        if gpu_id is not None:
+            report.gpu_kwh[gpu_id] = report.gpu_kwh.get(gpu_id, 0.0) + (kwh or 0.0)
+            report.gpu_unallocated_kwh[gpu_id] += unheld or 0.0
+            report.unallocated_kwh += unheld or 0.0
+            continue
         report.held_kwh[(alloc, tenant)] += kwh or 0.0
         if alloc is not None:
             report.allocation_kwh[alloc] += kwh or 0.0
@@ -304,7 +391,10 @@ def apportion_range(start: datetime, end: datetime, coarsest: str = Resolution.R
         return apportion(start, end, coarsest=coarsest)
     hi = hourly[1]  # rolled up to here; the samples cover the rest
     report = EnergyReport(start, end)
-    for gpu_id in Gpu.objects.values_list("pk", flat=True):
+    # the partial hour at the start and the hours since the last rollup: both in the same two statements
+    edges = apportion_spans([span for span in ((start, lo), (hi, end)) if span[0] < span[1]],
+                            coarsest=Resolution.FIVE_MIN)
+    for gpu_id in (Gpu.objects.values_list("pk", flat=True) if not edges else edges[0].gpu_kwh):
         report.gpu_kwh[gpu_id] = 0.0
     d_lo = _floor_day(lo) if _floor_day(lo) == lo else _floor_day(lo) + DAY
     daily = (_covered_run(EnergyDaily.objects.filter(MARKER), "day", d_lo, _floor_day(hi), DAY)
@@ -315,10 +405,8 @@ def apportion_range(start: datetime, end: datetime, coarsest: str = Resolution.R
         _add_rolled(report, EnergyDaily.objects.filter(day__gte=daily[0], day__lt=daily[1]))
         _add_rolled(report, EnergyHourly.objects.filter(Q(hour__gte=lo, hour__lt=daily[0])
                                                         | Q(hour__gte=daily[1], hour__lt=hi)))
-    if start < lo:
-        report.add(apportion(start, lo, coarsest=Resolution.FIVE_MIN))
-    if hi < end:
-        report.add(apportion(hi, end, coarsest=Resolution.FIVE_MIN))
+    for edge in edges:
+        report.add(edge)
     return report
 
 

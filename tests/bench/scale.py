@@ -109,15 +109,76 @@ HAND_SQL = {
                sum(s.activity * s.samples) / sum(s.samples)
         FROM telemetry_gpusample s JOIN marketplace_gpu g ON g.id = s.gpu_id
         WHERE s.resolution = %(res)s AND s.ts >= %(start)s AND s.ts < %(end)s GROUP BY 1, 2""",
+    # every GPU's row (label, model, MIG mode) and who holds each slot with which profile, as the chart shows
     "mig-slots": """
-        SELECT s.gpu_id, s.slot, t.slug FROM marketplace_gpuslot s
-        JOIN marketplace_gpuinstance i ON i.id = s.instance_id JOIN tenants_tenant t ON t.id = i.tenant_id""",
+        SELECT n.hostname, g.index, m.key, g.mig_mode, s.slot, t.slug, p.name
+        FROM marketplace_gpu g JOIN marketplace_node n ON n.id = g.node_id
+        JOIN marketplace_gpumodel m ON m.id = g.gpu_model_id
+        LEFT JOIN marketplace_gpuslot s ON s.gpu_id = g.id
+        LEFT JOIN marketplace_gpuinstance i ON i.id = s.instance_id LEFT JOIN tenants_tenant t ON t.id = i.tenant_id
+        LEFT JOIN marketplace_migplacement pl ON pl.id = i.placement_id
+        LEFT JOIN marketplace_migprofile p ON p.id = pl.profile_id
+        ORDER BY n.hostname, g.index, s.slot""",
+    # the chart's answer: kWh and tokens per tier, kWh and unallocated kWh per GPU. The whole days and hours the
+    # energy rollups hold are summed from them (as the chart does; the rollup job keeps them), only the partial hour
+    # at the start and the hours since the last rolled-up one are apportioned from the 5-minute samples (counter
+    # increases from the last row at or before each span's start, split by the slices' compute share)
     "power-cost": """
-        WITH s AS (SELECT gpu_id, ts, energy_j - lag(energy_j) OVER (PARTITION BY gpu_id ORDER BY ts) j
-                   FROM telemetry_gpusample WHERE resolution = %(res)s AND ts >= %(start)s AND ts <= %(end)s)
-        SELECT m.allocation_id, sum(s.j * m.compute_slices / 7.0) FROM s
-        JOIN telemetry_migsample m ON m.gpu_id = s.gpu_id AND m.resolution = %(res)s AND m.ts = s.ts
-        WHERE s.j IS NOT NULL GROUP BY 1""",
+        WITH h AS (SELECT date_trunc('hour', %(start)s::timestamptz) + interval '1 hour' AS lo,
+                          (SELECT max(hour) + interval '1 hour' FROM telemetry_energyhourly
+                           WHERE gpu_id IS NULL AND allocation_id IS NULL AND tenant_id IS NULL
+                             AND hour < %(end)s) AS hi),
+        d AS (SELECT lo, hi, CASE WHEN date_trunc('day', lo) = lo THEN lo
+                                  ELSE date_trunc('day', lo) + interval '1 day' END AS dl FROM h),
+        r AS (SELECT lo, hi, dl, greatest(date_trunc('day', hi), dl) AS dh FROM d),
+        rolled AS (  -- the bounds as scalar subqueries, so that the rollups' time indexes are used
+            SELECT gpu_id, allocation_id, kwh, unallocated_kwh FROM telemetry_energyhourly
+            WHERE hour >= (SELECT lo FROM r) AND hour < (SELECT least(dl, hi) FROM r)
+            UNION ALL
+            SELECT gpu_id, allocation_id, kwh, unallocated_kwh FROM telemetry_energyhourly
+            WHERE hour >= (SELECT dh FROM r) AND hour < (SELECT hi FROM r)
+            UNION ALL
+            SELECT gpu_id, allocation_id, kwh, unallocated_kwh FROM telemetry_energydaily
+            WHERE day >= (SELECT dl FROM r) AND day < (SELECT dh FROM r)),
+        e AS (SELECT %(start)s::timestamptz - interval '10 minutes' AS a0, lo - interval '5 minutes' AS b0,
+                     hi - interval '10 minutes' AS a1, %(end)s::timestamptz - interval '5 minutes' AS b1 FROM r),
+        rows AS (  -- each span's rows from the last one at or before its start (5-minute rows stand at their end)
+            SELECT 0 AS sp, gpu_id, ts, energy_j FROM telemetry_gpusample
+            WHERE resolution = '5m' AND ts > (SELECT a0 FROM e) AND ts <= (SELECT b0 FROM e)
+            UNION ALL
+            SELECT 1, gpu_id, ts, energy_j FROM telemetry_gpusample
+            WHERE resolution = '5m' AND ts > (SELECT a1 FROM e) AND ts <= (SELECT b1 FROM e)),
+        inc AS (
+            SELECT gpu_id, ts, CASE WHEN energy_j >= prev THEN energy_j - prev ELSE energy_j END AS j FROM (
+                SELECT gpu_id, ts, energy_j, lag(energy_j) OVER (PARTITION BY sp, gpu_id ORDER BY ts) AS prev
+                FROM rows) x
+            WHERE prev IS NOT NULL),
+        slices AS (
+            SELECT gpu_id, ts, allocation_id, compute_slices FROM telemetry_migsample
+            WHERE resolution = '5m' AND (allocation_id IS NOT NULL OR tenant_id IS NOT NULL)
+              AND ((ts > (SELECT a0 FROM e) AND ts <= (SELECT b0 FROM e))
+                   OR (ts > (SELECT a1 FROM e) AND ts <= (SELECT b1 FROM e)))),
+        held AS (
+            SELECT inc.gpu_id, inc.ts, inc.j, m.allocation_id, m.compute_slices / 7.0 AS share
+            FROM inc JOIN slices m ON m.gpu_id = inc.gpu_id AND m.ts = inc.ts),
+        alloc AS (
+            SELECT allocation_id, sum(j * share) / 3.6e6 AS kwh FROM held WHERE allocation_id IS NOT NULL GROUP BY 1
+            UNION ALL
+            SELECT allocation_id, sum(kwh) FROM rolled WHERE allocation_id IS NOT NULL GROUP BY 1),
+        tiers AS (SELECT a.tier_id, sum(alloc.kwh) AS kwh FROM alloc
+                  JOIN marketplace_allocation a ON a.id = alloc.allocation_id GROUP BY 1),
+        tokens AS (SELECT a.tier_id, sum(u.input_tokens + u.output_tokens) AS t FROM telemetry_usagehourly u
+                   JOIN marketplace_modeldeployment d ON d.id = u.deployment_id
+                   JOIN marketplace_allocation a ON a.id = d.allocation_id
+                   WHERE u.hour >= %(start)s AND u.hour < %(end)s GROUP BY 1),
+        gpus AS (
+            SELECT inc.gpu_id, sum(inc.j) / 3.6e6 AS kwh, sum(inc.j * greatest(0, 1 - coalesce(h.s, 0))) / 3.6e6 AS u
+            FROM inc LEFT JOIN (SELECT gpu_id, ts, sum(share) AS s FROM held GROUP BY 1, 2) h
+              ON h.gpu_id = inc.gpu_id AND h.ts = inc.ts GROUP BY 1
+            UNION ALL
+            SELECT gpu_id, sum(kwh), sum(unallocated_kwh) FROM rolled WHERE gpu_id IS NOT NULL GROUP BY 1)
+        SELECT 'tier', tier_id, tiers.kwh, tokens.t FROM tiers FULL JOIN tokens USING (tier_id)
+        UNION ALL SELECT 'gpu', gpu_id, sum(kwh), sum(u) FROM gpus GROUP BY 2""",
     "cost-per-tier": """
         SELECT a.tier_id, sum(u.requests), sum(u.input_tokens * p.price_per_1m_input_tokens
                                               + u.output_tokens * p.price_per_1m_output_tokens) / 1e6

@@ -393,7 +393,8 @@ def test_energy_rollup_sums_to_the_samples_and_serves_long_ranges(h100_node, pri
     assert EnergyHourly.objects.filter(gpu__isnull=True, allocation=alloc).count() == 10
     start, end = t0 + timedelta(minutes=30), t0 + timedelta(hours=9, minutes=20)
     direct = energy.apportion(start, end)
-    with django_assert_max_num_queries(10):  # rollup sums plus the two edges, not every sample
+    # the rollup's markers and sums, and both edges from the samples in two statements, not every sample
+    with django_assert_max_num_queries(4):
         rolled = energy.apportion_range(start, end)
     assert rolled.total_kwh == pytest.approx(direct.total_kwh) and direct.total_kwh > 0
     assert rolled.unallocated_kwh == pytest.approx(direct.unallocated_kwh)
@@ -402,6 +403,23 @@ def test_energy_rollup_sums_to_the_samples_and_serves_long_ranges(h100_node, pri
     assert rolled.tenant_kwh[alloc.tenant_id] == pytest.approx(direct.tenant_kwh[alloc.tenant_id])
     for g in gpus:
         assert rolled.gpu_kwh[g.pk] == pytest.approx(direct.gpu_kwh[g.pk])
+    # with 5-minute rollups, the hours, both edges and a direct apportioning all read them, and still agree
+    from telemetry.services import downsample
+
+    downsample.downsample(now=t0 + timedelta(hours=10, minutes=15))
+    EnergyHourly.objects.all().delete()
+    energy.rollup_hours(now=t0 + timedelta(hours=10, minutes=15))
+    assert set(energy.choose_resolutions(start, end, coarsest=Resolution.FIVE_MIN).values()) == {Resolution.FIVE_MIN}
+    five = energy.apportion(start, end, coarsest=Resolution.FIVE_MIN)
+    rolled = energy.apportion_range(start, end, coarsest=Resolution.FIVE_MIN)
+    assert five.total_kwh == pytest.approx(direct.total_kwh) and rolled.total_kwh == pytest.approx(five.total_kwh)
+    assert rolled.unallocated_kwh == pytest.approx(five.unallocated_kwh)
+    assert five.allocation_kwh[alloc.pk] > 0
+    assert rolled.allocation_kwh[alloc.pk] == pytest.approx(five.allocation_kwh[alloc.pk])
+    for g in gpus:
+        assert rolled.gpu_kwh[g.pk] == pytest.approx(five.gpu_kwh[g.pk])
+    GpuSample.objects.exclude(resolution=Resolution.RAW).delete()  # raw samples only again
+    MigSample.objects.exclude(resolution=Resolution.RAW).delete()
     # an hour with no samples is rolled up too (a marker row), so a range across it still reads the rollup
     GpuSample.objects.filter(ts__gte=t0 + timedelta(hours=4), ts__lt=t0 + timedelta(hours=5)).delete()
     EnergyHourly.objects.all().delete()
@@ -409,7 +427,7 @@ def test_energy_rollup_sums_to_the_samples_and_serves_long_ranges(h100_node, pri
     assert EnergyHourly.objects.filter(hour=t0 + timedelta(hours=4), gpu__isnull=True, allocation__isnull=True,
                                        tenant__isnull=True).exists()
     expected = energy.apportion(start, end).total_kwh
-    with django_assert_max_num_queries(10):
+    with django_assert_max_num_queries(4):
         assert energy.apportion_range(start, end).total_kwh == pytest.approx(expected)
     # a range the rollup does not cover reads the samples
     assert energy.apportion_range(t0 - timedelta(hours=5), end).total_kwh == pytest.approx(
@@ -445,7 +463,7 @@ def test_energy_daily_rollup_stands_for_its_hours_in_long_ranges(h100_node, pric
     direct = energy.apportion(start, end)
     # the days' rows stand for their hours: without the hours' own rows (their markers stay) the answer holds
     EnergyHourly.objects.filter(hour__gte=day0, hour__lt=day0 + timedelta(days=2)).exclude(energy.MARKER).delete()
-    with django_assert_max_num_queries(13):  # markers, days, hours, the two edges from the samples
+    with django_assert_max_num_queries(6):  # markers of hours and days, days, hours, the two edges (two statements)
         rolled = energy.apportion_range(start, end)
     assert direct.total_kwh > 0 and direct.allocation_kwh[alloc.pk] > 0
     assert rolled.total_kwh == pytest.approx(direct.total_kwh)

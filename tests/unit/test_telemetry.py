@@ -4,8 +4,10 @@ the Prometheus exposition and plotly.js served from static files."""
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
+from unittest import mock
 
 import pynvml
 import pytest
@@ -345,6 +347,156 @@ def test_tenant_usage_is_scoped_to_the_tenant(shop, op_p):
         charts.figure_json("tenant-usage", shop["alpha"]["p"], {**params, "tenant": "bravo"})
     with pytest.raises(charts.Forbidden):
         charts.figure_json("fleet-utilization", shop["alpha"]["p"], params)
+
+
+def _sample(gpu, res, ts, energy_j=0.0):
+    return GpuSample(gpu=gpu, resolution=res, ts=ts, activity=0.5, memory_used_mb=1, memory_total_mb=2, power_w=500,
+                     energy_j=energy_j, temperature_c=50, sm_clock_mhz=1900)
+
+
+def _chosen_by_reading_every_row(start, end, coarsest):
+    """choose_resolutions' rule applied to every stored row of each window (the reference the probes must match)."""
+    order = energy.ORDER[:energy.ORDER.index(coarsest) + 1][::-1]
+    out = {}
+    for gpu in Gpu.objects.all():
+        found = {}
+        for r in energy.ORDER:
+            lo, anchor_hi, hi = energy._window(r, start, end)
+            ts = sorted(GpuSample.objects.filter(gpu=gpu, resolution=r, ts__gte=lo, ts__lte=hi)
+                        .values_list("ts", flat=True))
+            if ts:
+                found[r] = (ts[0].timestamp() + energy.STEP[r].total_seconds(), ts[0] <= anchor_hi)
+        anchored = [r for r in order if r in found and found[r][1]]
+        if anchored:
+            out[gpu.pk] = anchored[0]
+        elif found:
+            out[gpu.pk] = min(found, key=lambda r: (found[r][0], energy.ORDER.index(r)))
+    return out
+
+
+def test_resolutions_are_chosen_per_gpu_and_span_in_one_statement(h100_node, django_assert_num_queries):
+    g = list(Gpu.objects.order_by("index"))
+    rows = []
+    for m in range(-180, 180):
+        t = T0 + timedelta(minutes=m)
+        rows += [_sample(g[0], R.RAW, t, m), _sample(g[1], R.RAW, t, m)]  # GPUs 0 and 1: raw throughout
+        if m % 5 == 0:
+            rows.append(_sample(g[0], R.FIVE_MIN, t, m))  # GPU 0: 5-minute rollups too
+        if m % 60 == 0:
+            rows.append(_sample(g[3], R.HOUR, t, m))  # GPU 3: hourly only
+        if m >= 10 and m % 5 == 0:
+            rows.append(_sample(g[2], R.FIVE_MIN, t, m))  # GPU 2: 5-minute rows from T0 + 10 min ...
+        if m >= 20:
+            rows.append(_sample(g[2], R.RAW, t, m))  # ... raw from T0 + 20 min: neither anchors at T0
+        if m >= 3:
+            rows.append(_sample(g[4], R.RAW, t, m))  # GPU 4: raw from T0 + 3 min, 5-minute rows from T0
+        if m >= 0 and m % 5 == 0:
+            rows.append(_sample(g[4], R.FIVE_MIN, t, m))
+    GpuSample.objects.bulk_create(rows)
+    spans = [(T0, T0 + timedelta(hours=1)), (T0 + timedelta(minutes=30), T0 + timedelta(minutes=90)),
+             (T0 - timedelta(minutes=1), T0 + timedelta(minutes=4))]
+    for coarsest in (R.RAW, R.FIVE_MIN, R.HOUR):
+        with django_assert_num_queries(1):
+            chosen, every = energy.choose_spans(spans, None, coarsest)
+        assert [sorted(e) for e in every] == [sorted(x.pk for x in g)] * len(spans)
+        for (start, end), got in zip(spans, chosen, strict=True):
+            assert got == _chosen_by_reading_every_row(start, end, coarsest), (coarsest, start)
+    at_t0 = energy.choose_resolutions(T0, T0 + timedelta(hours=1), coarsest=R.FIVE_MIN)
+    assert at_t0 == {g[0].pk: R.FIVE_MIN, g[1].pk: R.RAW, g[2].pk: R.FIVE_MIN, g[3].pk: R.HOUR, g[4].pk: R.RAW}
+    assert energy.choose_resolutions(T0, T0 + timedelta(hours=1), gpus=[g[0].pk, g[5].pk]) == {g[0].pk: R.RAW}
+    # every span apportioned in the same two statements, each as it is alone
+    with django_assert_num_queries(2):
+        both = energy.apportion_spans(spans, coarsest=R.FIVE_MIN)
+    for (start, end), rep in zip(spans, both, strict=True):
+        alone = energy.apportion(start, end, coarsest=R.FIVE_MIN)
+        assert rep.gpu_kwh == alone.gpu_kwh and rep.total_kwh > 0
+    # GPU 0 at 5 minutes over T0 .. T0 + 1 h: 12 increases of 5 J; GPU 1 raw: 60 of 1 J
+    assert both[0].gpu_kwh[g[0].pk] * energy.J_PER_KWH == pytest.approx(60)
+    assert both[0].gpu_kwh[g[1].pk] * energy.J_PER_KWH == pytest.approx(60)
+    assert both[0].gpu_kwh[g[5].pk] == 0.0
+
+
+def _plotly_json(fig) -> dict:
+    return json.loads(fig.to_json())
+
+
+def _old_fleet_figure(name: str, data: dict):
+    """The fleet chart's figure built with plotly's graph objects from the chart's own numbers, as the charts did
+    before they wrote plotly's JSON themselves (telemetry.figures)."""
+    import plotly.graph_objects as go
+
+    words = charts._step_words(data["step_s"]) if "step_s" in data else ""
+    if name == "fleet-utilization":
+        fig = go.Figure(layout={**charts.LAYOUT, "title": "Fleet utilization",
+                                "yaxis": {"range": [0, 100], "title": "GPU activity (%)"},
+                                "xaxis": {"title": f"time (UTC), {words} averages"}})
+        fig.add_trace(go.Scatter(x=[datetime.fromisoformat(t) for t in data["ts"]], y=data["fleet"], name="fleet",
+                                 mode="lines"))
+        for model, v in sorted(data["by_model"].items()):
+            fig.add_trace(go.Scatter(x=v["ts"], y=v["avg"], name=model, mode="lines", line={"dash": "dot"}))
+        return fig if data["ts"] else charts._empty(fig)
+    if name == "gpu-heatmap":
+        per_node = data["per_node"]
+        fig = go.Figure(go.Heatmap(x=[datetime.fromisoformat(t) for t in data["ts"]], y=data["gpus"], z=data["z"],
+                                   zmin=0, zmax=100, colorscale="Viridis", colorbar={"title": "activity (%)"},
+                                   hoverongaps=False),
+                        layout={**charts.LAYOUT, "title": "GPU activity heatmap" + (" (per node)" if per_node else ""),
+                                "xaxis": {"title": f"time (UTC), {words} averages"},
+                                "yaxis": {"title": "node" if per_node else "GPU"},
+                                "height": max(360, min(1400, 60 + 14 * len(data["gpus"])))})
+        return fig if data["ts"] else charts._empty(fig)
+    if name == "mig-slots":
+        code = {t: i + 1 for i, t in enumerate(data["tenants"])}
+        z = [[code.get(t, 0) for t in r["slots"]] for r in data["gpus"]]
+        text = [[f"{t} ({p})" if t else "free" for t, p in zip(r["slots"], r["profiles"], strict=True)]
+                for r in data["gpus"]]
+        palette = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
+        colors = ["#eeeeee"] + [palette[i % len(palette)] for i in range(len(data["tenants"]))]
+        scale = []
+        for i, c in enumerate(colors):
+            scale += [[i / len(colors), c], [(i + 1) / len(colors), c]]
+        return go.Figure(go.Heatmap(x=[f"slot {s}" for s in range(8)], y=[r["gpu"] for r in data["gpus"]], z=z,
+                                    text=text, hoverinfo="text+y", texttemplate="%{text}", zmin=-0.5,
+                                    zmax=len(data["tenants"]) + 0.5, showscale=False, colorscale=scale, xgap=2,
+                                    ygap=2),
+                         layout={**charts.LAYOUT, "title": "MIG slot map (who holds which memory slices)"})
+    assert name == "power-cost"
+    rows = data["tiers"]
+    keys = sorted(rows)
+    per_1k = [None if rows[k]["cost_per_1k_tokens"] is None else float(rows[k]["cost_per_1k_tokens"]) for k in keys]
+    fig = go.Figure(go.Bar(x=keys, y=[None if v is None else float(Decimal(rows[k]["cost_per_1k_tokens"]) * 1000)
+                                      for k, v in zip(keys, per_1k, strict=True)],
+                           text=[f"{rows[k]['kwh']:,.3f} kWh" for k in keys], customdata=per_1k,
+                           hovertemplate="%{x}<br>%{y:,.4f} per 1M tokens<br>%{customdata:,.6f} per 1K<br>"
+                                         "%{text}<extra></extra>"),
+                    layout={**charts.LAYOUT, "title": f"Power cost per 1M tokens by tier (energy at "
+                                                      f"{data['price_per_kwh']} per kWh)"})
+    charts._money_axes(fig, "per 1M tokens (plans' currency)", "tier")
+    return fig if keys else charts._empty(fig)
+
+
+@pytest.mark.parametrize("with_data", [True, False], ids=["data", "empty"])
+def test_fleet_figures_are_the_json_plotly_builds(shop, op_p, with_data):
+    """The fleet charts write plotly's JSON themselves (no graph-object validation of a 1,000-row heatmap): what
+    the client gets is what plotly built from the same numbers before, and plotly reads it back unchanged."""
+    import plotly.graph_objects as go
+
+    if with_data:
+        _gpu, start, end = _energy_data(shop)
+        _usage(shop["alpha"], _hour(start), 6_000, 0)
+        params = {"start": start.isoformat(), "end": (start + timedelta(hours=1)).isoformat()}
+    else:
+        params = {"hours": "1"}
+    for name in ("fleet-utilization", "gpu-heatmap", "mig-slots", "power-cost"):
+        body = charts.figure_json(name, op_p, params)
+        sent = json.loads(json.dumps(body["figure"]))  # as the client reads it
+        assert sent == _plotly_json(_old_fleet_figure(name, body["data"])), name
+        assert _plotly_json(go.Figure(sent)) == sent, name  # every property valid, in plotly's own form
+        assert bool(with_data or name == "mig-slots") == ("annotations" not in sent["layout"]), name
+    with mock.patch.object(charts, "HEATMAP_ROWS", 4):  # one row per node
+        body = charts.figure_json("gpu-heatmap", op_p, params)
+    assert body["data"]["per_node"]
+    assert json.loads(json.dumps(body["figure"])) == _plotly_json(_old_fleet_figure("gpu-heatmap", body["data"]))
 
 
 def test_chart_endpoints_access(shop, operator, api, as_user, as_key):
