@@ -3,7 +3,7 @@ building a ``plotly.graph_objects.Figure`` validates and deep-copies every cell,
 encodes it once more, which cost more than the chart's queries. These helpers write the figure in the form
 plotly's own validation gives it (a layout title as ``{"text": ...}``, a named colorscale spelt out, the
 template expanded), so the JSON is the same as ``json.loads(go.Figure(spec).to_json())`` for the same spec:
-tests/unit/test_figures.py holds every fleet chart to that."""
+tests/unit/test_telemetry.py holds every fleet chart to that."""
 
 from __future__ import annotations
 
