@@ -83,9 +83,11 @@ def direct_shapes(ranges: Ranges) -> dict[tuple, dict[str, int]]:
     if where is None:
         return out
     usage = UsageHourly.objects.filter(where)
-    served = TritonServedHourly.objects.filter(deployment=OuterRef("deployment"), hour=OuterRef("hour"),
+    # the ranges again inside each subquery (implied by the hour's equality): without them, a planner with stale
+    # statistics may semi-join every usage row of all time before filtering by hour
+    served = TritonServedHourly.objects.filter(where, deployment=OuterRef("deployment"), hour=OuterRef("hour"),
                                                execution_ns__gt=0)
-    metered = UsageHourly.objects.filter(tenant=OuterRef("tenant"), deployment=OuterRef("deployment"),
+    metered = UsageHourly.objects.filter(where, tenant=OuterRef("tenant"), deployment=OuterRef("deployment"),
                                          hour=OuterRef("hour"))
     for row in (usage.filter(Exists(served)).values(G, P)
                 .annotate(t=Sum(F("input_tokens") + F("output_tokens")), r=Sum("requests")).order_by()):
