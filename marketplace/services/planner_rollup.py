@@ -75,11 +75,13 @@ def roll_hour(hour: datetime, now: datetime | None = None) -> None:
     power_rows = [PlannerPowerHourly(hour=hour, resolution=res, gpu_model_id=model_id, **sums)
                   for (res, model_id), sums in power.items() if sums["n"]]
     with transaction.atomic():
+        # the marker first: a second run rolling the same hour waits here for this one to commit, then replaces
+        # its rows (sums must never be written twice)
+        PlannerRollupHour.objects.update_or_create(hour=hour, defaults={"rolled_at": rolled_at})
         PlannerShapeHourly.objects.filter(hour=hour).delete()
         PlannerPowerHourly.objects.filter(hour=hour).delete()
         PlannerShapeHourly.objects.bulk_create(shape_rows)
         PlannerPowerHourly.objects.bulk_create(power_rows)
-        PlannerRollupHour.objects.update_or_create(hour=hour, defaults={"rolled_at": rolled_at})
 
 
 def roll_day(day: datetime) -> bool:

@@ -211,3 +211,13 @@ def test_planner_page_queries_do_not_grow_with_the_fleet(client, operator, histo
                                    output_tokens=1, requests=1)
     planner_rollup.roll(history["now"])
     assert _page_queries(client) == one
+
+
+def test_the_downsampling_job_rolls_the_planner_up(history, monkeypatch):
+    from telemetry.collector_tasks import downsample_telemetry
+
+    monkeypatch.setattr(timezone, "now", lambda: history["now"])
+    out = downsample_telemetry()
+    assert out["planner"]["hours"] == HOURS
+    assert PlannerRollupHour.objects.count() == HOURS
+    assert downsample_telemetry()["planner"]["hours"] >= planner_rollup.RECENT  # again: recent (and stale) hours
