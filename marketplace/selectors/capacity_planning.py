@@ -18,6 +18,10 @@ excluded) and the power curve: idle and full-load watts fitted (least squares) t
 power against activity in the window, when the samples spread over enough activity; else idle =
 catalog idle watts and full load = TDP (modelled).
 
+The measuring sums come from selectors.planner_measures: the hourly planner rollups that the downsampling job
+keeps for the window's rolled-up hours, the usage, Triton and sample rows for the rest; the same figures as
+reading the rows throughout, in a number of queries that does not grow with the fleet or the window.
+
 Demand defaults to what the tenants' deployments asked for: each one's busiest hour in the window, in
 tokens/s, with its declared model memory, so "plan for today's demand" is one click; the operator edits it.
 """
