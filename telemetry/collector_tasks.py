@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from celery import shared_task
 
+from marketplace.services import planner_rollup
 from telemetry.services import collector, downsample, energy
 
 NODE_TASK = {"acks_late": True, "reject_on_worker_lost": True, "time_limit": 120, "soft_time_limit": 100}
@@ -27,9 +28,13 @@ def collect_gpu_fleet() -> int:
 def downsample_telemetry() -> dict:
     """Beat (control queue): roll raw samples up into 5-minute and hourly averages, apportion the energy of
     each hour that has ended (EnergyHourly) and sum each complete day (EnergyDaily), then prune by retention
-    (never a bucket that has not been rolled up). Idempotent."""
+    (never a bucket that has not been rolled up), then roll the capacity planner's measurements up per hour
+    (after pruning: hours whose samples were pruned are rolled again). Idempotent."""
+
     rolled = downsample.downsample()
     energy_hours = energy.rollup_hours()
     energy_days = energy.rollup_days()
     pruned = downsample.prune()
-    return {"rolled": rolled, "energy_hours": energy_hours, "energy_days": energy_days, "pruned": pruned}
+    planner = planner_rollup.roll()
+    return {"rolled": rolled, "energy_hours": energy_hours, "energy_days": energy_days, "pruned": pruned,
+            "planner": planner}

@@ -93,7 +93,8 @@ class TritonServedHourly(models.Model):
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["deployment", "hour"], name="served_hour_unique")]
-        # the console's metered-vs-served page and the scrape's check read a window of hours across deployments
+        # the fleet's hours: the console's metered-vs-served page, the scrape's check and the planner read a
+        # window of hours across every deployment
         indexes = [models.Index(fields=["hour"])]
 
     def __str__(self) -> str:
@@ -249,3 +250,83 @@ class EnergyDaily(EnergyRows):
 
     def __str__(self) -> str:
         return f"{self.day:%Y-%m-%d}: {self.kwh:.3f} kWh"
+
+
+# --- The capacity planner's measurements, rolled up per hour (marketplace.services.planner_rollup) ----------
+
+class PlannerRollupHour(models.Model):
+    """One completed UTC hour whose planner figures are rolled up (PlannerShapeHourly, PlannerPowerHourly and,
+    once its day is whole, PlannerDemandDaily). ``rolled_at`` is when it was read: usage rows updated after
+    it (late events) make the downsampling job roll the hour again."""
+
+    hour = models.DateTimeField(unique=True, help_text="start of the UTC hour")
+    rolled_at = models.DateTimeField()
+
+    def __str__(self) -> str:
+        return f"{self.hour:%Y-%m-%d %H} rolled {self.rolled_at:%Y-%m-%d %H:%M}"
+
+
+class PlannerShapeHourly(models.Model):
+    """One hour's measuring sums for one shape (the tier's GPU model and MIG profile; no profile: a whole GPU),
+    each additive over hours (the busiest slice-hour is a maximum): metered tokens and requests on the
+    (deployment, hour) pairs Triton reported execution for, Triton's execution time and requests on the pairs
+    that were metered, the busiest allocation's tokens, and all metered input and output tokens."""
+
+    id = models.BigAutoField(primary_key=True)
+    hour = models.DateTimeField(help_text="start of the UTC hour")
+    gpu_model = models.ForeignKey("marketplace.GpuModel", null=True, blank=True, on_delete=models.CASCADE,
+                                  related_name="+")
+    profile = models.ForeignKey("marketplace.MigProfile", null=True, blank=True, on_delete=models.CASCADE,
+                                related_name="+")
+    tokens = models.BigIntegerField(default=0)
+    requests = models.BigIntegerField(default=0)
+    execution_ns = models.BigIntegerField(default=0)
+    served_requests = models.BigIntegerField(default=0)
+    peak_tokens = models.BigIntegerField(default=0, help_text="the busiest allocation's tokens in the hour")
+    input_tokens = models.BigIntegerField(default=0)
+    output_tokens = models.BigIntegerField(default=0)
+
+    class Meta:
+        indexes = [models.Index(fields=["hour"])]
+
+    def __str__(self) -> str:
+        return f"{self.hour:%Y-%m-%d %H} {self.gpu_model_id}/{self.profile_id}: {self.tokens}"
+
+
+class PlannerPowerHourly(models.Model):
+    """One hour's least-squares sums of power against activity over one GPU model's samples of one
+    resolution (n, Σx, Σy, Σx², Σxy): additive, so a window's power line is fitted from its hours' sums."""
+
+    id = models.BigAutoField(primary_key=True)
+    hour = models.DateTimeField(help_text="start of the UTC hour")
+    gpu_model = models.ForeignKey("marketplace.GpuModel", on_delete=models.CASCADE, related_name="+")
+    resolution = models.CharField(max_length=3, choices=Resolution.choices)
+    n = models.BigIntegerField(default=0)
+    sx = models.FloatField(default=0.0)
+    sy = models.FloatField(default=0.0)
+    sxx = models.FloatField(default=0.0)
+    sxy = models.FloatField(default=0.0)
+
+    class Meta:
+        indexes = [models.Index(fields=["resolution", "hour"])]
+
+    def __str__(self) -> str:
+        return f"{self.hour:%Y-%m-%d %H} {self.gpu_model_id}/{self.resolution}: {self.n}"
+
+
+class PlannerDemandDaily(models.Model):
+    """One UTC day's busiest hour of one tenant's model name (all its deployments of that name together), in
+    tokens, written once all 24 hours of the day are rolled up (PlannerRollupHour): the day's maximum of the
+    hourly sums, so a window's busiest hour is the maximum over its days and the hours around them."""
+
+    id = models.BigAutoField(primary_key=True)
+    day = models.DateTimeField(help_text="start of the UTC day")
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="+")
+    name = models.CharField(max_length=64, help_text="the deployment name")
+    tokens = models.BigIntegerField(default=0)
+
+    class Meta:
+        indexes = [models.Index(fields=["day"])]
+
+    def __str__(self) -> str:
+        return f"{self.day:%Y-%m-%d} {self.tenant_id}/{self.name}: {self.tokens}"

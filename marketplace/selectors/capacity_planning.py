@@ -18,6 +18,10 @@ excluded) and the power curve: idle and full-load watts fitted (least squares) t
 power against activity in the window, when the samples spread over enough activity; else idle =
 catalog idle watts and full load = TDP (modelled).
 
+The measuring sums come from selectors.planner_measures: the hourly planner rollups that the downsampling job
+keeps for the window's rolled-up hours, the usage, Triton and sample rows for the rest; the same figures as
+reading the rows throughout, in a number of queries that does not grow with the fleet or the window.
+
 Demand defaults to what the tenants' deployments asked for: each one's busiest hour in the window, in
 tokens/s, with its declared model memory, so "plan for today's demand" is one click; the operator edits it.
 """
@@ -31,18 +35,18 @@ from datetime import datetime, timedelta
 from decimal import Decimal
 
 from django.conf import settings
-from django.db.models import Count, Exists, F, FloatField, OuterRef, Sum
-from django.db.models.functions import Cast
+from django.db.models import Count
 from django.utils import timezone
 
 from marketplace import planner
 from marketplace.hardware.geometry import all_geometries
 from marketplace.models import Gpu, GpuModel, MigProfile, ModelDeployment, PricePlan, Tier
+from marketplace.selectors import planner_measures as measures
 from marketplace.selectors.catalog import modelled_tokens_per_s
 from marketplace.services import billing
-from telemetry.models import GpuSample, Resolution, TritonServedHourly, UsageHourly
+from telemetry.models import Resolution
 from telemetry.services.energy import price_per_kwh
-from telemetry.sqlbuckets import max_per_group
+from tenants.models import Tenant
 
 MIN_MEASURED_SECONDS = 60.0  # execution seconds before a measured rate is trusted over the model
 MIN_POWER_SAMPLES = 12
@@ -115,14 +119,11 @@ def window(days: float | None = None, until: datetime | None = None) -> tuple[da
     return until - timedelta(days=days or DEFAULT_WINDOW_DAYS), until
 
 
-def _tier_path(prefix: str = "deployment__allocation__tier__") -> tuple[str, str]:
-    return f"{prefix}gpu_model_id", f"{prefix}profile_id"
-
-
 def shape_figures(since: datetime, until: datetime, currency: str = "USD", *,
-                  measure: bool = True) -> list[ShapeFigures]:
+                  measure: bool = True, sums: dict | None = None) -> list[ShapeFigures]:
     """Every MIG profile (``+me`` left out) and the whole GPU of every GPU model, with its figures
-    (``measure=False``: the catalog and the modelled figure only, no reads of usage or Triton rows)."""
+    (``measure=False``: the catalog and the modelled figure only, no reads of usage or Triton rows).
+    `sums`: planner_measures.shapes over the window, when the caller has read them already."""
     models = list(GpuModel.objects.prefetch_related("profiles").order_by("memory_gb", "key"))
     out: dict[tuple[int, int | None], ShapeFigures] = {}
     for m in models:
@@ -133,37 +134,22 @@ def shape_figures(since: datetime, until: datetime, currency: str = "USD", *,
     if not measure:
         return list(out.values())
 
-    g, p = _tier_path()
-    served = TritonServedHourly.objects.filter(deployment=OuterRef("deployment"), hour=OuterRef("hour"),
-                                               execution_ns__gt=0)
-    metered = UsageHourly.objects.filter(tenant=OuterRef("tenant"), deployment=OuterRef("deployment"),
-                                         hour=OuterRef("hour"))
-    tokens = (UsageHourly.objects.filter(hour__gte=since, hour__lt=until).filter(Exists(served))
-              .values(g, p).annotate(t=Sum(F("input_tokens") + F("output_tokens")), r=Sum("requests")).order_by())
-    busy = (TritonServedHourly.objects.filter(hour__gte=since, hour__lt=until, execution_ns__gt=0)
-            .filter(Exists(metered)).values(g, p).annotate(ns=Sum("execution_ns"), r=Sum("requests")).order_by())
-    for row in tokens:
-        if (row[g], row[p]) in out:
-            f = out[(row[g], row[p])]
-            f.measured_tokens, f.measured_requests = int(row["t"] or 0), int(row["r"] or 0)
-    for row in busy:
-        if (row[g], row[p]) in out:
-            f = out[(row[g], row[p])]
-            f.measured_seconds, f.served_requests = (row["ns"] or 0) / 1e9, int(row["r"] or 0)
+    # rolled-up hours from the planner rollup, the rest from the usage and Triton rows (planner_measures)
+    sums = measures.shapes(since, until) if sums is None else sums
+    for key, row in sums.items():
+        f = out.get(key)
+        if f is None:
+            continue
+        f.measured_tokens, f.measured_requests = row["tokens"], row["requests"]
+        f.measured_seconds, f.served_requests = row["execution_ns"] / 1e9, row["served_requests"]
+        if row["peak_tokens"]:  # the busiest slice-hour
+            f.peak_tps = row["peak_tokens"] / 3600
     for f in out.values():
         # tokens per request (metering) x requests per second of execution (Triton): each ratio comes
         # from one source, so the scrape's lag behind metering (up to a scrape interval) cancels out.
         if (f.measured_seconds >= MIN_MEASURED_SECONDS and f.measured_tokens > 0 and f.measured_requests > 0
                 and f.served_requests > 0):
             f.measured_tps = f.measured_tokens / f.measured_requests * f.served_requests / f.measured_seconds
-
-    # Busiest slice-hour per shape: tokens per (allocation, hour), then the maximum.
-    per_hour = (UsageHourly.objects.filter(hour__gte=since, hour__lt=until)
-                .values("deployment__allocation_id", "hour", g, p)
-                .annotate(t=Sum(F("input_tokens") + F("output_tokens"))).order_by())
-    for model_id, profile_id, t in max_per_group(per_hour, [g, p], "t"):
-        if (model_id, profile_id) in out and t:
-            out[(model_id, profile_id)].peak_tps = int(t) / 3600
 
     now = timezone.now()
     book = billing.PlanBook(currency)  # the rating's own plan lookup: the plan in force now
@@ -175,25 +161,23 @@ def shape_figures(since: datetime, until: datetime, currency: str = "USD", *,
     return list(out.values())
 
 
-def power_figures(since: datetime, until: datetime) -> dict[str, PowerFigures]:
+def power_figures(since: datetime, until: datetime, where: measures.Split | None = None) -> dict[str, PowerFigures]:
     """Per GPU model: watts at idle and at full activity, fitted to the samples or from the catalog."""
     out = {}
+    key_of = {}
     for m in GpuModel.objects.order_by("memory_gb", "key"):
         geo = all_geometries().get(m.key)
         idle = geo.sim.idle_watts if geo else 0.1 * m.tdp_watts
         out[m.key] = PowerFigures(m, float(idle), float(m.tdp_watts), "modelled")
+        key_of[m.pk] = m.key
+    where = where or measures.split(since, until)
     for res in (Resolution.FIVE_MIN, Resolution.RAW, Resolution.HOUR):
         if all(f.source == "measured" for f in out.values()):
             break  # a finer resolution fitted every model: the coarser ones (millions of rows) are not read
-        rows = (GpuSample.objects.filter(resolution=res, ts__gte=since, ts__lt=until)
-                .values("gpu__gpu_model__key")
-                .annotate(n=Count("id"), sx=Sum("activity"), sy=Sum("power_w"),
-                          sxx=Sum(F("activity") * F("activity"), output_field=FloatField()),
-                          sxy=Sum(F("activity") * F("power_w"), output_field=FloatField()))
-                .order_by())
-        for r in rows:
-            key = r["gpu__gpu_model__key"]
-            if key not in out or out[key].source == "measured" or r["n"] < MIN_POWER_SAMPLES:
+        for (_res, model_id), r in sorted(measures.power((res,), since, until, where).items(),
+                                          key=lambda kv: kv[0][1]):
+            key = key_of.get(model_id)
+            if key is None or out[key].source == "measured" or r["n"] < MIN_POWER_SAMPLES:
                 continue
             n, sx, sy, sxx, sxy = r["n"], r["sx"] or 0.0, r["sy"] or 0.0, r["sxx"] or 0.0, r["sxy"] or 0.0
             var = sxx / n - (sx / n) ** 2
@@ -204,18 +188,16 @@ def power_figures(since: datetime, until: datetime) -> dict[str, PowerFigures]:
             if slope < 0 or intercept < 0:
                 continue
             f = out[key]
-            f.idle_w, f.max_w, f.source, f.samples = intercept, intercept + slope, "measured", n
+            f.idle_w, f.max_w, f.source, f.samples = intercept, intercept + slope, "measured", int(n)
     return out
 
 
 def measured_demand(since: datetime, until: datetime, limit: int = 12) -> list[dict]:
     """One workload per tenant and model name (all its deployments together): the busiest hour in the
     window in tokens/s and the largest declared model memory, busiest first."""
-    per_hour = (UsageHourly.objects.filter(hour__gte=since, hour__lt=until)
-                .values("tenant__slug", "deployment__name", "hour")
-                .annotate(t=Sum(F("input_tokens") + F("output_tokens"))).order_by())
-    peak = {(slug, name): int(t or 0)
-            for slug, name, t in max_per_group(per_hour, ["tenant__slug", "deployment__name"], "t")}
+    by_id = measures.demand(since, until)
+    slugs = dict(Tenant.objects.filter(pk__in={k[0] for k in by_id}).values_list("pk", "slug"))
+    peak = {(slugs[t], name): v for (t, name), v in by_id.items() if t in slugs}
     top = sorted((k for k in peak if peak[k] > 0), key=lambda k: (-peak[k], k))[:limit]
     memory: dict[tuple[str, str], int] = defaultdict(int)
     tiers: dict[tuple[str, str], set[str]] = defaultdict(set)
@@ -230,11 +212,12 @@ def measured_demand(since: datetime, until: datetime, limit: int = 12) -> list[d
              "now_on": sorted(tiers[(slug, name)])} for slug, name in top]
 
 
-def token_mix(since: datetime, until: datetime) -> float:
-    """Share of input tokens among all tokens metered in the window (3/4 when nothing was metered)."""
-    agg = UsageHourly.objects.filter(hour__gte=since, hour__lt=until).aggregate(
-        i=Sum(Cast("input_tokens", FloatField())), o=Sum(Cast("output_tokens", FloatField())))
-    i, o = agg["i"] or 0.0, agg["o"] or 0.0
+def token_mix(since: datetime, until: datetime, sums: dict | None = None) -> float:
+    """Share of input tokens among all tokens metered in the window (3/4 when nothing was metered).
+    `sums`: planner_measures.shapes over the window, when the caller has read them already."""
+    sums = measures.shapes(since, until) if sums is None else sums
+    i = float(sum(r["input_tokens"] for r in sums.values()))
+    o = float(sum(r["output_tokens"] for r in sums.values()))
     return i / (i + o) if i + o > 0 else 0.75
 
 
@@ -332,13 +315,15 @@ def _validate(req: PlanRequest, shapes: dict[str, ShapeFigures], models: dict[st
 def build_plan(req: PlanRequest) -> PlanReport:
     """Measure, solve the optimum and the comparison scenarios, and price them at list prices."""
     since, until = window(req.window_days, req.until)
-    figures = shape_figures(since, until, req.currency)
+    where = measures.split(since, until)  # which hours the planner rollup holds
+    sums = measures.shapes(since, until, where)
+    figures = shape_figures(since, until, req.currency, sums=sums)
     by_key = {f.key: f for f in figures}
     models = {f.gpu_model.key: f.gpu_model for f in figures}
     _validate(req, by_key, models)
     for key, v in req.throughput.items():
         by_key[key].override_tps = float(v)
-    power = power_figures(since, until)
+    power = power_figures(since, until, where)
     kwh = float(price_per_kwh()) if req.price_per_kwh is None else float(req.price_per_kwh)
     gpus = tuple(planner.GpuCost(k, m.name, float(req.gpu_hour_cost.get(k, default_gpu_hour_cost(k))),
                                  power[k].idle_w, power[k].max_w, power[k].source) for k, m in models.items())
@@ -347,7 +332,7 @@ def build_plan(req: PlanRequest) -> PlanReport:
     inp = planner.PlanInput(workloads=workloads, shapes=tuple(f.shape() for f in figures), gpus=gpus,
                             price_per_kwh=kwh, target_utilization=req.target_utilization,
                             gpu_models=tuple(req.gpu_models) if req.gpu_models else None)
-    share = token_mix(since, until)
+    share = token_mix(since, until, sums)
     scenarios = [_priced(s, by_key, share) for s in planner.scenarios(inp)]
     return PlanReport(req, since, until, figures, power, share, scenarios, fleet_gpus())
 

@@ -9,11 +9,12 @@ tenants. The first size is built, measured, then grown to the next one (more nod
 same database) and measured again. Built: a few thousand active allocations (GpuInstance, GpuSlot,
 Allocation and their events, bulk-created consistently), invoices, drift events, deployments with 8 days of
 hourly usage and served rollups, the measured deployment's usage events, invitations, audit events and one
-telemetry sample per GPU. Then times each page with Django's test client, N requests each: the console as an
-operator, the portal as the owner of a mid-list tenant, the invitation page anonymously; it prints p50/p95
-and the query count per page and size, next to /healthz and a trivial authenticated page (the console's chart
-list). --pages keeps only the pages whose label contains one of the comma-separated substrings (the two
-baseline rows are always measured). Target: p95 < 150 ms at the full size, and the same query count at every size.
+telemetry sample per GPU; then the planner's hourly rollups, as the downsampling job keeps them. Then times
+each page with Django's test client, N requests each: the console as an operator, the portal as the owner of
+a mid-list tenant, the invitation page anonymously; it prints p50/p95 and the query count per page and size,
+next to /healthz and a trivial authenticated page (the console's chart list). --pages keeps only the pages whose
+label contains one of the comma-separated substrings (the two baseline rows are always measured). Target: p95
+< 150 ms at the full size, and the same query count at every size.
 
 Database: DATABASE_URL if set (PostgreSQL: a scratch database NAME_bench_pages is created next to it and
 dropped at the end), else a scratch SQLite file.
@@ -219,6 +220,14 @@ def build(n_nodes: int, n_tenants: int, first: dict | None = None) -> dict:
             "n_nodes": n_nodes, "n_tenants": n_tenants, "counts": counts}
 
 
+def roll_planner() -> int:
+    """What the downsampling job keeps up to date: the planner's hourly rollups. The first size's hours are
+    rolled; a larger size adds usage to those hours, which (as late usage) rolls them again."""
+    from marketplace.services import planner_rollup
+
+    return planner_rollup.roll(max_hours=24 * 31)["hours"]
+
+
 def timed(client, url: str, n: int) -> tuple[list[float], int, int]:
     from django.db import connection, reset_queries
     from django.test.utils import CaptureQueriesContext
@@ -329,13 +338,15 @@ def main() -> None:
     for n_nodes, n_tenants in sizes:
         t1 = time.perf_counter()
         data = build(n_nodes, n_tenants, data)
+        planner_hours = roll_planner()
         gc.collect()
         gc.freeze()
         clients = {"anon": Client(), "op": Client(), "owner": Client()}
         clients["op"].force_login(data["op"])
         clients["owner"].force_login(data["owner"])
         print(f"database {connection.vendor}; size {n_nodes}x{n_tenants} built in {time.perf_counter() - t1:.1f} s: "
-              + ", ".join(f"{v:,} {k}" for k, v in data["counts"].items()), flush=True)
+              + ", ".join(f"{v:,} {k}" for k, v in data["counts"].items())
+              + f" (planner rollup: {planner_hours} hours rolled)", flush=True)
         last = (n_nodes, n_tenants) == sizes[-1]
         for label, who, url in pages(data):
             if wanted and not label.startswith("baseline") and not any(w in label.lower() for w in wanted):
