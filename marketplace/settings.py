@@ -477,6 +477,7 @@ TESSERA_GATEWAY_TRY_TTL_S = 600  # the portal's "Try it" tokens
 TESSERA_USAGE_STREAM = env_str("TESSERA_USAGE_STREAM", "tessera:usage")  # Redis stream of served usage
 TESSERA_USAGE_SPOOL_DIR = env_path("TESSERA_USAGE_SPOOL_DIR", VAR_DIR / "usage-spool")  # without Redis
 TESSERA_METERING_TOLERANCE = env_float("TESSERA_METERING_TOLERANCE", 0.02)  # metered vs served
+TESSERA_PLANNER_LATE_DAYS = env_float("TESSERA_PLANNER_LATE_DAYS", 35.0)  # planner rollup: late usage re-rolled
 TESSERA_API_KEY_LAST_USED_RESOLUTION_S = 60  # write last_used_at at most once a minute per key
 TESSERA_INVITATION_TTL_DAYS = 7
 # The site's public address (https://portal.example.com) for links in e-mails; empty: the address the

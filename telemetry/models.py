@@ -266,6 +266,18 @@ class PlannerRollupHour(models.Model):
         return f"{self.hour:%Y-%m-%d %H} rolled {self.rolled_at:%Y-%m-%d %H:%M}"
 
 
+class PlannerRollupDay(models.Model):
+    """One UTC day whose PlannerDemandDaily rows are written from all 24 of its rolled-up hours. Rolling one of
+    its hours again deletes this marker in the hour's transaction, so a run stopped between its hours and its
+    days leaves the day unmarked (read from the usage rows) until a later run writes it again."""
+
+    day = models.DateTimeField(unique=True, help_text="start of the UTC day")
+    rolled_at = models.DateTimeField()
+
+    def __str__(self) -> str:
+        return f"{self.day:%Y-%m-%d} rolled {self.rolled_at:%Y-%m-%d %H:%M}"
+
+
 class PlannerShapeHourly(models.Model):
     """One hour's measuring sums for one shape (the tier's GPU model and MIG profile; no profile: a whole GPU),
     each additive over hours (the busiest slice-hour is a maximum): metered tokens and requests on the
@@ -316,8 +328,9 @@ class PlannerPowerHourly(models.Model):
 
 class PlannerDemandDaily(models.Model):
     """One UTC day's busiest hour of one tenant's model name (all its deployments of that name together), in
-    tokens, written once all 24 hours of the day are rolled up (PlannerRollupHour): the day's maximum of the
-    hourly sums, so a window's busiest hour is the maximum over its days and the hours around them."""
+    tokens, written once all 24 hours of the day are rolled up (PlannerRollupHour; the day's marker is
+    PlannerRollupDay): the day's maximum of the hourly sums, so a window's busiest hour is the maximum over its
+    days and the hours around them."""
 
     id = models.BigAutoField(primary_key=True)
     day = models.DateTimeField(help_text="start of the UTC day")

@@ -13,46 +13,29 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 
-from django.db.models import Count, Exists, F, FloatField, Max, Min, OuterRef, Q, Sum
+from django.db.models import Count, Exists, F, FloatField, Max, OuterRef, Q, Sum
 
 from telemetry.models import (
     GpuSample,
     PlannerDemandDaily,
     PlannerPowerHourly,
+    PlannerRollupDay,
     PlannerRollupHour,
     PlannerShapeHourly,
     TritonServedHourly,
     UsageHourly,
 )
+from telemetry.rollups import DAY, HOUR, ceil_day, ceil_hour, covered_run, floor_day, floor_hour
 from telemetry.sqlbuckets import max_per_group
 
-HOUR = timedelta(hours=1)
-DAY = timedelta(days=1)
 G, P = "deployment__allocation__tier__gpu_model_id", "deployment__allocation__tier__profile_id"
 SHAPE_SUMS = ("tokens", "requests", "execution_ns", "served_requests", "input_tokens", "output_tokens")
 POWER_SUMS = ("n", "sx", "sy", "sxx", "sxy")
 
 Ranges = list[tuple[datetime, datetime]]
 
-
-def floor_hour(t: datetime) -> datetime:
-    return t.replace(minute=0, second=0, microsecond=0)
-
-
-def ceil_hour(t: datetime) -> datetime:
-    f = floor_hour(t)
-    return f if f == t else f + HOUR
-
-
-def floor_day(t: datetime) -> datetime:
-    return t.replace(hour=0, minute=0, second=0, microsecond=0)
-
-
-def ceil_day(t: datetime) -> datetime:
-    f = floor_day(t)
-    return f if f == t else f + DAY
 
 
 def _within(field: str, ranges: Ranges) -> Q | None:
@@ -158,14 +141,8 @@ class Split:
 def split(since: datetime, until: datetime) -> Split:
     """The rolled-up hours of [since, until): the run of hours that start and end inside it and are all rolled
     up (one query). Gaps in the run (never made by the job) mean no rollup is read."""
-    lo, hi = ceil_hour(since), floor_hour(until)
-    if hi <= lo:
-        return Split(since, until)
-    got = PlannerRollupHour.objects.filter(hour__gte=lo, hour__lt=hi).aggregate(
-        n=Count("hour"), first=Min("hour"), last=Max("hour"))
-    if got["first"] is None or got["n"] != (got["last"] - got["first"]) // HOUR + 1:
-        return Split(since, until)
-    return Split(since, until, got["first"], got["last"] + HOUR)
+    run = covered_run(PlannerRollupHour.objects.all(), "hour", ceil_hour(since), floor_hour(until), HOUR)
+    return Split(since, until) if run is None else Split(since, until, *run)
 
 
 def shapes(since: datetime, until: datetime, where: Split | None = None) -> dict[tuple, dict[str, int]]:
@@ -202,13 +179,16 @@ def power(resolutions: tuple[str, ...], since: datetime, until: datetime,
 
 def demand(since: datetime, until: datetime, where: Split | None = None) -> dict[tuple[int, str], int]:
     """(tenant id, deployment name) -> tokens in its busiest usage hour of [since, until): the daily rollup for
-    the whole days among the rolled-up hours, the usage rows for the hours around them."""
+    the run of rolled-up days (PlannerRollupDay) among the rolled-up hours, the usage rows for the hours around
+    them."""
     where = where or split(since, until)
     if where.rolled_lo is None or where.rolled_hi is None:
         return direct_demand(where.direct)
-    d_lo, d_hi = ceil_day(where.rolled_lo), floor_day(where.rolled_hi)
-    if d_hi <= d_lo:
+    days = covered_run(PlannerRollupDay.objects.all(), "day", ceil_day(where.rolled_lo), floor_day(where.rolled_hi),
+                       DAY)
+    if days is None:
         return direct_demand([(since, until)])
+    d_lo, d_hi = days
     out = direct_demand([(since, d_lo), (d_hi, until)])
     for tenant, name, t in (PlannerDemandDaily.objects.filter(day__gte=d_lo, day__lt=d_hi)
                             .values("tenant_id", "name").annotate(t=Max("tokens")).order_by()

@@ -4,7 +4,10 @@ Each completed UTC hour is rolled up once it has ended (plus ``SETTLE``, so the 
 rollups of the hour exist and the Triton scrape has moved on to the next hour): PlannerShapeHourly (the
 per-shape sums), PlannerPowerHourly (least-squares sums per GPU model and sample resolution) and the marker
 PlannerRollupHour; once all 24 hours of a UTC day are rolled up, PlannerDemandDaily (each tenant model's
-busiest hour of the day). An hour is computed by the planner's own direct reads (selectors.planner_measures
+busiest hour of the day) and the day's marker PlannerRollupDay. Rolling an hour again deletes its day's marker in
+the same transaction, so a run stopped between its hours and its days (a time limit, a lost worker) leaves
+those days unmarked — read from the usage rows — and the next run writes every whole day without a marker.
+An hour is computed by the planner's own direct reads (selectors.planner_measures
 ``direct_*``) over that hour and replaced whole, so running the job again is harmless and a rolled hour holds
 what the direct reads give.
 
@@ -16,19 +19,23 @@ The rows an hour is computed from can change after it was rolled up, and the job
   ``updated_at``, and every hour of the last ``late_days()`` days (TESSERA_PLANNER_LATE_DAYS, default 35)
   holding a usage row updated after its roll (less ``SKEW``, for ingest transactions that committed after the
   roll read) is rolled again. Usage arriving later than that after its hour is not in the rollup;
-* **pruned samples**: retention deletes raw and 5-minute samples (downsample.prune); an hour up to
-  ``PRUNE_LOOKBACK`` behind a resolution's retention cutoff that still has rolled sums of that resolution is
-  rolled again, so that the rollup holds what remains, as the direct reads see it (once its samples are all
-  gone it has no such row and is left alone). The job runs this after pruning.
+* **pruned samples**: retention deletes raw and 5-minute samples (downsample.prune); an hour before a
+  resolution's retention cutoff that still has rolled sums of that resolution is rolled again, so that the
+  rollup holds what remains, as the direct reads see it (once its samples are all gone it has no such row and
+  is left alone, however long the job was stopped). The job runs this after pruning.
+
+At most ``max_hours`` hours are rolled per run, oldest first; the rest stay due (not rolled yet, or stale) for
+the next run.
 """
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Exists, Max, Min, OuterRef
+from django.db.models import Count, Exists, Max, Min, OuterRef
+from django.db.models.functions import TruncDay
 from django.utils import timezone
 
 from marketplace.selectors import planner_measures as measures
@@ -36,32 +43,31 @@ from telemetry.models import (
     GpuSample,
     PlannerDemandDaily,
     PlannerPowerHourly,
+    PlannerRollupDay,
     PlannerRollupHour,
     PlannerShapeHourly,
     Resolution,
     TritonServedHourly,
     UsageHourly,
 )
+from telemetry.rollups import DAY, HOUR, floor_day, floor_hour
 from telemetry.services.downsample import retention_days
 
-HOUR, DAY = measures.HOUR, measures.DAY
 SETTLE = timedelta(minutes=10)  # an hour is rolled this long after it ends
 RECENT = 3  # rolled hours rolled again on every run
 SKEW = timedelta(minutes=5)  # usage updated this long before a roll still counts as after it
-DEFAULT_LATE_DAYS = 35
-PRUNE_LOOKBACK = timedelta(days=1)  # hours this far behind a retention cutoff are checked for pruned samples
 RESOLUTIONS = (Resolution.RAW, Resolution.FIVE_MIN, Resolution.HOUR)
 
 
 def late_days() -> float:
-    return float(getattr(settings, "TESSERA_PLANNER_LATE_DAYS", DEFAULT_LATE_DAYS))
+    return settings.TESSERA_PLANNER_LATE_DAYS
 
 
 def _first_data_hour() -> datetime | None:
     firsts = [model.objects.aggregate(m=Min(field))["m"]
               for model, field in ((UsageHourly, "hour"), (TritonServedHourly, "hour"), (GpuSample, "ts"))]
     firsts = [f for f in firsts if f is not None]
-    return measures.floor_hour(min(firsts)) if firsts else None
+    return floor_hour(min(firsts)) if firsts else None
 
 
 def roll_hour(hour: datetime, now: datetime | None = None) -> None:
@@ -78,14 +84,16 @@ def roll_hour(hour: datetime, now: datetime | None = None) -> None:
         # the marker first: a second run rolling the same hour waits here for this one to commit, then replaces
         # its rows (sums must never be written twice)
         PlannerRollupHour.objects.update_or_create(hour=hour, defaults={"rolled_at": rolled_at})
+        PlannerRollupDay.objects.filter(day=floor_day(hour)).delete()  # its day is written again from its hours
         PlannerShapeHourly.objects.filter(hour=hour).delete()
         PlannerPowerHourly.objects.filter(hour=hour).delete()
         PlannerShapeHourly.objects.bulk_create(shape_rows)
         PlannerPowerHourly.objects.bulk_create(power_rows)
 
 
-def roll_day(day: datetime) -> bool:
-    """Write one UTC day's busiest hours when its 24 hours are all rolled up; False (and nothing) if not."""
+def roll_day(day: datetime, now: datetime | None = None) -> bool:
+    """Write one UTC day's busiest hours and its marker when its 24 hours are all rolled up; False (and
+    nothing) if not."""
     if PlannerRollupHour.objects.filter(hour__gte=day, hour__lt=day + DAY).count() != 24:
         return False
     peaks = measures.direct_demand([(day, day + DAY)])
@@ -93,7 +101,16 @@ def roll_day(day: datetime) -> bool:
     with transaction.atomic():
         PlannerDemandDaily.objects.filter(day=day).delete()
         PlannerDemandDaily.objects.bulk_create(rows, batch_size=2000)
+        PlannerRollupDay.objects.update_or_create(day=day, defaults={"rolled_at": now or timezone.now()})
     return True
+
+
+def unmarked_days() -> set[datetime]:
+    """UTC days whose 24 hours are rolled up but that have no day marker (an hour rolled again since, by a run
+    that stopped before writing its days)."""
+    whole = (PlannerRollupHour.objects.annotate(day=TruncDay("hour", tzinfo=UTC)).values("day")
+             .annotate(n=Count("hour")).filter(n=24).order_by().values_list("day", flat=True))
+    return set(whole) - set(PlannerRollupDay.objects.values_list("day", flat=True))
 
 
 def stale_hours(now: datetime) -> set[datetime]:
@@ -108,8 +125,8 @@ def stale_hours(now: datetime) -> set[datetime]:
         cutoff = now - timedelta(days=days[res])
         # hours rolled with samples that retention may have deleted since (the job prunes before it rolls: an
         # hour whose samples are all gone keeps no row of the resolution once rolled again)
-        out |= set(PlannerPowerHourly.objects.filter(resolution=res, hour__gte=cutoff - PRUNE_LOOKBACK,
-                                                     hour__lt=cutoff).values_list("hour", flat=True).distinct())
+        out |= set(PlannerPowerHourly.objects.filter(resolution=res, hour__lt=cutoff)
+                   .values_list("hour", flat=True).distinct())
     return out
 
 
@@ -118,7 +135,7 @@ def roll(now: datetime | None = None, max_hours: int = 168) -> dict[str, int]:
     first hour with data), the last RECENT rolled hours and the stale ones (see the module's docstring), then
     the days whose hours changed. Returns the hours and days written."""
     now = now or timezone.now()
-    last = measures.floor_hour(now - SETTLE) - HOUR  # the newest hour that has ended and settled
+    last = floor_hour(now - SETTLE) - HOUR  # the newest hour that has ended and settled
     mark = PlannerRollupHour.objects.aggregate(m=Max("hour"))["m"]
     first = mark + HOUR if mark else _first_data_hour()
     hours: set[datetime] = set()
@@ -130,10 +147,10 @@ def roll(now: datetime | None = None, max_hours: int = 168) -> dict[str, int]:
     if mark is not None:
         hours |= {mark - k * HOUR for k in range(RECENT)}
         hours |= stale_hours(now)
-    hours = {h for h in hours if h <= last}
-    for h in sorted(hours):
+    due = sorted(h for h in hours if h <= last)[:max_hours]  # oldest first; the rest stay due for the next run
+    for h in due:
         roll_hour(h, now)  # rolled_at: the run's start, before any of the hours' rows are read
-    days = {measures.floor_day(h) for h in hours}
-    written = sum(roll_day(d) for d in sorted(days))
-    return {"hours": len(hours), "days": written}
+    days = {floor_day(h) for h in due} | unmarked_days()
+    written = sum(roll_day(d, now) for d in sorted(days))
+    return {"hours": len(due), "days": written}
 

@@ -29,6 +29,7 @@ from django.utils import timezone
 
 from marketplace.models import Allocation, Gpu, GpuModel, Tier
 from telemetry.models import EnergyDaily, EnergyHourly, GpuSample, MigSample, Resolution, UsageHourly
+from telemetry.rollups import DAY, HOUR, ceil_day, ceil_hour, covered_run, floor_day, floor_hour
 
 J_PER_KWH = 3_600_000.0
 # Keyed by the stored resolution value (a Resolution is that str): rows read back give plain strs.
@@ -271,18 +272,8 @@ def apportion(start: datetime, end: datetime, gpus=None, coarsest: str = Resolut
     return apportion_spans([(start, end)], gpus, coarsest)[0]
 
 
-HOUR = timedelta(hours=1)
 #: ranges at least this long read the hourly energy rollup for their whole hours
 ROLLUP_FROM = timedelta(hours=6)
-
-
-def _floor_hour(t: datetime) -> datetime:
-    return t.replace(minute=0, second=0, microsecond=0)
-
-
-def _ceil_hour(t: datetime) -> datetime:
-    f = _floor_hour(t)
-    return f if f == t else f + HOUR
 
 
 def rollup_hours(now: datetime | None = None, max_hours: int = 72, grace: timedelta = timedelta(minutes=10)) -> int:
@@ -291,12 +282,12 @@ def rollup_hours(now: datetime | None = None, max_hours: int = 72, grace: timede
     An hour is apportioned from the samples as a short chart would (5-minute rollups, else raw, else
     hourly) and replaced whole, so running it again is harmless. Returns the hours written."""
     now = now or timezone.now()
-    last = _floor_hour(now - grace) - HOUR  # the newest hour that has ended (with grace for late samples)
+    last = floor_hour(now - grace) - HOUR  # the newest hour that has ended (with grace for late samples)
     mark = EnergyHourly.objects.aggregate(m=Max("hour"))["m"]
     first_sample = GpuSample.objects.aggregate(m=Min("ts"))["m"]
     if first_sample is None:
         return 0
-    h = mark + HOUR if mark else max(last - (max_hours - 1) * HOUR, _floor_hour(first_sample))
+    h = mark + HOUR if mark else max(last - (max_hours - 1) * HOUR, floor_hour(first_sample))
     done = 0
     while h <= last and done < max_hours:
         rep = apportion(h, h + HOUR, coarsest=Resolution.FIVE_MIN)
@@ -310,13 +301,6 @@ def rollup_hours(now: datetime | None = None, max_hours: int = 72, grace: timede
         h += HOUR
         done += 1
     return done
-
-
-DAY = timedelta(days=1)
-
-
-def _floor_day(t: datetime) -> datetime:
-    return t.replace(hour=0, minute=0, second=0, microsecond=0)
 
 
 #: the row of a rollup (hourly or daily) that marks its hour or day as rolled up
@@ -367,26 +351,16 @@ def _add_rolled(report: EnergyReport, rolled: QuerySet) -> None:
             report.tenant_kwh[tenant] += kwh or 0.0
 
 
-def _covered_run(rows: QuerySet, field: str, lo: datetime, hi: datetime, step: timedelta
-                 ) -> tuple[datetime, datetime] | None:
-    """The span [first, last + step) of rollup markers in [lo, hi) when they have no gap; else None."""
-    got = rows.filter(**{f"{field}__gte": lo, f"{field}__lt": hi}).aggregate(
-        n=Count(field, distinct=True), first=Min(field), last=Max(field))
-    if got["first"] is None or got["n"] != (got["last"] - got["first"]) / step + 1:
-        return None
-    return got["first"], got["last"] + step
-
-
 def apportion_range(start: datetime, end: datetime, coarsest: str = Resolution.RAW) -> EnergyReport:
     """`apportion` for a chart: a long range sums the energy rollups for its whole hours that are rolled up
     (from its first whole hour on, without a gap): the daily rollup for its whole days that have one, the
     hourly rollup for the other hours; only the rest (the partial hour at its start, the hours since the
     last rollup) is apportioned from the samples. A short one, or one whose start the hourly rollup does
     not cover, reads the samples throughout."""
-    lo, hi = _ceil_hour(start), _floor_hour(end)
+    lo, hi = ceil_hour(start), floor_hour(end)
     if hi - lo < ROLLUP_FROM:
         return apportion(start, end, coarsest=coarsest)
-    hourly = _covered_run(EnergyHourly.objects.filter(MARKER), "hour", lo, hi, HOUR)
+    hourly = covered_run(EnergyHourly.objects.filter(MARKER), "hour", lo, hi, HOUR)
     if hourly is None or hourly[0] != lo:
         return apportion(start, end, coarsest=coarsest)
     hi = hourly[1]  # rolled up to here; the samples cover the rest
@@ -396,9 +370,9 @@ def apportion_range(start: datetime, end: datetime, coarsest: str = Resolution.R
                             coarsest=Resolution.FIVE_MIN)
     for gpu_id in (Gpu.objects.values_list("pk", flat=True) if not edges else edges[0].gpu_kwh):
         report.gpu_kwh[gpu_id] = 0.0
-    d_lo = _floor_day(lo) if _floor_day(lo) == lo else _floor_day(lo) + DAY
-    daily = (_covered_run(EnergyDaily.objects.filter(MARKER), "day", d_lo, _floor_day(hi), DAY)
-             if _floor_day(hi) - d_lo >= DAY else None)
+    d_lo = ceil_day(lo)
+    daily = (covered_run(EnergyDaily.objects.filter(MARKER), "day", d_lo, floor_day(hi), DAY)
+             if floor_day(hi) - d_lo >= DAY else None)
     if daily is None:
         _add_rolled(report, EnergyHourly.objects.filter(hour__gte=lo, hour__lt=hi))
     else:

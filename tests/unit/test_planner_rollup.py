@@ -20,6 +20,7 @@ from marketplace.services import planner_rollup
 from telemetry.models import (
     GpuSample,
     PlannerDemandDaily,
+    PlannerRollupDay,
     PlannerRollupHour,
     Resolution,
     TritonServedHourly,
@@ -221,3 +222,60 @@ def test_the_downsampling_job_rolls_the_planner_up(history, monkeypatch):
     assert out["planner"]["hours"] == HOURS
     assert PlannerRollupHour.objects.count() == HOURS
     assert downsample_telemetry()["planner"]["hours"] >= planner_rollup.RECENT  # again: recent (and stale) hours
+
+
+def test_a_run_stopped_between_its_hours_and_its_days_leaves_no_stale_day(history, monkeypatch, settings):
+    settings.TESSERA_TELEMETRY_RETENTION_DAYS = {"raw": 10, "5m": 30, "1h": 365}  # no hour re-rolled for pruning
+    now = history["now"]
+    planner_rollup.roll(now, max_hours=1000)
+    old_hour = measures.floor_day(history["top"] - 30 * HOUR) + 5 * HOUR  # inside a whole rolled UTC day
+    day = measures.floor_day(old_hour)
+    assert PlannerRollupDay.objects.filter(day=day).exists()
+    dep = history["deps"][2]
+    window = (now - timedelta(days=2, minutes=5), now)
+    later = now + timedelta(minutes=30)
+    ingest.store_rows(dep.tenant_id, [("late-x", dep.pk, old_hour + timedelta(minutes=3), 9_000_000, 1, 1)],
+                      now=later)
+    want = _direct(monkeypatch, *window)["demand"]
+
+    def killed(d, now=None):
+        raise RuntimeError("time limit")
+
+    with monkeypatch.context() as m:
+        m.setattr(planner_rollup, "roll_day", killed)
+        with pytest.raises(RuntimeError):
+            planner_rollup.roll(later + timedelta(minutes=10))  # the hours committed, the days not
+    # the re-rolled hour took its day's marker with it: the day is read from the usage rows meanwhile
+    assert not PlannerRollupDay.objects.filter(day=day).exists()
+    assert cp.measured_demand(*window) == want
+    assert day in planner_rollup.unmarked_days()
+    planner_rollup.roll(later + timedelta(minutes=20))  # the old hour is no longer stale; its day is unmarked
+    assert PlannerRollupDay.objects.filter(day=day).exists() and not planner_rollup.unmarked_days()
+    assert measures.split(*window).rolled
+    assert cp.measured_demand(*window) == want
+
+
+def test_samples_pruned_after_a_long_outage_of_the_job_are_rolled_again(history, monkeypatch, settings):
+    now = history["now"]
+    planner_rollup.roll(now, max_hours=1000)
+    settings.TESSERA_TELEMETRY_RETENTION_DAYS = {"raw": 1}
+    back = now + timedelta(hours=36)  # the job was down a day and a half: the prune deletes far behind its cutoff
+    GpuSample.objects.filter(resolution=Resolution.RAW, ts__lt=back - timedelta(days=1)).delete()
+    planner_rollup.roll(back)
+    window = (now - timedelta(days=2), now)
+    with monkeypatch.context() as m:
+        m.setattr(measures, "split", lambda s, u: measures.Split(s, u))
+        want = measures.power((Resolution.RAW,), *window)
+    got = measures.power((Resolution.RAW,), *window)
+    assert sum(v["n"] for v in got.values()) == sum(v["n"] for v in want.values()) == 0
+    assert not planner_rollup.stale_hours(back)  # rolled again once, then left alone
+
+
+def test_a_run_rolls_at_most_max_hours_oldest_first(history):
+    now = history["now"]
+    first = planner_rollup.roll(now, max_hours=10)
+    assert first["hours"] == 10
+    hours = sorted(PlannerRollupHour.objects.values_list("hour", flat=True))
+    assert hours == [hours[0] + k * HOUR for k in range(10)]  # no gap: the next run goes on from the last
+    planner_rollup.roll(now, max_hours=1000)
+    assert PlannerRollupHour.objects.count() == HOURS
