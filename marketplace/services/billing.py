@@ -440,15 +440,16 @@ def _month_books(tenants: list[Tenant], period_start: date) -> tuple[dict[int, s
 
 
 def rate_months_many(tenants: list[Tenant], period_start: date, now: datetime,
-                     pieces: Pieces | None = None, *, tokens: Q | None = None
+                     pieces: Pieces | None = None, *, tokens: Q | None = None,
+                     month_books: tuple[dict[int, str], dict[str, PlanBook]] | None = None
                      ) -> dict[int, tuple[list[Draft], str]]:
     """The month's own lines (no adjustments, credits or corrections: what the charts count) of many
     tenants, each rated by `rate_month` exactly as its invoice is, in its invoice's currency, with a
     fixed number of queries: one per currency in use for the usage, plus a handful. tokens: only the
-    usage rows it matches are rated (default: all)."""
+    usage rows it matches are rated (default: all). month_books: `_month_books` of the month, when already read."""
     start, end = bounds(period_start)
     ids = [t.pk for t in tenants]
-    currency, books = _month_books(tenants, period_start)
+    currency, books = month_books or _month_books(tenants, period_start)
     allocs: dict[int, list[Held]] = defaultdict(list)
     for tenant_id, h in _held(_active_allocations(start, end, now).filter(tenant_id__in=ids)):
         allocs[tenant_id].append(h)
@@ -605,6 +606,87 @@ def spread_lines_many(tenants: list[Tenant], start: datetime, end: datetime, now
                     d = lines[key] = Draft(kind, tiers[g["tier_id"]], plan, "", "1M tokens")
                     out[g["tenant_id"]].append((d, cur))
                 d.add(Decimal(tokens) / MILLION, *_piece_span(g["piece"], step, lo, hi))
+    return out
+
+
+#: what part of a tier's money a spread amount is (`spread_amounts`)
+TOKENS, SLICES, COMMITMENT = "tokens", "slices", "commitment"
+PART_OF = {L.SLICE_HOURS: SLICES, L.COMMITMENT_TOPUP: COMMITMENT}
+
+
+@dataclass
+class Spread:
+    """What `spread_amounts` returns. money: (tenant id, currency, tier id, part, bucket start or None) ->
+    amount (unrounded), part one of TOKENS, SLICES, COMMITMENT. used: (tenant id, currency, tier id, bucket
+    start or None) -> [tokens, requests] of the hourly rollups whose hour is in [start, end), in the currency
+    the tenant is billed in for that month. currency: tenant id -> the currency of its first month in the range."""
+
+    money: dict[tuple, Decimal] = field(default_factory=lambda: defaultdict(Decimal))
+    used: dict[tuple, list[int]] = field(default_factory=lambda: defaultdict(lambda: [0, 0]))
+    currency: dict[int, str] = field(default_factory=dict)
+
+
+def spread_amounts(tenants: list[Tenant], start: datetime, end: datetime, now: datetime | None = None,
+                   step: int | None = None) -> Spread:
+    """The charts' money: `amount_between` [start, end) (step None) or `amount_by_bucket` (UTC buckets of `step`
+    seconds, a multiple of an hour) of the lines of `spread_lines_many`, summed per tenant, currency, tier and
+    part, without building a line per token group. Token money is priced straight from the database's sums per
+    tenant, tier, plan in force and piece (tokens x the plan's prices, an edge hour in proportion to its time in
+    [start, end)): the same products `Draft.amount` and `amount_between` compute, in another order. Slice-hours
+    and commitment top-ups are the month rating's own lines (`rate_months_many`). Proven equal to the invoices'
+    lines by tests/unit/test_one_rating.py. A fixed number of queries per month and currency."""
+    now = now or timezone.now()
+    lo, hi = _whole_hours(start, end)
+    hour = timedelta(hours=1)
+    out = Spread()
+    if not tenants:
+        return out
+    ids = [t.pk for t in tenants]
+    reserved = Q(**{PLAN_KIND: PricePlan.Kind.RESERVED})
+    piece_step = step or 10**9
+    bucket_td = timedelta(seconds=step) if step else None
+    for m in _months(start, min(end, now)):
+        m_start, m_end = bounds(m)
+        currency_of, books = _month_books(tenants, m)
+        for t in ids:
+            out.currency.setdefault(t, currency_of[t])
+        month = rate_months_many(tenants, m, min(now, m_end), tokens=reserved,
+                                 month_books=(currency_of, books))
+        for tid, (drafts, cur) in month.items():
+            for d in drafts:
+                part = PART_OF.get(d.kind)
+                if part is None:  # token lines (spread below), adjustments, credits, corrections
+                    continue
+                if bucket_td is None:
+                    out.money[(tid, cur, d.tier.pk, part, None)] += amount_between(d, start, end)
+                else:
+                    for b, x in amount_by_bucket(d, start, end, bucket_td).items():
+                        out.money[(tid, cur, d.tier.pk, part, b)] += x
+        for cur, book in books.items():
+            rows = UsageHourly.objects.filter(tenant_id__in=[t for t in ids if currency_of[t] == cur],
+                                              hour__gte=max(m_start, lo - hour), hour__lt=min(m_end, hi + hour))
+            qs = (rows.annotate(plan_id=book.case(TIER, PLAN_KIND, "hour"), piece=_piece((piece_step, lo, hi)))
+                  .values_list("tenant_id", TIER, "plan_id", "piece")
+                  .annotate(i=Sum("input_tokens"), o=Sum("output_tokens"), r=Sum("requests")).order_by())
+            for tid, tier_id, plan_id, piece, ins, outs, reqs in qs:
+                a, b = _piece_span(piece, piece_step, lo, hi)
+                bucket = None if bucket_td is None else _bucket_start(a, step)
+                if start <= a < end:  # the hour (or bucket) is inside the range: its tokens are the range's
+                    used = out.used[(tid, cur, tier_id, bucket)]
+                    used[0] += ins + outs
+                    used[1] += reqs
+                plan = book.plan(plan_id)
+                if plan is None:  # no price in force: the invoice alerts; a chart has nothing to add
+                    continue
+                amount = (ins * plan.price_per_1m_input_tokens + outs * plan.price_per_1m_output_tokens) / MILLION
+                if piece < 0:  # an edge hour: the part of it inside [start, end)
+                    ov = min(b, end) - max(a, start)
+                    if ov <= timedelta(0):
+                        continue
+                    amount = amount * seconds(ov) / 3600
+                    if bucket_td is not None:
+                        bucket = _bucket_start(max(a, start), step)
+                out.money[(tid, cur, tier_id, TOKENS, bucket)] += amount
     return out
 
 
