@@ -430,9 +430,9 @@ def tenant_usage(per: Period, principal: Principal, params: dict | None = None):
     for (tid, _cur, _tier, _part, b), part in spread.money.items():
         if part:
             spend[tid][b] += part
-    for (tid, _cur, _tier, b), (tokens, _requests) in spread.used.items():
-        if tokens:
-            tok[tid][b] += tokens
+    for (tid, _cur, _tier, b), (n, _requests) in spread.used.items():
+        if n:
+            tok[tid][b] += n
     if wanted:
         slug = {tid: s for tid, s in slug.items() if currency.get(tid, own_currency[tid]) == wanted}
     currencies = sorted({currency.get(tid) or "" for tid in slug} - {""})

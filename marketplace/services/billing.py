@@ -611,7 +611,7 @@ def spread_lines_many(tenants: list[Tenant], start: datetime, end: datetime, now
 
 #: what part of a tier's money a spread amount is (`spread_amounts`)
 TOKENS, SLICES, COMMITMENT = "tokens", "slices", "commitment"
-PART_OF = {L.SLICE_HOURS: SLICES, L.COMMITMENT_TOPUP: COMMITMENT}
+PART_OF: dict[str, str] = {L.SLICE_HOURS: SLICES, L.COMMITMENT_TOPUP: COMMITMENT}
 
 
 @dataclass

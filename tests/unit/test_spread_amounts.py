@@ -72,7 +72,7 @@ def test_spread_amounts_equal_the_invoices_lines(fleet, plans, usage, spans, sta
                 defaults={"price_per_slice_hour": hour, "price_per_1m_input_tokens": ins,
                           "price_per_1m_output_tokens": outs,
                           "monthly_commit": D(commit) if kind == "reserved" else None})
-        for (t, a, _), (on, held, failed) in zip(tenants, spans, strict=True):
+        for (_t, a, _), (on, held, failed) in zip(tenants, spans, strict=True):
             a.activated_at = T0 + timedelta(minutes=on)
             stop = None if held is None else a.activated_at + timedelta(minutes=held, seconds=seconds_off)
             a.state, a.released_at = ("failed", None) if failed and stop else ("active", stop)
@@ -83,7 +83,8 @@ def test_spread_amounts_equal_the_invoices_lines(fleet, plans, usage, spans, sta
         b = a + timedelta(minutes=length)
         first = a.replace(minute=0, second=0) - timedelta(hours=1)
         last = b.replace(minute=0, second=0)
-        edges = [(who, 0, h, "", 1_234_567, 89_123) for who in range(3) for h in (1, (last - first) // timedelta(hours=1))]
+        edges = [(who, 0, h, "", 1_234_567, 89_123) for who in range(3)
+                 for h in (1, (last - first) // timedelta(hours=1))]
         for who, dep, h, adapter, ins, outs in edges + usage:  # always the range's edge hours, and random ones
             t, _, deps = tenants[who]
             row, _ = UsageHourly.objects.get_or_create(tenant=t, deployment=deps[dep], adapter=adapter,
