@@ -107,25 +107,31 @@ def seed_samples() -> None:
 #: invoice line: a month-wide computation over the union of held spans that no range of a chart contains); the
 #: bench fleet has no reserved orders, so they are 0 in both and the check below holds.
 MONEY_CTES = """
-    WITH plans AS (
+    WITH plans AS MATERIALIZED (
         SELECT p.*, lead(p.effective_from) OVER (PARTITION BY p.tier_id, p.kind, p.currency
                                                 ORDER BY p.effective_from) AS effective_to
         FROM marketplace_priceplan p),
+    months AS MATERIALIZED (  -- (an integer series of constant length: the planner knows how many rows)
+        SELECT m AT TIME ZONE 'UTC' AS ms, (m + interval '1 month') AT TIME ZONE 'UTC' AS me
+        FROM generate_series(0, %(months)s) k,
+             LATERAL (SELECT date_trunc('month', %(start)s AT TIME ZONE 'UTC') + k * interval '1 month' AS m) x),
+    billed AS MATERIALIZED (
+        SELECT t.id AS tenant_id, mo.ms, mo.me, coalesce(i.currency, t.currency) AS currency
+        FROM tenants_tenant t CROSS JOIN months mo
+        LEFT JOIN marketplace_invoice i ON i.tenant_id = t.id AND i.period_start = (mo.ms AT TIME ZONE 'UTC')::date),
+    dep AS MATERIALIZED (
+        SELECT d.id, a.tier_id, o.plan_kind FROM marketplace_modeldeployment d
+        JOIN marketplace_allocation a ON a.id = d.allocation_id JOIN marketplace_order o ON o.id = a.order_id),
     tok AS (
-        SELECT u.tenant_id, a.tier_id, u.hour, u.input_tokens + u.output_tokens AS tokens, u.requests,
-               coalesce(i.currency, t.currency) AS currency,
+        SELECT u.tenant_id, dep.tier_id, u.hour, u.input_tokens + u.output_tokens AS tokens, u.requests,
+               b.currency, u.hour >= %(start)s AS inside,
+               date_trunc(%(bucket)s, greatest(u.hour, %(start)s) AT TIME ZONE 'UTC') AS b,
                (u.input_tokens * p.price_per_1m_input_tokens + u.output_tokens * p.price_per_1m_output_tokens)
                / 1000000 * extract(epoch FROM least(u.hour + interval '1 hour', %(end)s)
                                               - greatest(u.hour, %(start)s)) / 3600 AS amount
-        FROM telemetry_usagehourly u
-        JOIN marketplace_modeldeployment d ON d.id = u.deployment_id
-        JOIN marketplace_allocation a ON a.id = d.allocation_id
-        JOIN marketplace_order o ON o.id = a.order_id
-        JOIN tenants_tenant t ON t.id = u.tenant_id
-        LEFT JOIN marketplace_invoice i ON i.tenant_id = u.tenant_id
-             AND i.period_start = date_trunc('month', u.hour AT TIME ZONE 'UTC')::date
-        LEFT JOIN plans p ON p.tier_id = a.tier_id AND p.kind = o.plan_kind
-             AND p.currency = coalesce(i.currency, t.currency)
+        FROM telemetry_usagehourly u JOIN dep ON dep.id = u.deployment_id
+        JOIN billed b ON b.tenant_id = u.tenant_id AND u.hour >= b.ms AND u.hour < b.me
+        LEFT JOIN plans p ON p.tier_id = dep.tier_id AND p.kind = dep.plan_kind AND p.currency = b.currency
              AND u.hour >= p.effective_from AND (p.effective_to IS NULL OR u.hour < p.effective_to)
         WHERE u.hour > %(start)s - interval '1 hour' AND u.hour < %(end)s),
     held AS (
@@ -134,28 +140,20 @@ MONEY_CTES = """
                      %(end)s) AS hi
         FROM marketplace_allocation a JOIN marketplace_order o ON o.id = a.order_id
         WHERE a.activated_at IS NOT NULL AND a.activated_at < %(end)s),
-    months AS (
-        SELECT m AT TIME ZONE 'UTC' AS ms, (m + interval '1 month') AT TIME ZONE 'UTC' AS me
-        FROM generate_series(date_trunc('month', %(start)s AT TIME ZONE 'UTC'), %(end)s AT TIME ZONE 'UTC',
-                             interval '1 month') m),
     slices AS (
-        SELECT h.tenant_id, h.tier_id, coalesce(i.currency, t.currency) AS currency, p.price_per_slice_hour AS price,
-               greatest(h.lo, mo.ms, p.effective_from) AS lo,
-               least(h.hi, mo.me, coalesce(p.effective_to, 'infinity')) AS hi
-        FROM held h JOIN months mo ON h.lo < mo.me AND h.hi > mo.ms
-        JOIN tenants_tenant t ON t.id = h.tenant_id
-        LEFT JOIN marketplace_invoice i ON i.tenant_id = h.tenant_id
-             AND i.period_start = (mo.ms AT TIME ZONE 'UTC')::date
-        JOIN plans p ON p.tier_id = h.tier_id AND p.kind = h.plan_kind
-             AND p.currency = coalesce(i.currency, t.currency) AND p.effective_from < least(h.hi, mo.me)
-             AND (p.effective_to IS NULL OR p.effective_to > greatest(h.lo, mo.ms))
+        SELECT h.tenant_id, h.tier_id, b.currency, p.price_per_slice_hour AS price,
+               greatest(h.lo, b.ms, p.effective_from) AS lo,
+               least(h.hi, b.me, coalesce(p.effective_to, 'infinity')) AS hi
+        FROM held h JOIN billed b ON b.tenant_id = h.tenant_id AND h.lo < b.me AND h.hi > b.ms
+        JOIN plans p ON p.tier_id = h.tier_id AND p.kind = h.plan_kind AND p.currency = b.currency
+             AND p.effective_from < least(h.hi, b.me)
+             AND (p.effective_to IS NULL OR p.effective_to > greatest(h.lo, b.ms))
         WHERE h.lo < h.hi)"""
-
 
 PER_TIER = """,
     per_tier AS (
-        SELECT tier_id, sum(requests) FILTER (WHERE hour >= %(start)s) AS requests,
-               sum(tokens) FILTER (WHERE hour >= %(start)s) AS tokens, coalesce(sum(amount), 0) AS amount
+        SELECT tier_id, sum(requests) FILTER (WHERE inside) AS requests,
+               sum(tokens) FILTER (WHERE inside) AS tokens, coalesce(sum(amount), 0) AS amount
         FROM tok WHERE currency = 'USD' GROUP BY 1
         UNION ALL
         SELECT tier_id, 0, 0, sum(extract(epoch FROM hi - lo) / 3600 * price) FROM slices
@@ -169,16 +167,16 @@ HAND_MONEY = {
     "tenant-usage": MONEY_CTES + """,
     buckets AS (
         SELECT b AT TIME ZONE 'UTC' AS bs, (b + %(bstep)s::interval) AT TIME ZONE 'UTC' AS be
-        FROM generate_series(date_trunc(%(bucket)s, %(start)s AT TIME ZONE 'UTC'), %(end)s AT TIME ZONE 'UTC',
-                             %(bstep)s::interval) b),
+        FROM generate_series(0, %(buckets)s) k,
+             LATERAL (SELECT date_trunc(%(bucket)s, %(start)s AT TIME ZONE 'UTC') + k * %(bstep)s::interval AS b) x),
     parts AS (
-        SELECT tenant_id, date_trunc(%(bucket)s, greatest(hour, %(start)s) AT TIME ZONE 'UTC') AS b,
-               sum(tokens) FILTER (WHERE hour >= %(start)s) AS tokens, coalesce(sum(amount), 0) AS amount
+        SELECT tenant_id, b, sum(tokens) FILTER (WHERE inside) AS tokens, coalesce(sum(amount), 0) AS amount
         FROM tok GROUP BY 1, 2
         UNION ALL
         SELECT s.tenant_id, bu.bs AT TIME ZONE 'UTC', 0,
                sum(extract(epoch FROM least(s.hi, bu.be) - greatest(s.lo, bu.bs)) / 3600 * s.price)
-        FROM slices s JOIN buckets bu ON s.lo < bu.be AND s.hi > bu.bs GROUP BY 1, 2)
+        FROM (SELECT tenant_id, lo, hi, sum(price) AS price FROM slices GROUP BY 1, 2, 3) s  -- same span: one row
+        JOIN buckets bu ON s.lo < bu.be AND s.hi > bu.bs GROUP BY 1, 2)
     SELECT tenant_id, b, sum(tokens), sum(amount) FROM parts GROUP BY 1, 2""",
     # per GPU model: GPUs, tokens and USD money of its tiers, and its average activity (hourly rollups, and the
     # raw minutes after the last one, a rollup weighing as many samples as it averages)
@@ -428,7 +426,9 @@ def main() -> None:
             reads.append((f"chart {name} {label}", f"/api/v1/charts/{name}/?hours={hours}", name,
                           {"start": start, "end": end, "res": res, "step": step, "hstep": hstep,
                            "bucket": "hour" if hours <= 48 else "day",
-                           "bstep": "1 hour" if hours <= 48 else "1 day"}, hours <= 24))
+                           "bstep": "1 hour" if hours <= 48 else "1 day",
+                           "buckets": hours if hours <= 48 else hours // 24,
+                           "months": (end.year - start.year) * 12 + end.month - start.month}, hours <= 24))
     month_start = datetime(month.year, month.month, 1, tzinfo=UTC)
     common = {"month": month, "invoice": invoice.pk, "month_start": month_start, "end": now}
     reads += [("spend list", "/api/v1/billing/spend/", "spend", common, True),
