@@ -668,25 +668,25 @@ def spread_amounts(tenants: list[Tenant], start: datetime, end: datetime, now: d
             qs = (rows.annotate(plan_id=book.case(TIER, PLAN_KIND, "hour"), piece=_piece((piece_step, lo, hi)))
                   .values_list("tenant_id", TIER, "plan_id", "piece")
                   .annotate(i=Sum("input_tokens"), o=Sum("output_tokens"), r=Sum("requests")).order_by())
+            prices = {pk: (p.price_per_1m_input_tokens, p.price_per_1m_output_tokens) for pk, p in book.by_pk.items()}
+            acc, used = out.money, out.used
             for tid, tier_id, plan_id, piece, ins, outs, reqs in qs:
                 a, b = _piece_span(piece, piece_step, lo, hi)
-                bucket = None if bucket_td is None else _bucket_start(a, step)
+                bucket = None if bucket_td is None else _bucket_start(a, piece_step)
                 if start <= a < end:  # the hour (or bucket) is inside the range: its tokens are the range's
-                    used = out.used[(tid, cur, tier_id, bucket)]
-                    used[0] += ins + outs
-                    used[1] += reqs
-                plan = book.plan(plan_id)
-                if plan is None:  # no price in force: the invoice alerts; a chart has nothing to add
+                    u = used[(tid, cur, tier_id, bucket)]
+                    u[0] += ins + outs
+                    u[1] += reqs
+                price = prices.get(plan_id)
+                if price is None:  # no price in force: the invoice alerts; a chart has nothing to add
                     continue
-                amount = (ins * plan.price_per_1m_input_tokens + outs * plan.price_per_1m_output_tokens) / MILLION
+                amount = (ins * price[0] + outs * price[1]) / MILLION
                 if piece < 0:  # an edge hour: the part of it inside [start, end)
                     ov = min(b, end) - max(a, start)
                     if ov <= timedelta(0):
                         continue
                     amount = amount * seconds(ov) / 3600
-                    if bucket_td is not None:
-                        bucket = _bucket_start(max(a, start), step)
-                out.money[(tid, cur, tier_id, TOKENS, bucket)] += amount
+                acc[(tid, cur, tier_id, TOKENS, bucket)] += amount
     return out
 
 
