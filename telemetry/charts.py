@@ -425,7 +425,8 @@ def tenant_usage(per: Period, principal: Principal, params: dict | None = None):
     step = timedelta(days=1) if bucket == "day" else timedelta(hours=1)
     wanted = (params.get("currency") or "").upper() or None  # given: only the tenants billed in it
     # the invoices' own rating, in each invoice's currency, cut at the buckets (tokens: the rollups' hours)
-    spread = spread_amounts(_tenants_used(per, slug), per.start, per.end, step=int(step.total_seconds()))
+    spread = spread_amounts(_tenants_used(per, slug), per.start, per.end, step=int(step.total_seconds()),
+                            by_tier=False)
     currency: dict[int, str] = spread.currency
     for (tid, _cur, _tier, _part, b), part in spread.money.items():
         if part:

@@ -627,14 +627,23 @@ class Spread:
 
 
 def spread_amounts(tenants: list[Tenant], start: datetime, end: datetime, now: datetime | None = None,
-                   step: int | None = None) -> Spread:
-    """The charts' money: `amount_between` [start, end) (step None) or `amount_by_bucket` (UTC buckets of `step`
-    seconds, a multiple of an hour) of the lines of `spread_lines_many`, summed per tenant, currency, tier and
-    part, without building a line per token group. Token money is priced straight from the database's sums per
-    tenant, tier, plan in force and piece (tokens x the plan's prices, an edge hour in proportion to its time in
-    [start, end)): the same products `Draft.amount` and `amount_between` compute, in another order. Slice-hours
-    and commitment top-ups are the month rating's own lines (`rate_months_many`). Proven equal to the invoices'
-    lines by tests/unit/test_one_rating.py. A fixed number of queries per month and currency."""
+                   step: int | None = None, *, by_tier: bool = True) -> Spread:
+    """The charts' money, a second implementation of the linear part of the rating (`rate_month`), proven
+    equal to the invoices' own lines by tests/unit/test_spread_amounts.py (property test) and
+    test_one_rating.py: `amount_between` [start, end) (step None) or `amount_by_bucket` (UTC buckets of `step`
+    seconds, a multiple of an hour) of the month's own lines (`rated_lines_many`), summed per tenant, currency,
+    tier (None unless by_tier) and part, without building a line per deployment or token group.
+
+    * tokens: priced straight from the database's sums per tenant, tier, plan in force and piece (tokens x the
+      plan's prices, an edge hour in proportion to its time in [start, end));
+    * slice-hours of tenants that hold no reserved capacity in the month: each allocation's active time (as
+      `rate_month` clips it) split at the price changes (`PlanBook.spans`), swept per tenant as one price per
+      hour that changes at span ends;
+    * tenants holding reserved capacity: their slice-hours and commitment top-ups are the month rating's own
+      lines (`rate_months_many`: a top-up depends on the whole month's rounded lines).
+
+    The same products `Draft.amount` and `amount_between` compute, in another order. A fixed number of queries
+    per month and currency."""
     now = now or timezone.now()
     lo, hi = _whole_hours(start, end)
     hour = timedelta(hours=1)
@@ -647,21 +656,57 @@ def spread_amounts(tenants: list[Tenant], start: datetime, end: datetime, now: d
     bucket_td = timedelta(seconds=step) if step else None
     for m in _months(start, min(end, now)):
         m_start, m_end = bounds(m)
+        m_now = min(now, m_end)
         currency_of, books = _month_books(tenants, m)
         for t in ids:
             out.currency.setdefault(t, currency_of[t])
-        month = rate_months_many(tenants, m, min(now, m_end), tokens=reserved,
-                                 month_books=(currency_of, books))
-        for tid, (drafts, cur) in month.items():
-            for d in drafts:
-                part = PART_OF.get(d.kind)
-                if part is None:  # token lines (spread below), adjustments, credits, corrections
+        held: dict[int, list[Held]] = defaultdict(list)
+        for tid, h in _held(_active_allocations(m_start, m_end, m_now).filter(tenant_id__in=ids)):
+            held[tid].append(h)
+        committed = {tid for tid, hs in held.items() if any(h.plan_kind == PricePlan.Kind.RESERVED for h in hs)}
+        if committed:
+            month = rate_months_many([t for t in tenants if t.pk in committed], m, m_now, tokens=reserved,
+                                     month_books=(currency_of, books))
+            for tid, (drafts, cur) in month.items():
+                for d in drafts:
+                    part = PART_OF.get(d.kind)
+                    if part is None:  # token lines (spread below), adjustments, credits, corrections
+                        continue
+                    tier_key = d.tier.pk if by_tier else None
+                    if bucket_td is None:
+                        out.money[(tid, cur, tier_key, part, None)] += amount_between(d, start, end)
+                    else:
+                        for b, x in amount_by_bucket(d, start, end, bucket_td).items():
+                            out.money[(tid, cur, tier_key, part, b)] += x
+        # the others' slice-hours: the price per hour of what is held, changing at span ends
+        changes: dict[tuple, dict[datetime, Decimal]] = defaultdict(lambda: defaultdict(Decimal))
+        for tid, hs in held.items():
+            if tid in committed:
+                continue
+            cur = currency_of[tid]
+            for h in hs:
+                a_from = max(h.activated_at, m_start, start)
+                a_to = min(h.stopped_at or m_now, m_end, m_now, end)
+                if a_from >= a_to:
+                    continue
+                for plan, p_lo, p_hi in books[cur].spans(h.tier_id, h.plan_kind, a_from, a_to):
+                    ch = changes[(tid, cur, h.tier_id if by_tier else None)]
+                    ch[p_lo] += plan.price_per_slice_hour
+                    ch[p_hi] -= plan.price_per_slice_hour
+        for (tid, cur, tier_key), ch in changes.items():
+            per_hour, times = Decimal(0), sorted(ch)
+            for at, nxt in zip(times, times[1:], strict=False):
+                per_hour += ch[at]
+                if not per_hour:
                     continue
                 if bucket_td is None:
-                    out.money[(tid, cur, d.tier.pk, part, None)] += amount_between(d, start, end)
-                else:
-                    for b, x in amount_by_bucket(d, start, end, bucket_td).items():
-                        out.money[(tid, cur, d.tier.pk, part, b)] += x
+                    out.money[(tid, cur, tier_key, SLICES, None)] += per_hour * seconds(nxt - at) / 3600
+                    continue
+                while at < nxt:
+                    b = _bucket_start(at, piece_step)
+                    edge = min(nxt, b + bucket_td)
+                    out.money[(tid, cur, tier_key, SLICES, b)] += per_hour * seconds(edge - at) / 3600
+                    at = edge
         for cur, book in books.items():
             rows = UsageHourly.objects.filter(tenant_id__in=[t for t in ids if currency_of[t] == cur],
                                               hour__gte=max(m_start, lo - hour), hour__lt=min(m_end, hi + hour))
@@ -673,8 +718,9 @@ def spread_amounts(tenants: list[Tenant], start: datetime, end: datetime, now: d
             for tid, tier_id, plan_id, piece, ins, outs, reqs in qs:
                 a, b = _piece_span(piece, piece_step, lo, hi)
                 bucket = None if bucket_td is None else _bucket_start(a, piece_step)
+                tier_key = tier_id if by_tier else None
                 if start <= a < end:  # the hour (or bucket) is inside the range: its tokens are the range's
-                    u = used[(tid, cur, tier_id, bucket)]
+                    u = used[(tid, cur, tier_key, bucket)]
                     u[0] += ins + outs
                     u[1] += reqs
                 price = prices.get(plan_id)
@@ -686,7 +732,7 @@ def spread_amounts(tenants: list[Tenant], start: datetime, end: datetime, now: d
                     if ov <= timedelta(0):
                         continue
                     amount = amount * seconds(ov) / 3600
-                acc[(tid, cur, tier_id, TOKENS, bucket)] += amount
+                acc[(tid, cur, tier_key, TOKENS, bucket)] += amount
     return out
 
 

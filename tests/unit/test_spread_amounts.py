@@ -117,4 +117,10 @@ def test_spread_amounts_equal_the_invoices_lines(fleet, plans, usage, spans, sta
                 assert any(x for (_t, _c, _tier, part, _b), x in want.items() if part == billing.TOKENS)
             for key in set(want) | set(got):
                 assert abs(got.get(key, D(0)) - want.get(key, D(0))) < TINY, (key, got.get(key), want.get(key))
+            untiered: dict[tuple, Decimal] = defaultdict(Decimal)  # by_tier=False: the same, summed over tiers
+            for (tid, cur, _tier, part, bucket), x in want.items():
+                untiered[(tid, cur, None, part, bucket)] += x
+            got = billing.spread_amounts(people, a, b, now, step=step, by_tier=False).money
+            for key in set(untiered) | set(got):
+                assert abs(got.get(key, D(0)) - untiered.get(key, D(0))) < TINY, (key, got.get(key), untiered.get(key))
         transaction.set_rollback(True)
