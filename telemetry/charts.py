@@ -1,6 +1,6 @@
 """Plotly figures, built in Python from stored data only: GPU samples (GpuSample/MigSample, any
 resolution), slot occupancy (GpuSlot), the hourly usage rollups (UsageHourly; never raw usage
-events) and, for money, the invoices' own rating (``billing.spread_lines_many``: one rating function for
+events) and, for money, the invoices' own rating (``billing.spread_amounts``: one rating function for
 invoices, spend, charts and the planner). Every builder returns ``(figure, numbers)``: the plotly
 Figure and the plain numbers it shows (what the JSON endpoint and the tests read).
 
