@@ -1,6 +1,6 @@
 """Plotly figures, built in Python from stored data only: GPU samples (GpuSample/MigSample, any
 resolution), slot occupancy (GpuSlot), the hourly usage rollups (UsageHourly; never raw usage
-events) and, for money, the invoices' own rating (``billing.spread_lines_many``: one rating function for
+events) and, for money, the invoices' own rating (``billing.spread_amounts``: one rating function for
 invoices, spend, charts and the planner). Every builder returns ``(figure, numbers)``: the plotly
 figure (a Figure, or for the fleet charts, whose traces are large, the same figure already as plotly's JSON
 dict: telemetry.figures) and the plain numbers it shows (what the JSON endpoint and the tests read).
@@ -30,7 +30,7 @@ from plotly.subplots import make_subplots
 
 from marketplace.formatting import plotly_unit_price_format
 from marketplace.models import Allocation, Gpu, GpuSlot, InvoiceLine, Node, Tier
-from marketplace.services.billing import amount_between, amount_by_bucket, spread_lines_many
+from marketplace.services.billing import COMMITMENT, SLICES, TOKENS, spread_amounts
 from telemetry import figures
 from telemetry.models import GpuSample, Resolution, UsageHourly
 from telemetry.services import energy
@@ -298,34 +298,25 @@ def _tenants_used(per: Period, tenant_ids=None) -> list[Tenant]:
     return list(Tenant.objects.filter(pk__in=used).order_by("pk"))
 
 
-#: a line kind's amount in `tier_spend` (any other kind: token_amount)
-AMOUNT_KEY: dict[str, str] = {L.SLICE_HOURS: "slice_amount", L.COMMITMENT_TOPUP: "commitment_amount"}
+#: a part of the money in `tier_spend`
+PART_KEY: dict[str, str] = {TOKENS: "token_amount", SLICES: "slice_amount", COMMITMENT: "commitment_amount"}
 
 
 def tier_spend(per: Period) -> dict[int, dict]:
     """tier id -> requests, tokens, token/slice-hour/commitment/total amounts over the period: the
-    invoices' own rating (billing.spread_lines_many: the plan in force at each hour, slice-hours per second,
+    invoices' own rating (billing.spread_amounts: the plan in force at each hour, slice-hours per second,
     reserved commitments) of the tenants billed in `per.currency` (amounts in other currencies are not
-    added up)."""
+    added up); requests and tokens of the hours in the period of the tenants billed in it for that month."""
     out: dict[int, dict] = defaultdict(lambda: {"requests": 0, "tokens": 0, "token_amount": Decimal(0),
                                                  "slice_amount": Decimal(0), "commitment_amount": Decimal(0)})
-    priced = set()
-    for tid, lines in spread_lines_many(_tenants_used(per), per.start, per.end).items():
-        for d, currency in lines:
-            if currency != per.currency:
-                continue
-            priced.add(tid)
-            part = amount_between(d, per.start, per.end)
-            key = AMOUNT_KEY.get(d.kind, "token_amount")
-            out[d.tier.pk][key] += part
-    for tier_id, requests, tokens in (
-            UsageHourly.objects.filter(hour__gte=per.start, hour__lt=per.end, tenant_id__in=priced)
-            .values("deployment__allocation__tier_id").order_by()
-            .annotate(rq=Sum("requests"), t=Sum(F("input_tokens") + F("output_tokens")))
-            .values_list("deployment__allocation__tier_id", "rq", "t")):
-        row = out[tier_id]
-        row["requests"] += int(requests or 0)
-        row["tokens"] += int(tokens or 0)
+    spread = spread_amounts(_tenants_used(per), per.start, per.end)
+    for (_tid, currency, tier_id, part, _b), x in spread.money.items():
+        if currency == per.currency:
+            out[tier_id][PART_KEY[part]] += x
+    for (_tid, currency, tier_id, _b), (tokens, requests) in spread.used.items():
+        if currency == per.currency:
+            out[tier_id]["tokens"] += tokens
+            out[tier_id]["requests"] += requests
     for row in out.values():
         row["amount"] = _money(row["token_amount"] + row["slice_amount"] + row["commitment_amount"])
         for k in ("token_amount", "slice_amount", "commitment_amount"):
@@ -452,20 +443,17 @@ def tenant_usage(per: Period, principal: Principal, params: dict | None = None):
     tok: defaultdict[int, defaultdict[datetime, int]] = defaultdict(lambda: defaultdict(int))
     spend: defaultdict[int, defaultdict[datetime, Decimal]] = defaultdict(lambda: defaultdict(Decimal))
     step = timedelta(days=1) if bucket == "day" else timedelta(hours=1)
-    for r in (UsageHourly.objects.filter(tenant_id__in=list(slug), hour__gte=per.start, hour__lt=per.end)
-              .annotate(b=EpochBucket("hour", int(step.total_seconds()))).values("tenant_id", "b")
-              .annotate(t=Sum(F("input_tokens") + F("output_tokens"))).order_by()):
-        tok[r["tenant_id"]][from_epoch(r["b"])] += int(r["t"] or 0)
-    currency: dict[int, str] = {}
     wanted = (params.get("currency") or "").upper() or None  # given: only the tenants billed in it
-    # the invoices' own rating, in each invoice's currency, its token pieces cut at the buckets
-    rated = spread_lines_many(_tenants_used(per, slug), per.start, per.end, step=int(step.total_seconds()))
-    for tid, lines in rated.items():
-        for d, cur in lines:
-            currency.setdefault(tid, cur)
-            for b, part in amount_by_bucket(d, per.start, per.end, step).items():
-                if part:
-                    spend[tid][b] += part
+    # the invoices' own rating, in each invoice's currency, cut at the buckets (tokens: the rollups' hours)
+    spread = spread_amounts(_tenants_used(per, slug), per.start, per.end, step=int(step.total_seconds()),
+                            by_tier=False)
+    currency: dict[int, str] = spread.currency
+    for (tid, _cur, _tier, _part, b), part in spread.money.items():
+        if part:
+            spend[tid][b] += part
+    for (tid, _cur, _tier, b), (n, _requests) in spread.used.items():
+        if n:
+            tok[tid][b] += n
     if wanted:
         slug = {tid: s for tid, s in slug.items() if currency.get(tid, own_currency[tid]) == wanted}
     currencies = sorted({currency.get(tid) or "" for tid in slug} - {""})

@@ -440,15 +440,16 @@ def _month_books(tenants: list[Tenant], period_start: date) -> tuple[dict[int, s
 
 
 def rate_months_many(tenants: list[Tenant], period_start: date, now: datetime,
-                     pieces: Pieces | None = None, *, tokens: Q | None = None
+                     pieces: Pieces | None = None, *, tokens: Q | None = None,
+                     month_books: tuple[dict[int, str], dict[str, PlanBook]] | None = None
                      ) -> dict[int, tuple[list[Draft], str]]:
     """The month's own lines (no adjustments, credits or corrections: what the charts count) of many
     tenants, each rated by `rate_month` exactly as its invoice is, in its invoice's currency, with a
     fixed number of queries: one per currency in use for the usage, plus a handful. tokens: only the
-    usage rows it matches are rated (default: all)."""
+    usage rows it matches are rated (default: all). month_books: `_month_books` of the month, when already read."""
     start, end = bounds(period_start)
     ids = [t.pk for t in tenants]
-    currency, books = _month_books(tenants, period_start)
+    currency, books = month_books or _month_books(tenants, period_start)
     allocs: dict[int, list[Held]] = defaultdict(list)
     for tenant_id, h in _held(_active_allocations(start, end, now).filter(tenant_id__in=ids)):
         allocs[tenant_id].append(h)
@@ -605,6 +606,133 @@ def spread_lines_many(tenants: list[Tenant], start: datetime, end: datetime, now
                     d = lines[key] = Draft(kind, tiers[g["tier_id"]], plan, "", "1M tokens")
                     out[g["tenant_id"]].append((d, cur))
                 d.add(Decimal(tokens) / MILLION, *_piece_span(g["piece"], step, lo, hi))
+    return out
+
+
+#: what part of a tier's money a spread amount is (`spread_amounts`)
+TOKENS, SLICES, COMMITMENT = "tokens", "slices", "commitment"
+PART_OF: dict[str, str] = {L.SLICE_HOURS: SLICES, L.COMMITMENT_TOPUP: COMMITMENT}
+
+
+@dataclass
+class Spread:
+    """What `spread_amounts` returns. money: (tenant id, currency, tier id, part, bucket start or None) ->
+    amount (unrounded), part one of TOKENS, SLICES, COMMITMENT. used: (tenant id, currency, tier id, bucket
+    start or None) -> [tokens, requests] of the hourly rollups whose hour is in [start, end), in the currency
+    the tenant is billed in for that month. currency: tenant id -> the currency of its first month in the range."""
+
+    money: dict[tuple, Decimal] = field(default_factory=lambda: defaultdict(Decimal))
+    used: dict[tuple, list[int]] = field(default_factory=lambda: defaultdict(lambda: [0, 0]))
+    currency: dict[int, str] = field(default_factory=dict)
+
+
+def spread_amounts(tenants: list[Tenant], start: datetime, end: datetime, now: datetime | None = None,
+                   step: int | None = None, *, by_tier: bool = True) -> Spread:
+    """The charts' money, a second implementation of the linear part of the rating (`rate_month`), proven
+    equal to the invoices' own lines by tests/unit/test_spread_amounts.py (property test) and
+    test_one_rating.py: `amount_between` [start, end) (step None) or `amount_by_bucket` (UTC buckets of `step`
+    seconds, a multiple of an hour) of the month's own lines (`rated_lines_many`), summed per tenant, currency,
+    tier (None unless by_tier) and part, without building a line per deployment or token group.
+
+    * tokens: priced straight from the database's sums per tenant, tier, plan in force and piece (tokens x the
+      plan's prices, an edge hour in proportion to its time in [start, end));
+    * slice-hours of tenants that hold no reserved capacity in the month: each allocation's active time (as
+      `rate_month` clips it) split at the price changes (`PlanBook.spans`), swept per tenant as one price per
+      hour that changes at span ends;
+    * tenants holding reserved capacity: their slice-hours and commitment top-ups are the month rating's own
+      lines (`rate_months_many`: a top-up depends on the whole month's rounded lines).
+
+    The same products `Draft.amount` and `amount_between` compute, in another order. A fixed number of queries
+    per month and currency."""
+    now = now or timezone.now()
+    lo, hi = _whole_hours(start, end)
+    hour = timedelta(hours=1)
+    out = Spread()
+    if not tenants:
+        return out
+    ids = [t.pk for t in tenants]
+    reserved = Q(**{PLAN_KIND: PricePlan.Kind.RESERVED})
+    piece_step = step or 10**9
+    bucket_td = timedelta(seconds=step) if step else None
+    for m in _months(start, min(end, now)):
+        m_start, m_end = bounds(m)
+        m_now = min(now, m_end)
+        currency_of, books = _month_books(tenants, m)
+        for t in ids:
+            out.currency.setdefault(t, currency_of[t])
+        held: dict[int, list[Held]] = defaultdict(list)
+        for tid, h in _held(_active_allocations(m_start, m_end, m_now).filter(tenant_id__in=ids)):
+            held[tid].append(h)
+        committed = {tid for tid, hs in held.items() if any(h.plan_kind == PricePlan.Kind.RESERVED for h in hs)}
+        if committed:
+            month = rate_months_many([t for t in tenants if t.pk in committed], m, m_now, tokens=reserved,
+                                     month_books=(currency_of, books))
+            for tid, (drafts, cur) in month.items():
+                for d in drafts:
+                    part = PART_OF.get(d.kind)
+                    if part is None:  # token lines (spread below), adjustments, credits, corrections
+                        continue
+                    tier_key = d.tier.pk if by_tier else None
+                    if bucket_td is None:
+                        out.money[(tid, cur, tier_key, part, None)] += amount_between(d, start, end)
+                    else:
+                        for b, x in amount_by_bucket(d, start, end, bucket_td).items():
+                            out.money[(tid, cur, tier_key, part, b)] += x
+        # the others' slice-hours: the price per hour of what is held, changing at span ends
+        changes: dict[tuple, dict[datetime, Decimal]] = defaultdict(lambda: defaultdict(Decimal))
+        for tid, hs in held.items():
+            if tid in committed:
+                continue
+            cur = currency_of[tid]
+            for h in hs:
+                a_from = max(h.activated_at, m_start, start)
+                a_to = min(h.stopped_at or m_now, m_end, m_now, end)
+                if a_from >= a_to:
+                    continue
+                for plan, p_lo, p_hi in books[cur].spans(h.tier_id, h.plan_kind, a_from, a_to):
+                    ch = changes[(tid, cur, h.tier_id if by_tier else None)]
+                    ch[p_lo] += plan.price_per_slice_hour
+                    ch[p_hi] -= plan.price_per_slice_hour
+        for (tid, cur, tier_key), ch in changes.items():
+            per_hour, times = Decimal(0), sorted(ch)
+            for at, nxt in zip(times, times[1:], strict=False):
+                per_hour += ch[at]
+                if not per_hour:
+                    continue
+                if bucket_td is None:
+                    out.money[(tid, cur, tier_key, SLICES, None)] += per_hour * seconds(nxt - at) / 3600
+                    continue
+                while at < nxt:
+                    b = _bucket_start(at, piece_step)
+                    edge = min(nxt, b + bucket_td)
+                    out.money[(tid, cur, tier_key, SLICES, b)] += per_hour * seconds(edge - at) / 3600
+                    at = edge
+        for cur, book in books.items():
+            rows = UsageHourly.objects.filter(tenant_id__in=[t for t in ids if currency_of[t] == cur],
+                                              hour__gte=max(m_start, lo - hour), hour__lt=min(m_end, hi + hour))
+            qs = (rows.annotate(plan_id=book.case(TIER, PLAN_KIND, "hour"), piece=_piece((piece_step, lo, hi)))
+                  .values_list("tenant_id", TIER, "plan_id", "piece")
+                  .annotate(i=Sum("input_tokens"), o=Sum("output_tokens"), r=Sum("requests")).order_by())
+            prices = {pk: (p.price_per_1m_input_tokens, p.price_per_1m_output_tokens) for pk, p in book.by_pk.items()}
+            acc, used = out.money, out.used
+            for tid, tier_id, plan_id, piece, ins, outs, reqs in qs:
+                a, b = _piece_span(piece, piece_step, lo, hi)
+                bucket = None if bucket_td is None else _bucket_start(a, piece_step)
+                tier_key = tier_id if by_tier else None
+                if start <= a < end:  # the hour (or bucket) is inside the range: its tokens are the range's
+                    u = used[(tid, cur, tier_key, bucket)]
+                    u[0] += ins + outs
+                    u[1] += reqs
+                price = prices.get(plan_id)
+                if price is None:  # no price in force: the invoice alerts; a chart has nothing to add
+                    continue
+                amount = (ins * price[0] + outs * price[1]) / MILLION
+                if piece < 0:  # an edge hour: the part of it inside [start, end)
+                    ov = min(b, end) - max(a, start)
+                    if ov <= timedelta(0):
+                        continue
+                    amount = amount * seconds(ov) / 3600
+                acc[(tid, cur, tier_key, TOKENS, bucket)] += amount
     return out
 
 

@@ -97,6 +97,110 @@ def seed_samples() -> None:
         c.execute("ANALYZE")
 
 
+#: The rating rule's linear part in one statement (the hand-written SQL the money charts are compared with): each
+#: hourly rollup priced at the plan in force at its hour (a plan span is [effective_from, next effective_from) per
+#: tier, plan kind and currency) in the currency its tenant is billed in for that month (the month's invoice's,
+#: else the tenant's), an hour at the range's edges in proportion to its time inside; and every allocation's
+#: active time (activated until released, a failed one until its last change, else now) clipped to the range,
+#: split per month (currency) and plan span, times the span's price per slice-hour. Not expressed: reserved
+#: commitment top-ups (owed = commit x held time / month, less the month's own charges at the plan rounded per
+#: invoice line: a month-wide computation over the union of held spans that no range of a chart contains); the
+#: bench fleet has no reserved orders, so they are 0 in both and the check below holds.
+MONEY_CTES = """
+    WITH plans AS MATERIALIZED (
+        SELECT p.*, lead(p.effective_from) OVER (PARTITION BY p.tier_id, p.kind, p.currency
+                                                ORDER BY p.effective_from) AS effective_to
+        FROM marketplace_priceplan p),
+    months AS MATERIALIZED (  -- (an integer series of constant length: the planner knows how many rows)
+        SELECT m AT TIME ZONE 'UTC' AS ms, (m + interval '1 month') AT TIME ZONE 'UTC' AS me
+        FROM generate_series(0, %(months)s) k,
+             LATERAL (SELECT date_trunc('month', %(start)s AT TIME ZONE 'UTC') + k * interval '1 month' AS m) x),
+    billed AS MATERIALIZED (
+        SELECT t.id AS tenant_id, mo.ms, mo.me, coalesce(i.currency, t.currency) AS currency
+        FROM tenants_tenant t CROSS JOIN months mo
+        LEFT JOIN marketplace_invoice i ON i.tenant_id = t.id AND i.period_start = (mo.ms AT TIME ZONE 'UTC')::date),
+    dep AS MATERIALIZED (
+        SELECT d.id, a.tier_id, o.plan_kind FROM marketplace_modeldeployment d
+        JOIN marketplace_allocation a ON a.id = d.allocation_id JOIN marketplace_order o ON o.id = a.order_id),
+    tok AS (
+        SELECT u.tenant_id, dep.tier_id, u.hour, u.input_tokens + u.output_tokens AS tokens, u.requests,
+               b.currency, u.hour >= %(start)s AS inside,
+               date_trunc(%(bucket)s, greatest(u.hour, %(start)s) AT TIME ZONE 'UTC') AS b,
+               (u.input_tokens * p.price_per_1m_input_tokens + u.output_tokens * p.price_per_1m_output_tokens)
+               / 1000000 * extract(epoch FROM least(u.hour + interval '1 hour', %(end)s)
+                                              - greatest(u.hour, %(start)s)) / 3600 AS amount
+        FROM telemetry_usagehourly u JOIN dep ON dep.id = u.deployment_id
+        JOIN billed b ON b.tenant_id = u.tenant_id AND u.hour >= b.ms AND u.hour < b.me
+        LEFT JOIN plans p ON p.tier_id = dep.tier_id AND p.kind = dep.plan_kind AND p.currency = b.currency
+             AND u.hour >= p.effective_from AND (p.effective_to IS NULL OR u.hour < p.effective_to)
+        WHERE u.hour > %(start)s - interval '1 hour' AND u.hour < %(end)s),
+    held AS (
+        SELECT a.tenant_id, a.tier_id, o.plan_kind, greatest(a.activated_at, %(start)s) AS lo,
+               least(coalesce(a.released_at, CASE WHEN a.state = 'failed' THEN a.updated_at END, %(end)s),
+                     %(end)s) AS hi
+        FROM marketplace_allocation a JOIN marketplace_order o ON o.id = a.order_id
+        WHERE a.activated_at IS NOT NULL AND a.activated_at < %(end)s),
+    slices AS (
+        SELECT h.tenant_id, h.tier_id, b.currency, p.price_per_slice_hour AS price,
+               greatest(h.lo, b.ms, p.effective_from) AS lo,
+               least(h.hi, b.me, coalesce(p.effective_to, 'infinity')) AS hi
+        FROM held h JOIN billed b ON b.tenant_id = h.tenant_id AND h.lo < b.me AND h.hi > b.ms
+        JOIN plans p ON p.tier_id = h.tier_id AND p.kind = h.plan_kind AND p.currency = b.currency
+             AND p.effective_from < least(h.hi, b.me)
+             AND (p.effective_to IS NULL OR p.effective_to > greatest(h.lo, b.ms))
+        WHERE h.lo < h.hi)"""
+
+PER_TIER = """,
+    per_tier AS (
+        SELECT tier_id, sum(requests) FILTER (WHERE inside) AS requests,
+               sum(tokens) FILTER (WHERE inside) AS tokens, coalesce(sum(amount), 0) AS amount
+        FROM tok WHERE currency = 'USD' GROUP BY 1
+        UNION ALL
+        SELECT tier_id, 0, 0, sum(extract(epoch FROM hi - lo) / 3600 * price) FROM slices
+        WHERE currency = 'USD' GROUP BY 1)"""
+
+HAND_MONEY = {
+    # per tier, in USD: requests and tokens of the period's hours, token and slice-hour money
+    "cost-per-tier": MONEY_CTES + PER_TIER + """
+    SELECT tier_id, sum(requests), sum(tokens), sum(amount) FROM per_tier GROUP BY 1""",
+    # per tenant and bucket: tokens of the bucket's hours, and money in the tenant's currency
+    "tenant-usage": MONEY_CTES + """,
+    buckets AS (
+        SELECT b AT TIME ZONE 'UTC' AS bs, (b + %(bstep)s::interval) AT TIME ZONE 'UTC' AS be
+        FROM generate_series(0, %(buckets)s) k,
+             LATERAL (SELECT date_trunc(%(bucket)s, %(start)s AT TIME ZONE 'UTC') + k * %(bstep)s::interval AS b) x),
+    parts AS (
+        SELECT tenant_id, b, sum(tokens) FILTER (WHERE inside) AS tokens, coalesce(sum(amount), 0) AS amount
+        FROM tok GROUP BY 1, 2
+        UNION ALL
+        SELECT s.tenant_id, bu.bs AT TIME ZONE 'UTC', 0,
+               sum(extract(epoch FROM least(s.hi, bu.be) - greatest(s.lo, bu.bs)) / 3600 * s.price)
+        FROM (SELECT tenant_id, lo, hi, sum(price) AS price FROM slices GROUP BY 1, 2, 3) s  -- same span: one row
+        JOIN buckets bu ON s.lo < bu.be AND s.hi > bu.bs GROUP BY 1, 2)
+    SELECT tenant_id, b, sum(tokens), sum(amount) FROM parts GROUP BY 1, 2""",
+    # per GPU model: GPUs, tokens and USD money of its tiers, and its average activity (hourly rollups, and the
+    # raw minutes after the last one, a rollup weighing as many samples as it averages)
+    "h100-vs-h200": MONEY_CTES + PER_TIER + """,
+    money AS (
+        SELECT ti.gpu_model_id AS model_id, sum(pt.tokens) AS tokens, sum(pt.amount) AS amount
+        FROM per_tier pt JOIN marketplace_tier ti ON ti.id = pt.tier_id GROUP BY 1),
+    tail AS (
+        SELECT coalesce(max(ts) + interval '1 hour', %(start)s) AS t FROM telemetry_gpusample
+        WHERE resolution = '1h' AND ts >= %(start)s AND ts < %(end)s),
+    util AS (
+        SELECT g.gpu_model_id AS model_id, sum(s.activity * s.samples) / sum(s.samples) AS u
+        FROM telemetry_gpusample s JOIN marketplace_gpu g ON g.id = s.gpu_id, tail
+        WHERE s.ts >= %(start)s AND s.ts < %(end)s
+          AND ((s.resolution = '1h' AND s.ts < tail.t) OR (s.resolution = 'raw' AND s.ts >= tail.t))
+        GROUP BY 1),
+    gpus AS (SELECT gpu_model_id AS model_id, count(*) AS n FROM marketplace_gpu GROUP BY 1)
+    SELECT m.key, gpus.n, money.tokens, money.amount, util.u FROM marketplace_gpumodel m
+    LEFT JOIN gpus ON gpus.model_id = m.id LEFT JOIN money ON money.model_id = m.id
+    LEFT JOIN util ON util.model_id = m.id
+    WHERE gpus.n IS NOT NULL OR money.tokens IS NOT NULL""",
+}
+
+
 HAND_SQL = {
     "fleet-utilization": """
         SELECT (floor(extract(epoch FROM s.ts) / %(step)s) * %(step)s)::bigint b, m.key,
@@ -179,24 +283,6 @@ HAND_SQL = {
             SELECT gpu_id, sum(kwh), sum(unallocated_kwh) FROM rolled WHERE gpu_id IS NOT NULL GROUP BY 1)
         SELECT 'tier', tier_id, tiers.kwh, tokens.t FROM tiers FULL JOIN tokens USING (tier_id)
         UNION ALL SELECT 'gpu', gpu_id, sum(kwh), sum(u) FROM gpus GROUP BY 2""",
-    "cost-per-tier": """
-        SELECT a.tier_id, sum(u.requests), sum(u.input_tokens * p.price_per_1m_input_tokens
-                                              + u.output_tokens * p.price_per_1m_output_tokens) / 1e6
-        FROM telemetry_usagehourly u JOIN marketplace_modeldeployment d ON d.id = u.deployment_id
-        JOIN marketplace_allocation a ON a.id = d.allocation_id
-        JOIN marketplace_priceplan p ON p.tier_id = a.tier_id AND p.currency = 'USD'
-        WHERE u.hour >= %(start)s AND u.hour < %(end)s GROUP BY 1""",
-    "tenant-usage": """
-        SELECT u.tenant_id, date_trunc(%(bucket)s, u.hour), sum(u.input_tokens + u.output_tokens),
-               sum(u.input_tokens * p.price_per_1m_input_tokens + u.output_tokens * p.price_per_1m_output_tokens)
-        FROM telemetry_usagehourly u JOIN marketplace_modeldeployment d ON d.id = u.deployment_id
-        JOIN marketplace_allocation a ON a.id = d.allocation_id
-        JOIN marketplace_priceplan p ON p.tier_id = a.tier_id AND p.currency = 'USD'
-        WHERE u.hour >= %(start)s AND u.hour < %(end)s GROUP BY 1, 2""",
-    "h100-vs-h200": """
-        SELECT m.key, avg(s.activity) FROM telemetry_gpusample s JOIN marketplace_gpu g ON g.id = s.gpu_id
-        JOIN marketplace_gpumodel m ON m.id = g.gpu_model_id
-        WHERE s.resolution = %(res)s AND s.ts >= %(start)s AND s.ts < %(end)s GROUP BY 1""",
     "spend": """
         SELECT t.slug, coalesce(i.total, 0), t.monthly_spend_limit FROM tenants_tenant t
         LEFT JOIN marketplace_invoice i ON i.tenant_id = t.id AND i.period_start = %(month)s
@@ -208,6 +294,7 @@ HAND_SQL = {
     "usage-summary": """
         SELECT tenant_id, deployment_id, sum(input_tokens), sum(output_tokens), sum(requests)
         FROM telemetry_usagehourly WHERE hour >= %(month_start)s AND hour < %(end)s GROUP BY 1, 2""",
+    **HAND_MONEY,
 }
 
 
@@ -222,6 +309,68 @@ def time_sql(sql: str, params: dict, n: int) -> float:
             c.fetchall()
             out.append((time.perf_counter() - t0) * 1000)
     return pct(out[1:], 50)
+
+
+def same_answer(client, name: str, params: dict) -> list[str]:
+    """The money chart `name` over exactly the hand SQL's range (start, end) against the hand SQL's own rows:
+    what differs (to the cent; unit prices and utilization to their last printed digit). Empty: the comparison
+    is of the same answer."""
+    from decimal import ROUND_HALF_UP, Decimal
+    from urllib.parse import urlencode
+
+    from django.db import connection
+
+    from marketplace.models import Tier
+    from tenants.models import Tenant
+
+    resp = client.get(f"/api/v1/charts/{name}/?" + urlencode({"start": params["start"].isoformat(),
+                                                                "end": params["end"].isoformat()}))
+    data = resp.json()["data"]
+    with connection.cursor() as c:
+        c.execute(HAND_SQL[name], params)
+        rows = c.fetchall()
+
+    def dec(x, places: str = "0.01") -> Decimal:
+        return Decimal(str(x or 0)).quantize(Decimal(places), rounding=ROUND_HALF_UP)
+
+    bad: list[str] = []
+    if name == "cost-per-tier":
+        key = dict(Tier.objects.values_list("pk", "key"))
+        want = {key[t]: (int(rq or 0), int(tk or 0), dec(amount)) for t, rq, tk, amount in rows}
+        got = {k: (int(v["requests"]), int(v["tokens"]), dec(v["amount"])) for k, v in data["tiers"].items()}
+        bad += [f"{k}: endpoint {got.get(k)} hand SQL {want.get(k)} (requests, tokens, amount)"
+                for k in sorted(set(got) | set(want)) if got.get(k, (0, 0, dec(0))) != want.get(k, (0, 0, dec(0)))]
+    elif name == "tenant-usage":
+        slug = dict(Tenant.objects.values_list("pk", "slug"))
+        want_b: dict = {}
+        for tid, b, tokens, amount in rows:
+            want_b.setdefault(slug[tid], {})[b.replace(tzinfo=UTC).isoformat()] = (int(tokens or 0), Decimal(amount))
+        for s in sorted(set(data["tenants"]) | set(want_b)):
+            g = data["tenants"].get(s, {"ts": [], "tokens": [], "spend": [], "total": "0"})
+            w = want_b.get(s, {})
+            total = dec(sum(a for _t, a in w.values()))
+            if dec(g["total"]) != total:
+                bad.append(f"{s}: total endpoint {g['total']} hand SQL {total}")
+            got_b = {t: (n, dec(x)) for t, n, x in zip(g["ts"], g["tokens"], g["spend"], strict=True) if n or dec(x)}
+            want_b2 = {t: (n, dec(a)) for t, (n, a) in w.items() if n or dec(a)}
+            if got_b != want_b2:
+                diff = sorted(t for t in set(got_b) | set(want_b2) if got_b.get(t) != want_b2.get(t))
+                bad.append(f"{s}: {len(diff)} buckets differ, first {diff[0]}: endpoint {got_b.get(diff[0])} "
+                           f"hand SQL {want_b2.get(diff[0])}")
+    elif name == "h100-vs-h200":
+        for model, gpus, tokens, amount, util in rows:
+            g = data["models"].get(model, {})
+            per_1m = dec(Decimal(amount) * 1_000_000 / tokens, "0.0001") if tokens else None
+            pct = dec(100 * Decimal(util), "0.0001") if util is not None else None
+            ok = (g.get("gpus") == (gpus or 0) and int(g.get("tokens") or 0) == int(tokens or 0)
+                  and (per_1m is None) == (g.get("cost_per_1m_tokens") is None)
+                  and (per_1m is None or abs(dec(g["cost_per_1m_tokens"], "0.0001") - per_1m) <= Decimal("0.0001"))
+                  and (pct is None or abs(dec(g["utilization"], "0.0001") - pct) <= Decimal("0.0001")))
+            if not ok:
+                bad.append(f"{model}: endpoint {g} hand SQL gpus {gpus} tokens {tokens} per 1M {per_1m} util {pct}")
+        if len(data["models"]) != len(rows):
+            bad.append(f"models: endpoint {sorted(data['models'])} hand SQL {sorted(r[0] for r in rows)}")
+    return bad
 
 
 def time_get(client, url: str, n: int) -> tuple[list[float], int, int, int]:
@@ -337,7 +486,10 @@ def main() -> None:
                      "h100-vs-h200", "tenant-usage"):
             reads.append((f"chart {name} {label}", f"/api/v1/charts/{name}/?hours={hours}", name,
                           {"start": start, "end": end, "res": res, "step": step, "hstep": hstep,
-                           "bucket": "hour" if hours <= 48 else "day"}, hours <= 24))
+                           "bucket": "hour" if hours <= 48 else "day",
+                           "bstep": "1 hour" if hours <= 48 else "1 day",
+                           "buckets": hours if hours <= 48 else hours // 24,
+                           "months": (end.year - start.year) * 12 + end.month - start.month}, hours <= 24))
     month_start = datetime(month.year, month.month, 1, tzinfo=UTC)
     common = {"month": month, "invoice": invoice.pk, "month_start": month_start, "end": now}
     reads += [("spend list", "/api/v1/billing/spend/", "spend", common, True),
@@ -356,6 +508,14 @@ def main() -> None:
             misses.append(label)
         print(f"{label:42} {status:>6} {queries:>7} {size:>10,} {p50:>8.1f} {p95:>8.1f} {sql_ms:>8.1f} "
               f"{p50 / max(sql_ms, 0.01):>5.1f}x")
+        if sql_name in HAND_MONEY:  # the hand SQL must give the endpoint's own numbers, or the ratio means nothing
+            bad = same_answer(client, sql_name, params)
+            if bad:
+                misses.append(f"{label}: hand SQL differs")
+                print(f"!!! MISMATCH: {label}: the hand SQL does not give the endpoint's numbers "
+                      f"({len(bad)} differences):\n!!!   " + "\n!!!   ".join(bad[:10]))
+            else:
+                print(f"{'':42} same answer as the hand SQL (to the cent)")
     # the month-end beat: fan-out (the beat's own work) and one tenant's task
     from unittest import mock
 

@@ -86,8 +86,10 @@ def test_planner_list_price_is_the_ratings_prices(reserved_tenant):
 
 
 def test_charts_spread_the_same_money_as_the_invoices_lines(reserved_tenant, tiers):
-    """spread_lines_many (the charts': token lines summed per plan, pieces read near the range only) gives
-    every range and bucket the same amounts as rated_lines_many (the invoices' lines, each deployment's)."""
+    """spread_lines_many (token lines summed per plan, pieces read near the range only) and spread_amounts (the
+    charts': token money priced from the database's sums, slice-hours swept per tenant) give every range and
+    bucket the same amounts as rated_lines_many (the invoices' lines, each deployment's): with a price change
+    inside the range, a reserved plan's top-up, a tenant billed in EUR, and ranges cutting hours at both edges."""
     t, tier = reserved_tenant
     other = TenantFactory(slug="ondemand", currency="USD")
     on_demand = Order.objects.create(tenant=other, tier=tier, plan_kind="on_demand")
@@ -110,7 +112,17 @@ def test_charts_spread_the_same_money_as_the_invoices_lines(reserved_tenant, tie
         if h % 4 == 2:
             UsageHourly.objects.create(tenant=t, deployment=resv_dep, hour=T0 + timedelta(hours=h),
                                        input_tokens=70_001 + h, output_tokens=9_999, requests=1)
-    tenants = [t, other]
+    # a tenant billed in EUR (its October invoice's currency), at the EUR plan
+    eur = TenantFactory(slug="eur-od", currency="USD")
+    Invoice.objects.create(tenant=eur, period_start=date(2026, 10, 1), period_end=date(2026, 11, 1), currency="EUR")
+    eur_alloc = Allocation.objects.create(order=Order.objects.create(tenant=eur, tier=tier), tenant=eur, tier=tier,
+                                          state="active", activated_at=T0 + timedelta(hours=1, minutes=7))
+    eur_dep = ModelDeployment.objects.create(allocation=eur_alloc, tenant=eur, name="e", backend="python", spec={},
+                                             memory_mb=10, state="ready")
+    for h in range(1, 50, 3):
+        UsageHourly.objects.create(tenant=eur, deployment=eur_dep, hour=T0 + timedelta(hours=h),
+                                   input_tokens=123_457 * h, output_tokens=5_003, requests=2)
+    tenants = [t, other, eur]
     now = T0 + timedelta(days=40)
     for start, end in ((T0 + timedelta(hours=2, minutes=20), T0 + timedelta(hours=41, minutes=35)),
                        (T0 - timedelta(days=3), T0 + timedelta(days=33)),
@@ -119,13 +131,17 @@ def test_charts_spread_the_same_money_as_the_invoices_lines(reserved_tenant, tie
                        (T0 + timedelta(minutes=30), T0 + timedelta(days=1, minutes=30))):
         exact = billing.rated_lines_many(tenants, start, end, now)
         fast = billing.spread_lines_many(tenants, start, end, now)
-        for tid in (t.pk, other.pk):
+        spread = billing.spread_amounts(tenants, start, end, now)  # what tier_spend and tenant_usage read
+        for tid in (t.pk, other.pk, eur.pk):
             want = sum(billing.amount_between(d, start, end) for d, _ in exact[tid])
             assert want != 0 and abs(sum(billing.amount_between(d, start, end) for d, _ in fast[tid]) - want) < TINY
+            assert abs(sum(x for k, x in spread.money.items() if k[0] == tid) - want) < TINY
+            assert {cur for d, cur in exact[tid]} == {k[1] for k in spread.money if k[0] == tid}
         for step in (timedelta(hours=1), timedelta(days=1)):
             exact = billing.rated_lines_many(tenants, start, end, now, step=int(step.total_seconds()))
             fast = billing.spread_lines_many(tenants, start, end, now, step=int(step.total_seconds()))
-            for tid in (t.pk, other.pk):
+            spread = billing.spread_amounts(tenants, start, end, now, step=int(step.total_seconds()), by_tier=False)
+            for tid in (t.pk, other.pk, eur.pk):
                 want, got = defaultdict(Decimal), defaultdict(Decimal)
                 for lines, into in ((exact[tid], want), (fast[tid], got)):
                     for d, _ in lines:
@@ -133,3 +149,8 @@ def test_charts_spread_the_same_money_as_the_invoices_lines(reserved_tenant, tie
                             into[b] += x
                 assert set(got) == set(want) and any(want.values())
                 assert all(abs(got[b] - want[b]) < TINY for b in want)  # equal but for Decimal's 28th digit
+                charted: dict[datetime, Decimal] = defaultdict(Decimal)
+                for (who, _cur, _tier, _part, b), x in spread.money.items():
+                    if who == tid:
+                        charted[b] += x
+                assert all(abs(charted[b] - want[b]) < TINY for b in set(want) | set(charted))

@@ -1,0 +1,126 @@
+"""The charts' money (billing.spread_amounts: token money priced from the database's sums per plan in force and
+piece, slice-hours and commitment top-ups from the month rating) equals the invoices' own lines
+(billing.rated_lines_many: rate_month per deployment line) spread over the same range and buckets, whatever the
+usage, the price changes, the plan kinds, the currencies and the range's edges (property test)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+
+import pytest
+from django.db import transaction
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from marketplace.models import Allocation, ModelDeployment, Order, PricePlan
+from marketplace.services import billing
+from telemetry.models import UsageHourly
+from tests.factories import TenantFactory
+
+pytestmark = pytest.mark.django_db
+D = Decimal
+T0 = datetime(2026, 10, 1, tzinfo=UTC)  # a month boundary: ranges cross it
+TINY = D("1e-18")
+PART = {billing.L.SLICE_HOURS: billing.SLICES, billing.L.COMMITMENT_TOPUP: billing.COMMITMENT,
+        billing.L.INPUT_TOKENS: billing.TOKENS, billing.L.OUTPUT_TOKENS: billing.TOKENS}
+
+
+@pytest.fixture
+def fleet(catalog, tiers):
+    """Three tenants on one tier: on demand in USD, reserved in USD, on demand in EUR (its plans below)."""
+    tier = tiers["3g"]
+    PricePlan.objects.filter(tier=tier).delete()
+    for kind, currency in (("on_demand", "USD"), ("reserved", "USD"), ("on_demand", "EUR")):  # changed by examples
+        PricePlan.objects.create(tier=tier, kind=kind, currency=currency, effective_from=T0 - timedelta(days=60),
+                                 price_per_slice_hour=D("1.2345"), price_per_1m_input_tokens=D("0.3333"),
+                                 price_per_1m_output_tokens=D("0.7777"),
+                                 monthly_commit=D("900.00") if kind == "reserved" else None)
+    out = []
+    for slug, currency, kind in (("od", "USD", "on_demand"), ("resv", "USD", "reserved"), ("eur", "EUR", "on_demand")):
+        t = TenantFactory(slug=slug, currency=currency)
+        order = Order.objects.create(tenant=t, tier=tier, plan_kind=kind)
+        a = Allocation.objects.create(order=order, tenant=t, tier=tier, state="active", activated_at=T0)
+        deps = [ModelDeployment.objects.create(allocation=a, tenant=t, name=f"{slug}{i}", backend="python", spec={},
+                                               memory_mb=10, state="ready") for i in range(2)]
+        out.append((t, a, deps))
+    return tier, out
+
+
+minutes = st.integers(min_value=-3 * 24 * 60, max_value=4 * 24 * 60)  # around T0
+price = st.integers(min_value=1, max_value=3_000_000).map(lambda n: D(n) / 10_000)
+plans = st.lists(st.tuples(st.sampled_from([("on_demand", "USD"), ("reserved", "USD"), ("on_demand", "EUR")]),
+                           minutes, price, price, price, st.integers(0, 5000)), min_size=1, max_size=6)
+#: (tenant, deployment, hour: from the range's first hour less one, adapter, input tokens, output tokens)
+usage = st.lists(st.tuples(st.integers(0, 2), st.integers(0, 1), st.integers(0, 125), st.sampled_from(["", "x"]),
+                           st.integers(0, 5_000_000), st.integers(0, 900_000)), max_size=25)
+spans = st.lists(st.tuples(minutes, st.one_of(st.none(), st.integers(1, 5 * 24 * 60)), st.booleans()),
+                 min_size=3, max_size=3)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                  HealthCheck.too_slow])
+@given(plans=plans, usage=usage, spans=spans, start=minutes, length=st.integers(1, 5 * 24 * 60),
+       seconds_off=st.integers(0, 59), now_after=st.integers(-600, 40 * 24 * 60))
+def test_spread_amounts_equal_the_invoices_lines(fleet, plans, usage, spans, start, length, seconds_off, now_after):
+    tier, tenants = fleet
+    with transaction.atomic():
+        for (kind, currency), at, hour, ins, outs, commit in plans:
+            PricePlan.objects.get_or_create(
+                tier=tier, kind=kind, currency=currency, effective_from=T0 + timedelta(minutes=at),
+                defaults={"price_per_slice_hour": hour, "price_per_1m_input_tokens": ins,
+                          "price_per_1m_output_tokens": outs,
+                          "monthly_commit": D(commit) if kind == "reserved" else None})
+        for (_t, a, _), (on, held, failed) in zip(tenants, spans, strict=True):
+            a.activated_at = T0 + timedelta(minutes=on)
+            stop = None if held is None else a.activated_at + timedelta(minutes=held, seconds=seconds_off)
+            a.state, a.released_at = ("failed", None) if failed and stop else ("active", stop)
+            a.save()
+            if a.state == "failed":  # a failed allocation stops at its last change
+                Allocation.objects.filter(pk=a.pk).update(updated_at=stop)
+        a = T0 + timedelta(minutes=start, seconds=seconds_off)
+        b = a + timedelta(minutes=length)
+        first = a.replace(minute=0, second=0) - timedelta(hours=1)
+        last = b.replace(minute=0, second=0)
+        edges = [(who, 0, h, "", 1_234_567, 89_123) for who in range(3)
+                 for h in (1, (last - first) // timedelta(hours=1))]
+        for who, dep, h, adapter, ins, outs in edges + usage:  # always the range's edge hours, and random ones
+            t, _, deps = tenants[who]
+            row, _ = UsageHourly.objects.get_or_create(tenant=t, deployment=deps[dep], adapter=adapter,
+                                                       hour=min(first + timedelta(hours=h), last + timedelta(hours=1)))
+            UsageHourly.objects.filter(pk=row.pk).update(input_tokens=row.input_tokens + ins,
+                                                         output_tokens=row.output_tokens + outs, requests=3)
+        now = b + timedelta(minutes=now_after)
+        people = [t for t, _, _ in tenants]
+        for step in (None, 3600, 86400):
+            exact = billing.rated_lines_many(people, a, b, now, step=step or 10**9)
+            want: dict[tuple, Decimal] = defaultdict(Decimal)
+            for tid, lines in exact.items():
+                for d, cur in lines:
+                    if step is None:
+                        want[(tid, cur, d.tier.pk, PART[d.kind], None)] += billing.amount_between(d, a, b)
+                    else:
+                        for bucket, x in billing.amount_by_bucket(d, a, b, timedelta(seconds=step)).items():
+                            want[(tid, cur, d.tier.pk, PART[d.kind], bucket)] += x
+            spread = billing.spread_amounts(people, a, b, now, step=step)
+            got = spread.money
+            if now >= b:  # the tokens and requests charted: the rollups' hours in [a, b), by bucket
+                used: dict[tuple, list[int]] = defaultdict(lambda: [0, 0])
+                for r in UsageHourly.objects.filter(hour__gte=a, hour__lt=b):
+                    u = used[(r.tenant_id, r.tenant.currency, tier.pk, billing._bucket_start(r.hour, step)
+                              if step else None)]
+                    u[0] += r.input_tokens + r.output_tokens
+                    u[1] += r.requests
+                assert {k: v for k, v in spread.used.items() if v != [0, 0]} == used
+            if now >= b:  # (the range's first hour always has tokens, at some price)
+                assert any(x for (_t, _c, _tier, part, _b), x in want.items() if part == billing.TOKENS)
+            for key in set(want) | set(got):
+                assert abs(got.get(key, D(0)) - want.get(key, D(0))) < TINY, (key, got.get(key), want.get(key))
+            untiered: dict[tuple, Decimal] = defaultdict(Decimal)  # by_tier=False: the same, summed over tiers
+            for (tid, cur, _tier, part, bucket), x in want.items():
+                untiered[(tid, cur, None, part, bucket)] += x
+            got = billing.spread_amounts(people, a, b, now, step=step, by_tier=False).money
+            for key in set(untiered) | set(got):
+                assert abs(got.get(key, D(0)) - untiered.get(key, D(0))) < TINY, (key, got.get(key), untiered.get(key))
+        transaction.set_rollback(True)
