@@ -267,3 +267,33 @@ def test_the_scan_finds_reads_and_allows_only_the_two_kinds_of_write():
         "from os import ...", "os.environ", "os.environ", "os.getenv", "os.environ"]
     assert [u.split(": ", 1)[1] for u in environment_uses(SAMPLE, DEMO_COMMAND)] == [
         "from os import ...", "os.environ", "os.getenv", "os.environ"]
+
+
+JIT_PROBE = """
+import json
+from django.conf import settings
+print(json.dumps(settings.DATABASES["default"].get("OPTIONS", {})))
+"""
+
+
+@pytest.mark.parametrize(("env", "options"), [
+    ({}, "-c jit=off"),  # the default: PostgreSQL's JIT compiling took as long as the charts' aggregates
+    ({"TESSERA_DB_JIT": "1"}, None),  # the server's setting (a pooler may refuse the startup option)
+])
+def test_postgresql_connections_turn_jit_off_unless_told(env, options, tmp_path):
+    base = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")}
+    base.update(DJANGO_SETTINGS_MODULE="marketplace.settings", TESSERA_VAR_DIR=str(tmp_path),
+                DATABASE_URL="postgres://tessera@db.example:5432/tessera")  # parsed only, never connected
+    out = run(JIT_PROBE, env={**base, **env})
+    assert json.loads(out.stdout.strip().splitlines()[-1]).get("options") == options
+
+
+@pytest.mark.django_db
+def test_the_connection_runs_without_jit_on_postgresql():
+    from django.db import connection
+
+    if connection.vendor != "postgresql":
+        pytest.skip("PostgreSQL's JIT setting")
+    with connection.cursor() as c:
+        c.execute("SHOW jit")
+        assert c.fetchone()[0] == "off"
