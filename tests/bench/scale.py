@@ -415,6 +415,7 @@ def main() -> None:
         os.environ["DATABASE_URL"] = f"{base}/{args.db}"
         scratch = Path(tempfile.mkdtemp(prefix="tessera-bench-scale-"))
         os.environ.setdefault("DJANGO_SETTINGS_MODULE", "marketplace.settings")
+        os.environ.setdefault("LOG_LEVEL", "WARNING")  # as setup_django: the table, not a log line per request
         import django
 
         django.setup()
