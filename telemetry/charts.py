@@ -2,8 +2,9 @@
 resolution), slot occupancy (GpuSlot), the hourly usage rollups (UsageHourly; never raw usage
 events) and, for money, the invoices' own rating (``billing.spread_amounts``: one rating function for
 invoices, spend, charts and the planner). Every builder returns ``(figure, numbers)``: the plotly
-figure (a Figure, or for the fleet charts, whose traces are large, the same figure already as plotly's JSON
-dict: telemetry.figures) and the plain numbers it shows (what the JSON endpoint and the tests read).
+figure, written as the JSON dict plotly builds (telemetry.figures: no graph-object validation of a 1,000-row
+heatmap; a make_subplots grid built by plotly once per distinct grid) and the plain numbers it shows (what
+the JSON endpoint and the tests read).
 
 Access: the fleet figures are for MSP operators only; ``tenant_usage`` is scoped through
 ``visible_to`` (capability "billing"), so a tenant user sees its own usage and spend only.
@@ -22,11 +23,9 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from decimal import ROUND_HALF_UP, Decimal
 
-import plotly.graph_objects as go
 from django.db.models import Count, F, Max, Q, QuerySet, Sum
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
-from plotly.subplots import make_subplots
 
 from marketplace.formatting import plotly_unit_price_format
 from marketplace.models import Allocation, Gpu, GpuSlot, InvoiceLine, Node, Tier
@@ -176,15 +175,9 @@ def _when(t: datetime) -> str:
     return t.strftime("%Y-%m-%d %H:%M")
 
 
-def _empty(fig, message: str = "no data yet"):
-    """An empty chart says so instead of drawing a blank -1..1 axis (a plotly Figure or a plain-dict one)."""
-    if isinstance(fig, dict):
-        return figures.empty(fig, message)
-    fig.add_annotation(text=message, showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper",
-                       font={"size": 16, "color": "#666"})
-    fig.update_xaxes(visible=False)
-    fig.update_yaxes(visible=False)
-    return fig
+def _empty(fig: dict, message: str = "no data yet") -> dict:
+    """An empty chart says so instead of drawing a blank -1..1 axis (on every axis of a subplot grid)."""
+    return figures.empty(fig, message)
 
 
 def fleet_utilization(per: Period, principal: Principal):
@@ -340,24 +333,27 @@ def cost_per_tier(per: Period, principal: Principal):
     tiers = {t.pk: t for t in Tier.objects.filter(pk__in=list(spend))}
     numbers = {tiers[k].key: {**v, "gpu_model": tiers[k].gpu_model_id} for k, v in spend.items()}
     keys = sorted(numbers)
-    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.15,
-                        subplot_titles=("per inference", "per 1M tokens (per 1K on hover)"))
-    fig.add_trace(go.Bar(x=keys, y=[_f(numbers[k]["cost_per_inference"]) for k in keys], name="per inference"), 1, 1)
-    fig.add_trace(go.Bar(x=keys, y=[_f(numbers[k]["cost_per_1m_tokens"]) for k in keys], name="per 1M tokens",
-                         customdata=[_f(numbers[k]["cost_per_1k_tokens"]) for k in keys],
-                         hovertemplate=f"%{{x}}<br>%{{y:,.4f}} {per.currency} per 1M tokens<br>"
-                                       f"%{{customdata:,.6f}} {per.currency} per 1K<extra></extra>"), 1, 2)
-    fig.update_layout(**LAYOUT, title=f"What a customer pays, by tier ({per.currency})", showlegend=False)
+    grid = figures.subplots(1, 2, horizontal_spacing=0.15,
+                            subplot_titles=("per inference", "per 1M tokens (per 1K on hover)"))
+    traces = [
+        grid.trace({"type": "bar", "x": keys, "y": [_f(numbers[k]["cost_per_inference"]) for k in keys],
+                    "name": "per inference"}, 1, 1),
+        grid.trace({"type": "bar", "x": keys, "y": [_f(numbers[k]["cost_per_1m_tokens"]) for k in keys],
+                    "name": "per 1M tokens", "customdata": [_f(numbers[k]["cost_per_1k_tokens"]) for k in keys],
+                    "hovertemplate": f"%{{x}}<br>%{{y:,.4f}} {per.currency} per 1M tokens<br>"
+                                     f"%{{customdata:,.6f}} {per.currency} per 1K<extra></extra>"}, 1, 2)]
+    fig = figures.figure(traces, {**grid.layout, **LAYOUT, "showlegend": False,
+                                  "title": figures.title(f"What a customer pays, by tier ({per.currency})")})
     _money_axes(fig, per.currency, "tier")
-    if not keys:
-        _empty(fig)
-    return fig, {"tiers": numbers, "currency": per.currency}
+    return (fig if keys else _empty(fig)), {"tiers": numbers, "currency": per.currency}
 
 
-def _money_axes(fig: go.Figure, currency: str, x_title: str) -> None:
-    """Money on y axes with the currency's digits and never an SI prefix ("20µ"); the x axes titled."""
-    fig.update_yaxes(title_text=currency, tickformat=plotly_unit_price_format(currency), exponentformat="none")
-    fig.update_xaxes(title_text=x_title)
+def _money_axes(fig: dict, currency: str, x_title: str) -> None:
+    """Money on every y axis with the currency's digits and never an SI prefix ("20µ"); every x axis titled (as
+    ``fig.update_yaxes`` / ``update_xaxes`` do)."""
+    figures.update_axes(fig["layout"], "y", {"title": figures.title(currency), "exponentformat": "none",
+                                             "tickformat": plotly_unit_price_format(currency)})
+    figures.update_axes(fig["layout"], "x", {"title": figures.title(x_title)})
 
 
 def power_cost(per: Period, principal: Principal):
@@ -407,17 +403,18 @@ def h100_vs_h200(per: Period, principal: Principal):
         "cost_per_1m_tokens": _money(amount[m] * MILLION / tokens[m], "0.0001") if tokens.get(m) else None,
         "utilization": round(util[m], 4) if m in util else None,
     } for m in models}
-    fig = make_subplots(rows=1, cols=3, horizontal_spacing=0.12,
-                        subplot_titles=("tokens/s per GPU", "cost per 1M tokens", "utilization"))
-    for col, field in enumerate(("tokens_per_s_per_gpu", "cost_per_1m_tokens", "utilization"), start=1):
-        fig.add_trace(go.Bar(x=models, y=[_f(numbers[m][field]) for m in models], name=field), 1, col)
-    fig.update_layout(**LAYOUT, title=f"H100 vs H200 (money in {per.currency})", showlegend=False)
-    fig.update_xaxes(title_text="GPU model")
-    fig.update_yaxes(title_text="tokens/s", tickformat=",.1f", exponentformat="none", row=1, col=1)
-    fig.update_yaxes(title_text=per.currency, tickformat=plotly_unit_price_format(per.currency),
-                     exponentformat="none", row=1, col=2)
-    fig.update_yaxes(title_text="%", range=[0, 100], row=1, col=3)
-    return fig, {"models": numbers}
+    grid = figures.subplots(1, 3, horizontal_spacing=0.12,
+                            subplot_titles=("tokens/s per GPU", "cost per 1M tokens", "utilization"))
+    traces = [grid.trace({"type": "bar", "x": models, "y": [_f(numbers[m][field]) for m in models], "name": field},
+                         1, col)
+              for col, field in enumerate(("tokens_per_s_per_gpu", "cost_per_1m_tokens", "utilization"), start=1)]
+    grid.layout.update(LAYOUT, title=figures.title(f"H100 vs H200 (money in {per.currency})"), showlegend=False)
+    figures.update_axes(grid.layout, "x", {"title": figures.title("GPU model")})
+    grid.update(1, 1, y={"title": figures.title("tokens/s"), "tickformat": ",.1f", "exponentformat": "none"})
+    grid.update(1, 2, y={"title": figures.title(per.currency), "exponentformat": "none",
+                         "tickformat": plotly_unit_price_format(per.currency)})
+    grid.update(1, 3, y={"title": figures.title("%"), "range": [0, 100]})
+    return figures.figure(traces, grid.layout), {"models": numbers}
 
 
 # --- tenant figure ---------------------------------------------------------------------------------
@@ -459,8 +456,8 @@ def tenant_usage(per: Period, principal: Principal, params: dict | None = None):
     currencies = sorted({currency.get(tid) or "" for tid in slug} - {""})
     numbers = {}
     unit = currencies[0] if len(currencies) == 1 else "each tenant's billing currency"
-    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.12,
-                        subplot_titles=("tokens", f"spend ({unit})"))
+    grid = figures.subplots(2, 1, shared_xaxes=True, vertical_spacing=0.12,
+                            subplot_titles=("tokens", f"spend ({unit})"))
     for tid in sorted(slug, key=lambda t: slug[t]):
         times = sorted(set(tok[tid]) | set(spend[tid]))
         numbers[slug[tid]] = {"ts": [t.isoformat() for t in times], "tokens": [tok[tid].get(t, 0) for t in times],
@@ -481,15 +478,20 @@ def tenant_usage(per: Period, principal: Principal, params: dict | None = None):
             for b, part in spend[t].items():
                 other_spend[b] += part
         series.append((f"{len(rest)} other tenants", other_tok, other_spend))
+    traces = []  # each series' tokens bar (top), then its spend line (bottom)
     for name, tokens, money in series:
         times = sorted(set(tokens) | set(money))
-        fig.add_trace(go.Bar(x=times, y=[tokens.get(t, 0) for t in times], name=name, legendgroup=name), 1, 1)
-        fig.add_trace(go.Scatter(x=times, y=[float(_money(money.get(t, Decimal(0)), "0.01")) for t in times],
-                                 name=name, legendgroup=name, showlegend=False, mode="lines+markers"), 2, 1)
-    fig.update_layout(**LAYOUT, title="Usage and spend per tenant", barmode="stack")
-    fig.update_yaxes(title_text="tokens", tickformat=",d", row=1, col=1)
-    fig.update_yaxes(title_text=f"spend ({unit})", tickformat=",.2f", exponentformat="none", row=2, col=1)
-    fig.update_xaxes(title_text=f"time (UTC), per {bucket}", row=2, col=1)
+        iso = [t.isoformat() for t in times]
+        traces += [grid.trace({"type": "bar", "x": iso, "y": [tokens.get(t, 0) for t in times], "name": name,
+                               "legendgroup": name}, 1, 1),
+                   grid.trace({"type": "scatter", "x": iso, "name": name, "legendgroup": name, "showlegend": False,
+                               "y": [float(_money(money.get(t, Decimal(0)), "0.01")) for t in times],
+                               "mode": "lines+markers"}, 2, 1)]
+    grid.layout.update(LAYOUT, title=figures.title("Usage and spend per tenant"), barmode="stack")
+    grid.update(1, 1, y={"title": figures.title("tokens"), "tickformat": ",d"})
+    grid.update(2, 1, x={"title": figures.title(f"time (UTC), per {bucket}")},
+                y={"title": figures.title(f"spend ({unit})"), "tickformat": ",.2f", "exponentformat": "none"})
+    fig = figures.figure(traces, grid.layout)
     if not series:
         _empty(fig)
     return fig, {"bucket": bucket, "currency": currencies[0] if len(currencies) == 1 else None, "tenants": numbers}
@@ -501,6 +503,9 @@ def capacity_plan(report) -> dict:
     """The planner's answer (marketplace.selectors.capacity_planning.PlanReport) as plotly's JSON figure: cost per
     1K tokens of each scenario, split into GPU-hours and power, with the GPUs each needs; and the
     optimum's GPUs by layout. (The numbers are the report's own: selectors.capacity_planning.report_dict.)"""
+    import plotly.graph_objects as go  # the planner's small figure only: the charts write their JSON themselves
+    from plotly.subplots import make_subplots
+
     cur = report.request.currency
     feasible = [s for s in report.scenarios if s.result.feasible]
     best = report.best.result
@@ -571,7 +576,7 @@ def check_access(c: Chart, principal: Principal) -> None:
 
 
 def build(name: str, principal: Principal, params: dict | None = None):
-    """(Chart, figure (a plotly Figure or its JSON dict), numbers) after the access check."""
+    """(Chart, figure (plotly's JSON dict), numbers) after the access check."""
     c = chart(name)
     check_access(c, principal)
     per = period(params)
@@ -608,6 +613,5 @@ def _plain(value):
 def figure_json(name: str, principal: Principal, params: dict | None = None) -> dict:
     """{"name", "title", "figure" (plotly's JSON dict), "data" (the numbers, Decimals as strings)}."""
     c, fig, numbers = build(name, principal, params)
-    # the fleet charts build their figure as plotly's JSON already (telemetry.figures); the others are Figures
-    figure = fig if isinstance(fig, dict) else json.loads(fig.to_json())
-    return {"name": c.name, "title": c.title, "figure": figure, "data": _plain(numbers)}
+    # every chart builds its figure as plotly's JSON already (telemetry.figures)
+    return {"name": c.name, "title": c.title, "figure": fig, "data": _plain(numbers)}

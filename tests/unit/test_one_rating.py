@@ -71,7 +71,7 @@ def test_a_eur_tenant_is_charted_in_eur_at_eur_prices(reserved_tenant):
     assert row["currency"] == "EUR" and numbers["currency"] == "EUR"
     assert row["total"] == D("18.00")  # 10 h x 1.80 EUR
     fig, _ = charts.tenant_usage(per, OPERATOR, {"bucket": "day"})
-    assert "each tenant's billing currency" in fig.to_plotly_json()["layout"]["annotations"][1]["text"]
+    assert "each tenant's billing currency" in fig["layout"]["annotations"][1]["text"]
     usd = charts.tier_spend(per)
     eur_per = charts.period({"start": T0.isoformat(), "end": NOV1.isoformat(), "currency": "EUR"})
     assert charts.tier_spend(eur_per)[tier.pk]["slice_amount"] == D("18.00")

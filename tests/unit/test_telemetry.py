@@ -22,7 +22,7 @@ from telemetry.models import CollectorError, GpuSample, MigSample, Resolution, U
 from telemetry.services import collector, downsample, energy
 from tenants.roles import Role
 from tenants.scoping import principal_for_user
-from tests.factories import MembershipFactory, TenantFactory, make_key
+from tests.factories import DeploymentFactory, MembershipFactory, TenantFactory, make_key
 from tests.fleet_fixtures import make_node, make_tier
 
 pytestmark = pytest.mark.django_db
@@ -420,6 +420,22 @@ def _plotly_json(fig) -> dict:
     return json.loads(fig.to_json())
 
 
+def _go_empty(fig, message: str = "no data yet"):
+    """What the charts did to an empty plotly Figure (telemetry.figures.empty writes the same into the dict)."""
+    fig.add_annotation(text=message, showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper",
+                       font={"size": 16, "color": "#666"})
+    fig.update_xaxes(visible=False)
+    fig.update_yaxes(visible=False)
+    return fig
+
+
+def _go_money_axes(fig, currency: str, x_title: str) -> None:
+    from marketplace.formatting import plotly_unit_price_format
+
+    fig.update_yaxes(title_text=currency, tickformat=plotly_unit_price_format(currency), exponentformat="none")
+    fig.update_xaxes(title_text=x_title)
+
+
 def _old_fleet_figure(name: str, data: dict):
     """The fleet chart's figure built with plotly's graph objects from the chart's own numbers, as the charts did
     before they wrote plotly's JSON themselves (telemetry.figures)."""
@@ -434,7 +450,7 @@ def _old_fleet_figure(name: str, data: dict):
                                  mode="lines"))
         for model, v in sorted(data["by_model"].items()):
             fig.add_trace(go.Scatter(x=v["ts"], y=v["avg"], name=model, mode="lines", line={"dash": "dot"}))
-        return fig if data["ts"] else charts._empty(fig)
+        return fig if data["ts"] else _go_empty(fig)
     if name == "gpu-heatmap":
         per_node = data["per_node"]
         fig = go.Figure(go.Heatmap(x=[datetime.fromisoformat(t) for t in data["ts"]], y=data["gpus"], z=data["z"],
@@ -444,7 +460,7 @@ def _old_fleet_figure(name: str, data: dict):
                                 "xaxis": {"title": f"time (UTC), {words} averages"},
                                 "yaxis": {"title": "node" if per_node else "GPU"},
                                 "height": max(360, min(1400, 60 + 14 * len(data["gpus"])))})
-        return fig if data["ts"] else charts._empty(fig)
+        return fig if data["ts"] else _go_empty(fig)
     if name == "mig-slots":
         code = {t: i + 1 for i, t in enumerate(data["tenants"])}
         z = [[code.get(t, 0) for t in r["slots"]] for r in data["gpus"]]
@@ -471,8 +487,120 @@ def _old_fleet_figure(name: str, data: dict):
                                          "%{text}<extra></extra>"),
                     layout={**charts.LAYOUT, "title": f"Power cost per 1M tokens by tier (energy at "
                                                       f"{data['price_per_kwh']} per kWh)"})
-    charts._money_axes(fig, "per 1M tokens (plans' currency)", "tier")
-    return fig if keys else charts._empty(fig)
+    _go_money_axes(fig, "per 1M tokens (plans' currency)", "tier")
+    return fig if keys else _go_empty(fig)
+
+
+def _old_money_figure(name: str, data: dict, currency: str = "USD"):
+    """The money chart's figure built with make_subplots and plotly's graph objects from the chart's own numbers, as
+    the charts did before they wrote plotly's JSON themselves (telemetry.figures.subplots)."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    from marketplace.formatting import plotly_unit_price_format
+
+    def f(x):
+        return None if x is None else float(x)
+
+    if name == "cost-per-tier":
+        rows, keys = data["tiers"], sorted(data["tiers"])
+        fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.15,
+                            subplot_titles=("per inference", "per 1M tokens (per 1K on hover)"))
+        fig.add_trace(go.Bar(x=keys, y=[f(rows[k]["cost_per_inference"]) for k in keys], name="per inference"), 1, 1)
+        fig.add_trace(go.Bar(x=keys, y=[f(rows[k]["cost_per_1m_tokens"]) for k in keys], name="per 1M tokens",
+                             customdata=[f(rows[k]["cost_per_1k_tokens"]) for k in keys],
+                             hovertemplate=f"%{{x}}<br>%{{y:,.4f}} {currency} per 1M tokens<br>"
+                                           f"%{{customdata:,.6f}} {currency} per 1K<extra></extra>"), 1, 2)
+        fig.update_layout(**charts.LAYOUT, title=f"What a customer pays, by tier ({currency})", showlegend=False)
+        _go_money_axes(fig, currency, "tier")
+        return fig if keys else _go_empty(fig)
+    if name == "h100-vs-h200":
+        numbers, models = data["models"], sorted(data["models"])
+        fig = make_subplots(rows=1, cols=3, horizontal_spacing=0.12,
+                            subplot_titles=("tokens/s per GPU", "cost per 1M tokens", "utilization"))
+        for col, field in enumerate(("tokens_per_s_per_gpu", "cost_per_1m_tokens", "utilization"), start=1):
+            fig.add_trace(go.Bar(x=models, y=[f(numbers[m][field]) for m in models], name=field), 1, col)
+        fig.update_layout(**charts.LAYOUT, title=f"H100 vs H200 (money in {currency})", showlegend=False)
+        fig.update_xaxes(title_text="GPU model")
+        fig.update_yaxes(title_text="tokens/s", tickformat=",.1f", exponentformat="none", row=1, col=1)
+        fig.update_yaxes(title_text=currency, tickformat=plotly_unit_price_format(currency),
+                         exponentformat="none", row=1, col=2)
+        fig.update_yaxes(title_text="%", range=[0, 100], row=1, col=3)
+        return fig
+    assert name == "tenant-usage"
+    tenants, bucket = data["tenants"], data["bucket"]
+    unit = data["currency"] or "each tenant's billing currency"
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.12,
+                        subplot_titles=("tokens", f"spend ({unit})"))
+    series = {slug: ({t: n for t, n in zip(row["ts"], row["tokens"], strict=True)},
+                     {t: Decimal(x) for t, x in zip(row["ts"], row["spend"], strict=True)})
+              for slug, row in tenants.items() if any(row["tokens"]) or any(Decimal(x) for x in row["spend"])}
+    ranked = sorted(series, key=lambda s: (-Decimal(tenants[s]["total"]), -sum(series[s][0].values()), s))
+    shown, rest = sorted(ranked[:charts.TOP_TENANTS]), ranked[charts.TOP_TENANTS:]
+    drawn = [(s, *series[s]) for s in shown]
+    if rest:
+        other_tok, other_spend = {}, {}
+        for s in rest:
+            for t, n in series[s][0].items():
+                other_tok[t] = other_tok.get(t, 0) + n
+            for t, x in series[s][1].items():
+                other_spend[t] = other_spend.get(t, Decimal(0)) + x
+        drawn.append((f"{len(rest)} other tenants", other_tok, other_spend))
+    for label, tok, money in drawn:
+        ts = sorted(set(tok) | set(money))
+        x = [datetime.fromisoformat(t) for t in ts]
+        fig.add_trace(go.Bar(x=x, y=[tok.get(t, 0) for t in ts], name=label, legendgroup=label), 1, 1)
+        fig.add_trace(go.Scatter(x=x, y=[float(money.get(t, Decimal(0))) for t in ts], name=label,
+                                 legendgroup=label, showlegend=False, mode="lines+markers"), 2, 1)
+    fig.update_layout(**charts.LAYOUT, title="Usage and spend per tenant", barmode="stack")
+    fig.update_yaxes(title_text="tokens", tickformat=",d", row=1, col=1)
+    fig.update_yaxes(title_text=f"spend ({unit})", tickformat=",.2f", exponentformat="none", row=2, col=1)
+    fig.update_xaxes(title_text=f"time (UTC), per {bucket}", row=2, col=1)
+    return fig if drawn else _go_empty(fig)
+
+
+def many_tenants_with_usage(tier, start: datetime, hours: int, n: int) -> None:
+    """`n` tenants, each holding `tier` from `start` for `hours` hours with usage in every hour: tenant i uses (i + 1)M
+    input tokens an hour (whole millions at whole-cent prices: every bucket's spend is whole cents, so the chart's
+    "other tenants" series is the sum of the rows it shows)."""
+    for i in range(n):
+        tenant = TenantFactory(slug=f"many{i:02d}", currency="USD")
+        dep = DeploymentFactory(allocation__order__tenant=tenant, allocation__order__tier=tier,
+                                allocation__activated_at=start,
+                                allocation__released_at=start + timedelta(hours=hours))
+        UsageHourly.objects.bulk_create(
+            UsageHourly(tenant=tenant, deployment=dep, hour=start + timedelta(hours=h), input_tokens=(i + 1) * 10**6,
+                        output_tokens=0, requests=i + 1) for h in range(hours))
+
+
+@pytest.mark.parametrize("with_data", [True, False], ids=["data", "empty"])
+def test_money_figures_are_the_json_plotly_builds(shop, op_p, tiers, with_data):
+    """The money charts write plotly's JSON themselves, the make_subplots grid built by plotly once per distinct
+    grid: what the client gets is what make_subplots and plotly's graph objects built from the same numbers."""
+    import plotly.graph_objects as go
+
+    if with_data:
+        params, start, end = _priced_period(shop)
+        many_tenants_with_usage(tiers["1g"], start, 2, charts.TOP_TENANTS + 2)
+    else:  # before any allocation: nothing to rate
+        params = {"start": "2020-01-01T00:00:00Z", "end": "2020-01-01T01:00:00Z"}
+    for name in ("cost-per-tier", "h100-vs-h200", "tenant-usage"):
+        for extra in ({}, {"currency": "EUR"}):
+            body = charts.figure_json(name, op_p, {**params, **extra})
+            sent = json.loads(json.dumps(body["figure"]))  # as the client reads it
+            assert sent == _plotly_json(_old_money_figure(name, body["data"], extra.get("currency", "USD"))), name
+            assert _plotly_json(go.Figure(sent)) == sent, name  # every property valid, in plotly's own form
+            empty = name != "h100-vs-h200" and not (with_data and not extra)  # nobody is billed in EUR
+            titles = 3 if name == "h100-vs-h200" else 2
+            assert len(sent["layout"]["annotations"]) == titles + empty, (name, extra)
+            if name != "tenant-usage":
+                assert all(ax["exponentformat"] == "none" for k, ax in sent["layout"].items()
+                           if k.startswith("yaxis") and k != "yaxis3"), name
+    if with_data:
+        body = charts.figure_json("tenant-usage", op_p, params)
+        names = [t["name"] for t in body["figure"]["data"]]
+        assert len(body["data"]["tenants"]) == charts.TOP_TENANTS + 4
+        assert names[-1] == "4 other tenants" and len(names) == 2 * (charts.TOP_TENANTS + 1)
 
 
 @pytest.mark.parametrize("with_data", [True, False], ids=["data", "empty"])
