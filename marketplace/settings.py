@@ -267,10 +267,12 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
 # PostgreSQL compiles a statement whose estimated cost passes jit_above_cost (100,000 by default) before running
 # it; the charts' and the planner's aggregates pass it and spent ~50 ms compiling for ~50 ms of work (EXPLAIN's
 # "JIT: ... Emission 47.9 ms"). Tessera's statements run in milliseconds, so its connections turn JIT off;
-# TESSERA_DB_JIT=1 leaves the server's setting (e.g. behind a pooler that refuses the startup option).
+# TESSERA_DB_JIT=1 leaves the server's setting (e.g. behind a pooler that refuses the startup option). A
+# connection's own `options` replaces libpq's PGOPTIONS, so the operator's PGOPTIONS are kept in front of it.
 TESSERA_DB_JIT = env_bool("TESSERA_DB_JIT", False)
+PGOPTIONS = env_str("PGOPTIONS")
 if DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql" and not TESSERA_DB_JIT:
-    DATABASES["default"].setdefault("OPTIONS", {})["options"] = "-c jit=off"
+    DATABASES["default"].setdefault("OPTIONS", {})["options"] = f"{PGOPTIONS} -c jit=off".strip()
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 AUTH_USER_MODEL = "tenants.User"

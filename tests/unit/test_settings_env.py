@@ -88,7 +88,8 @@ print(json.dumps({"read": s.ENVIRONMENT_VARIABLES, "secret_key": s.SECRET_KEY}))
 
 # Free text, URLs, paths and lists: any value is taken as it is (the rest must refuse a value that does not parse).
 FREE_TEXT = {
-    "REDIS_URL", "CELERY_BROKER_URL", "CELERY_RESULT_BACKEND", "SECRET_KEY", "ALLOWED_HOSTS", "CSRF_TRUSTED_ORIGINS",
+    "PGOPTIONS", "REDIS_URL", "CELERY_BROKER_URL", "CELERY_RESULT_BACKEND", "SECRET_KEY", "ALLOWED_HOSTS",
+    "CSRF_TRUSTED_ORIGINS",
     "TESSERA_VAR_DIR", "EMAIL_BACKEND", "DEFAULT_FROM_EMAIL", "TESSERA_NODE_HOSTNAME", "TESSERA_SIM_DIR",
     "TESSERA_NVML_SIM_FLEET", "TESSERA_NVML_SIM_STATE", "TESSERA_NVML_SIM_NODE", "TESSERA_TRITONSERVER",
     "TESSERA_TRITON_PYTHON", "TESSERA_TRITON_REPO_ROOT", "TESSERA_SERVING_RUNTIME_DIR", "TESSERA_TRITON_IMAGE",
@@ -279,9 +280,12 @@ print(json.dumps(settings.DATABASES["default"].get("OPTIONS", {})))
 @pytest.mark.parametrize(("env", "options"), [
     ({}, "-c jit=off"),  # the default: PostgreSQL's JIT compiling took as long as the charts' aggregates
     ({"TESSERA_DB_JIT": "1"}, None),  # the server's setting (a pooler may refuse the startup option)
+    # a connection's `options` replaces libpq's PGOPTIONS: the operator's are kept (the fault tests' workers
+    # rely on client_connection_check_interval given that way)
+    ({"PGOPTIONS": "-c client_connection_check_interval=200"}, "-c client_connection_check_interval=200 -c jit=off"),
 ])
 def test_postgresql_connections_turn_jit_off_unless_told(env, options, tmp_path):
-    base = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_")}
+    base = {k: v for k, v in os.environ.items() if not k.startswith("TESSERA_") and k != "PGOPTIONS"}
     base.update(DJANGO_SETTINGS_MODULE="marketplace.settings", TESSERA_VAR_DIR=str(tmp_path),
                 DATABASE_URL="postgres://tessera@db.example:5432/tessera")  # parsed only, never connected
     out = run(JIT_PROBE, env={**base, **env})
