@@ -175,11 +175,6 @@ def _when(t: datetime) -> str:
     return t.strftime("%Y-%m-%d %H:%M")
 
 
-def _empty(fig: dict, message: str = "no data yet") -> dict:
-    """An empty chart says so instead of drawing a blank -1..1 axis (on every axis of a subplot grid)."""
-    return figures.empty(fig, message)
-
-
 def fleet_utilization(per: Period, principal: Principal):
     """Average GPU activity (percent) over time, fleet-wide and per GPU model (one GROUP BY query)."""
     step = bucket_step(per)
@@ -201,7 +196,7 @@ def fleet_utilization(per: Period, principal: Principal):
     fig = figures.figure(traces, {**LAYOUT, "title": figures.title("Fleet utilization"),
                                   "yaxis": {"range": [0, 100], "title": figures.title("GPU activity (%)")},
                                   "xaxis": {"title": figures.title(f"time (UTC), {_step_words(step)} averages")}})
-    return (fig if ts else _empty(fig)), numbers
+    return (fig if ts else figures.empty(fig)), numbers
 
 
 def _step_words(step: int) -> str:
@@ -239,7 +234,8 @@ def gpu_heatmap(per: Period, principal: Principal):
          "xaxis": {"title": figures.title(f"time (UTC), {_step_words(step)} averages")},
          "yaxis": {"title": figures.title("node" if per_node else "GPU")},
          "height": max(360, min(1400, 60 + 14 * len(labels)))})
-    return (fig if ts else _empty(fig)), {"gpus": labels, "per_node": per_node, "step_s": step, "ts": iso, "z": z}
+    numbers = {"gpus": labels, "per_node": per_node, "step_s": step, "ts": iso, "z": z}
+    return (fig if ts else figures.empty(fig)), numbers
 
 
 def mig_slot_map(per: Period, principal: Principal):
@@ -345,7 +341,7 @@ def cost_per_tier(per: Period, principal: Principal):
     fig = figures.figure(traces, {**grid.layout, **LAYOUT, "showlegend": False,
                                   "title": figures.title(f"What a customer pays, by tier ({per.currency})")})
     _money_axes(fig, per.currency, "tier")
-    return (fig if keys else _empty(fig)), {"tiers": numbers, "currency": per.currency}
+    return (fig if keys else figures.empty(fig)), {"tiers": numbers, "currency": per.currency}
 
 
 def _money_axes(fig: dict, currency: str, x_title: str) -> None:
@@ -368,13 +364,10 @@ def power_cost(per: Period, principal: Principal):
           "customdata": [_f(rows[k]["cost_per_1k_tokens"]) for k in keys],
           "hovertemplate": "%{x}<br>%{y:,.4f} per 1M tokens<br>%{customdata:,.6f} per 1K<br>%{text}<extra></extra>"}],
         {**LAYOUT, "title": figures.title(f"Power cost per 1M tokens by tier (energy at {energy.price_per_kwh()} "
-                                          "per kWh)"),
-         # as _money_axes writes them: the currency's digits, never an SI prefix
-         "yaxis": {"title": figures.title("per 1M tokens (plans' currency)"), "exponentformat": "none",
-                   "tickformat": plotly_unit_price_format("per 1M tokens (plans' currency)")},
-         "xaxis": {"title": figures.title("tier")}})
+                                          "per kWh)")})
+    _money_axes(fig, "per 1M tokens (plans' currency)", "tier")
     if not keys:
-        _empty(fig)
+        figures.empty(fig)
     return fig, {"tiers": rows, "price_per_kwh": energy.price_per_kwh(), "total_kwh": report.total_kwh,
                  "unallocated_kwh": report.unallocated_kwh,
                  "gpu_kwh": {str(k): v for k, v in report.gpu_kwh.items()}}
@@ -493,7 +486,7 @@ def tenant_usage(per: Period, principal: Principal, params: dict | None = None):
                 y={"title": figures.title(f"spend ({unit})"), "tickformat": ",.2f", "exponentformat": "none"})
     fig = figures.figure(traces, grid.layout)
     if not series:
-        _empty(fig)
+        figures.empty(fig)
     return fig, {"bucket": bucket, "currency": currencies[0] if len(currencies) == 1 else None, "tenants": numbers}
 
 

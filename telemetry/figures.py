@@ -50,9 +50,9 @@ def figure(traces: list[dict], layout: dict) -> dict:
     return {"data": traces, "layout": layout}
 
 
-def empty(fig: dict, message: str) -> dict:
-    """What ``add_annotation`` plus ``update_xaxes(visible=False)`` / ``update_yaxes`` do to a figure (every
-    axis of a subplot grid)."""
+def empty(fig: dict, message: str = "no data yet") -> dict:
+    """An empty chart says so instead of drawing a blank -1..1 axis: what ``add_annotation`` plus
+    ``update_xaxes(visible=False)`` / ``update_yaxes`` do to a figure (every axis of a subplot grid)."""
     layout = fig["layout"]
     layout["annotations"] = [*layout.get("annotations", ()),
                              {"text": message, "showarrow": False, "x": 0.5, "y": 0.5, "xref": "paper",

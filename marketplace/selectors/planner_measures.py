@@ -37,7 +37,6 @@ POWER_SUMS = ("n", "sx", "sy", "sxx", "sxy")
 Ranges = list[tuple[datetime, datetime]]
 
 
-
 def _within(field: str, ranges: Ranges) -> Q | None:
     """field in any of the half-open ranges; None when they are all empty."""
     q = None
