@@ -239,28 +239,37 @@ def gpu_heatmap(per: Period, principal: Principal):
 
 
 def mig_slot_map(per: Period, principal: Principal):
-    """Every GPU's 8 memory slots and the tenant that holds each (empty: free)."""
+    """Every GPU's 8 memory slots and the tenant that holds each (empty: free). Its numbers are JSON-ready as
+    built (the chart is registered plain: `figure_json` does not copy its 1,000 rows)."""
     gpus = Gpu.objects.order_by("node__hostname", "index").values_list("pk", "node__hostname", "index",
                                                                         "gpu_model__key", "mig_mode")
-    held: dict[int, list] = {}  # GPU -> its 8 slots' tenants, then their 8 profiles
+    held: dict[int, tuple[list, list]] = {}  # GPU -> its 8 slots' tenants, their 8 profiles
     used = 0
-    for gpu_id, slot, tenant, profile in GpuSlot.objects.values_list(
+    for gpu_id, slot, tenant, profile in GpuSlot.objects.order_by().values_list(  # (no sort: rows go by GPU)
             "gpu_id", "slot", "instance__tenant__slug", "instance__placement__profile__name"):
-        cells = held.get(gpu_id) or held.setdefault(gpu_id, [None] * 16)
+        cells = held.get(gpu_id) or held.setdefault(gpu_id, ([None] * 8, [None] * 8))
         used += 1
         if 0 <= slot < 8:
-            cells[slot], cells[8 + slot] = tenant, profile or "whole GPU"
-    tenants = sorted({t for cells in held.values() for t in cells[:8]} - {None})
+            cells[0][slot], cells[1][slot] = tenant, profile or "whole GPU"
+    tenants = sorted({t for slots, _p in held.values() for t in slots} - {None})
     code: dict[str | None, int] = {t: i + 1 for i, t in enumerate(tenants)}  # a free slot (None): 0
-    rows, z, text = [], [], []
-    free = [None] * 16
+    rows, labels, z, text = [], [], [], []
+    free_slots, free_z, free_text = [None] * 8, [0] * 8, ["free"] * 8  # (shared by every free GPU's row)
+    cell_text: dict[tuple, str] = {}  # "tenant (profile)", once per pair
     for pk, host, index, model, mig in gpus:
-        cells = held.get(pk, free)
-        slots, profiles = cells[:8], cells[8:]
-        rows.append({"gpu": Gpu.label_for(host, index), "model": model, "mig": mig, "slots": slots,
-                     "profiles": profiles})
+        label = Gpu.label_for(host, index)
+        labels.append(label)
+        mine = held.get(pk)
+        if mine is None:
+            rows.append({"gpu": label, "model": model, "mig": mig, "slots": free_slots, "profiles": free_slots})
+            z.append(free_z)
+            text.append(free_text)
+            continue
+        slots, profiles = mine
+        rows.append({"gpu": label, "model": model, "mig": mig, "slots": slots, "profiles": profiles})
         z.append([code.get(t, 0) for t in slots])
-        text.append([f"{t} ({p})" if t else "free" for t, p in zip(slots, profiles, strict=True)])
+        text.append([(cell_text.get((t, p)) or cell_text.setdefault((t, p), f"{t} ({p})")) if t else "free"
+                     for t, p in zip(slots, profiles, strict=True)])
     n = len(tenants)
     palette = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
     colors = ["#eeeeee"] + [palette[i % len(palette)] for i in range(n)]
@@ -268,7 +277,7 @@ def mig_slot_map(per: Period, principal: Principal):
     for i, c in enumerate(colors):
         scale += [[i / len(colors), c], [(i + 1) / len(colors), c]]
     fig = figures.figure(
-        [{"type": "heatmap", "x": [f"slot {s}" for s in range(8)], "y": [r["gpu"] for r in rows], "z": z, "text": text,
+        [{"type": "heatmap", "x": [f"slot {s}" for s in range(8)], "y": labels, "z": z, "text": text,
           "hoverinfo": "text+y", "texttemplate": "%{text}", "zmin": -0.5, "zmax": n + 0.5, "showscale": False,
           "colorscale": scale, "xgap": 2, "ygap": 2}],
         {**LAYOUT, "title": figures.title("MIG slot map (who holds which memory slices)")})
@@ -543,12 +552,14 @@ class Chart:
     build: Callable
     operators_only: bool = True
     takes_params: bool = False
+    #: its numbers hold only JSON types already (str, int, float, bool, None, lists, str-keyed dicts): not copied
+    plain: bool = False
 
 
 CHARTS: dict[str, Chart] = {c.name: c for c in (
     Chart("fleet-utilization", "Fleet utilization over time", fleet_utilization),
     Chart("gpu-heatmap", "Per-GPU activity heatmap", gpu_heatmap),
-    Chart("mig-slots", "MIG slot map", mig_slot_map),
+    Chart("mig-slots", "MIG slot map", mig_slot_map, plain=True),
     Chart("cost-per-tier", "Cost per inference and per 1K tokens by tier", cost_per_tier),
     Chart("power-cost", "Power cost per 1K tokens by tier", power_cost),
     Chart("h100-vs-h200", "H100 vs H200", h100_vs_h200),
@@ -574,7 +585,8 @@ def build(name: str, principal: Principal, params: dict | None = None):
     check_access(c, principal)
     per = period(params)
     fig, numbers = c.build(per, principal, params) if c.takes_params else c.build(per, principal)
-    numbers = {"start": per.start.isoformat(), "end": per.end.isoformat(), "resolution": per.resolution, **numbers}
+    numbers = {"start": per.start.isoformat(), "end": per.end.isoformat(), "resolution": str(per.resolution),
+               **numbers}
     return c, fig, numbers
 
 
@@ -607,4 +619,4 @@ def figure_json(name: str, principal: Principal, params: dict | None = None) -> 
     """{"name", "title", "figure" (plotly's JSON dict), "data" (the numbers, Decimals as strings)}."""
     c, fig, numbers = build(name, principal, params)
     # every chart builds its figure as plotly's JSON already (telemetry.figures)
-    return {"name": c.name, "title": c.title, "figure": fig, "data": _plain(numbers)}
+    return {"name": c.name, "title": c.title, "figure": fig, "data": numbers if c.plain else _plain(numbers)}

@@ -270,6 +270,26 @@ def test_mig_slot_map_shows_who_holds_which_slots(shop, op_p):
     assert [row_a["slots"][s] for s in range(a.start, a.start + a.size)] == ["alpha"] * 4
     assert rows[f"node-a · GPU {b.gpu.index}"]["slots"][b.start] == "bravo"
     assert data["used"] == 5 and data["free"] == 64 - 5 and data["tenants"] == ["alpha", "bravo"]
+    free = next(r for r in data["gpus"] if not any(r["slots"]))
+    assert free["slots"] == [None] * 8 and free["profiles"] == [None] * 8
+
+
+@pytest.mark.parametrize("name", [c.name for c in charts.CHARTS.values() if c.plain])
+def test_a_plain_chart_s_numbers_are_json_as_built(shop, op_p, name):
+    """A chart registered plain skips figure_json's copy: its numbers must need none (no Decimal, datetime,
+    tuple or non-string key), or the API would fail to encode them or change their digits."""
+    c, _fig, numbers = charts.build(name, op_p, {})
+    assert numbers["gpus"] if name == "mig-slots" else numbers
+    assert charts._plain(numbers) == numbers
+
+    def json_types(v) -> bool:
+        if isinstance(v, dict):
+            return all(type(k) is str and json_types(x) for k, x in v.items())
+        if isinstance(v, list):
+            return all(json_types(x) for x in v)
+        return type(v) in (str, int, float, bool, type(None))
+
+    assert json_types(numbers)
 
 
 def _priced_period(shop):
