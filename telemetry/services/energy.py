@@ -119,19 +119,21 @@ def _apportion_sql(res: str, gpu_ids: list[int] | None, start: datetime, end: da
                COALESCE(NULLIF(gm.compute_slices, 0), 7) AS cs
         FROM s JOIN {gpu} gpu ON gpu.id = s.gpu_id JOIN {gm} gm ON gm.id = gpu.gpu_model_id
         WHERE s.prev IS NOT NULL),
+      ms AS MATERIALIZED (
+        SELECT gpu_id, ts, allocation_id, tenant_id, compute_slices FROM {m}
+        WHERE resolution = %s {only} AND ts >= %s AND ts <= %s
+          AND (allocation_id IS NOT NULL OR tenant_id IS NOT NULL)),
       sl AS (
         SELECT inc.gpu_id, inc.ts, inc.j, ms.allocation_id, ms.tenant_id,
                CASE WHEN ms.compute_slices >= inc.cs THEN 1.0 ELSE ms.compute_slices * 1.0 / inc.cs END AS share
-        FROM inc
-        JOIN {m} ms ON ms.gpu_id = inc.gpu_id AND ms.resolution = %s AND ms.ts = inc.ts
-        WHERE ms.ts >= %s AND ms.ts <= %s AND (ms.allocation_id IS NOT NULL OR ms.tenant_id IS NOT NULL)),
+        FROM inc JOIN ms ON ms.gpu_id = inc.gpu_id AND ms.ts = inc.ts),
       held AS (SELECT gpu_id, ts, SUM(share) AS s FROM sl GROUP BY gpu_id, ts)
     SELECT 0, inc.gpu_id, NULL, SUM(inc.j),
            SUM(inc.j * CASE WHEN COALESCE(h.s, 0) >= 1 THEN 0 ELSE 1 - COALESCE(h.s, 0) END)
     FROM inc LEFT JOIN held h ON h.gpu_id = inc.gpu_id AND h.ts = inc.ts GROUP BY inc.gpu_id
     UNION ALL
     SELECT 1, allocation_id, tenant_id, SUM(j * share), NULL FROM sl GROUP BY allocation_id, tenant_id"""
-    return sql, [res, *ids, lo, anchor_hi, res, *ids, lo, hi, lo, res, lo, hi]
+    return sql, [res, *ids, lo, anchor_hi, res, *ids, lo, hi, lo, res, *ids, lo, hi]
 
 
 def _epoch_sql(sql: str) -> str:
