@@ -55,13 +55,14 @@ from datetime import UTC, date, datetime, timedelta
 from decimal import ROUND_HALF_UP, Decimal
 from functools import lru_cache
 
-from django.db import transaction
+from django.db import connections, transaction
 from django.db.models import (
     Aggregate,
     BigIntegerField,
     BooleanField,
     Case,
     Count,
+    DecimalField,
     F,
     IntegerField,
     Max,
@@ -168,6 +169,28 @@ class PlanBook:
                     span[f"{at}__lt"] = plans[i + 1].effective_from
                 whens.append(When(Q(**{tier: tier_id, kind: plan_kind, **span}), then=Value(p.pk)))
         return Case(*whens, default=Value(None), output_field=IntegerField())
+
+    def token_money(self, tier: str, kind: str, at: str) -> tuple[Case, Decimal]:
+        """A SQL expression and its divisor: the row's tokens priced at the plan in force for its tier and
+        plan kind at its time `at` (the plan `case` picks), input_tokens x the input price + output_tokens x
+        the output price, the prices as whole numbers (x 10**places, so that SQLite multiplies integers
+        and PostgreSQL numerics: exact in both), null when no price is in force. The money is the sum / divisor
+        (divisor: 10**places x 1M tokens)."""
+        prices = [x for p in self.by_pk.values() for x in (p.price_per_1m_input_tokens, p.price_per_1m_output_tokens)]
+        places = max([0, *(-int(x.as_tuple().exponent) for x in prices)])
+        scale = Decimal(10) ** places
+        whens = []
+        for (tier_id, plan_kind), plans in self.by_key.items():
+            for i, p in enumerate(plans):
+                span = {f"{at}__gte": p.effective_from}
+                if i + 1 < len(plans):
+                    span[f"{at}__lt"] = plans[i + 1].effective_from
+                price_in, price_out = (int(p.price_per_1m_input_tokens * scale),
+                                       int(p.price_per_1m_output_tokens * scale))
+                whens.append(When(Q(**{tier: tier_id, kind: plan_kind, **span}),
+                                  then=F("input_tokens") * Value(Decimal(price_in))
+                                  + F("output_tokens") * Value(Decimal(price_out))))
+        return Case(*whens, default=Value(None), output_field=DecimalField()), scale * MILLION
 
     def at(self, tier_id: int, kind: str, t: datetime) -> PricePlan | None:
         found = None
@@ -710,23 +733,28 @@ def spread_amounts(tenants: list[Tenant], start: datetime, end: datetime, now: d
         for cur, book in books.items():
             rows = UsageHourly.objects.filter(tenant_id__in=[t for t in ids if currency_of[t] == cur],
                                               hour__gte=max(m_start, lo - hour), hour__lt=min(m_end, hi + hour))
-            qs = (rows.annotate(plan_id=book.case(TIER, PLAN_KIND, "hour"), piece=_piece((piece_step, lo, hi)))
-                  .values_list("tenant_id", TIER, "plan_id", "piece")
-                  .annotate(i=Sum("input_tokens"), o=Sum("output_tokens"), r=Sum("requests")).order_by())
-            prices = {pk: (p.price_per_1m_input_tokens, p.price_per_1m_output_tokens) for pk, p in book.by_pk.items()}
+            # the database prices the tokens (the plan in force at each hour) and sums them per tenant[, tier]
+            # and piece: one row per bucket, whatever the plans, deployments and hours
+            priced, divisor = book.token_money(TIER, PLAN_KIND, "hour")
+            keys = ["tenant_id", TIER] if by_tier else ["tenant_id"]
+            qs = (rows.annotate(piece=_piece((piece_step, lo, hi))).values_list(*keys, "piece")
+                  .annotate(i=Sum("input_tokens"), o=Sum("output_tokens"), r=Sum("requests"), m=Sum(priced))
+                  .order_by())
             acc, used = out.money, out.used
-            for tid, tier_id, plan_id, piece, ins, outs, reqs in qs:
+            for row in _raw_rows(qs):
+                tid, piece, ins, outs, reqs, m = row[0], row[-5], row[-4], row[-3], row[-2], row[-1]
+                tier_key = row[1] if by_tier else None
                 a, b = _piece_span(piece, piece_step, lo, hi)
                 bucket = None if bucket_td is None else _bucket_start(a, piece_step)
-                tier_key = tier_id if by_tier else None
                 if start <= a < end:  # the hour (or bucket) is inside the range: its tokens are the range's
                     u = used[(tid, cur, tier_key, bucket)]
-                    u[0] += ins + outs
-                    u[1] += reqs
-                price = prices.get(plan_id)
-                if price is None:  # no price in force: the invoice alerts; a chart has nothing to add
+                    u[0] += int(ins + outs)
+                    u[1] += int(reqs)
+                if m is None:  # no price in force: the invoice alerts; a chart has nothing to add
                     continue
-                amount = (ins * price[0] + outs * price[1]) / MILLION
+                if isinstance(m, float):  # (SQLite: an integer overflowed into a float)
+                    raise ArithmeticError("token money overflowed the database's integers")
+                amount = Decimal(m) / divisor
                 if piece < 0:  # an edge hour: the part of it inside [start, end)
                     ov = min(b, end) - max(a, start)
                     if ov <= timedelta(0):
@@ -734,6 +762,15 @@ def spread_amounts(tenants: list[Tenant], start: datetime, end: datetime, now: d
                     amount = amount * seconds(ov) / 3600
                 acc[(tid, cur, tier_key, TOKENS, bucket)] += amount
     return out
+
+
+def _raw_rows(qs: QuerySet) -> list[tuple]:
+    """A values_list queryset's rows as the database driver returns them (no per-value converters: sums of
+    integers and numerics only)."""
+    sql, params = qs.query.get_compiler(using=qs.db).as_sql()
+    with connections[qs.db].cursor() as cursor:
+        cursor.execute(sql, params)
+        return cursor.fetchall()
 
 
 @lru_cache(maxsize=4096)
