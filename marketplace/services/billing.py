@@ -62,6 +62,7 @@ from django.db.models import (
     BooleanField,
     Case,
     Count,
+    DateTimeField,
     DecimalField,
     F,
     IntegerField,
@@ -73,7 +74,7 @@ from django.db.models import (
     Value,
     When,
 )
-from django.db.models.functions import TruncMonth
+from django.db.models.functions import Coalesce, Greatest, Least, TruncMonth
 from django.utils import timezone
 
 from marketplace import enqueue
@@ -356,6 +357,26 @@ def _held(allocations: QuerySet) -> Iterator[tuple[int, Held]]:
             "tenant_id", "tier_id", "order__plan_kind", "state", "activated_at", "released_at", "updated_at"):
         yield tenant_id, Held(tier_id, kind, activated,
                               released or (updated if state == Allocation.State.FAILED else None))
+
+
+def _held_spans(allocations: QuerySet, lo: datetime, hi: datetime, now: datetime
+                ) -> list[tuple[int, int, str, datetime, datetime, int]]:
+    """(tenant id, tier id, plan kind, from, to, how many) of `allocations`: each one's active time (`Held`:
+    activated until stopped, else `now`) clipped to [lo, hi) by the database, the allocations with the same
+    tenant, tier, plan kind and clipped span counted as one row (to <= from: none of it inside)."""
+    stopped = Coalesce("released_at", Case(When(state=Allocation.State.FAILED, then=F("updated_at"))), Value(now),
+                       output_field=DateTimeField())
+    return list(allocations.annotate(a_from=Greatest("activated_at", Value(lo), output_field=DateTimeField()),
+                                     a_to=Least(stopped, Value(hi), output_field=DateTimeField()))
+                .values_list("tenant_id", "tier_id", "order__plan_kind", "a_from", "a_to")
+                .annotate(n=Count("pk")).order_by())
+
+
+def _times_hours(per_hour: Decimal, td: timedelta) -> Decimal:
+    """per_hour x the hours of td, exactly as per_hour x seconds / 3600 (a whole number of hours: one product)."""
+    if not td.microseconds and not td.seconds % 3600:
+        return per_hour * (td.days * 24 + td.seconds // 3600)
+    return per_hour * seconds(td) / 3600
 
 
 def _active_allocations(start: datetime, end: datetime, now: datetime) -> QuerySet:
@@ -683,10 +704,11 @@ def spread_amounts(tenants: list[Tenant], start: datetime, end: datetime, now: d
         currency_of, books = _month_books(tenants, m)
         for t in ids:
             out.currency.setdefault(t, currency_of[t])
-        held: dict[int, list[Held]] = defaultdict(list)
-        for tid, h in _held(_active_allocations(m_start, m_end, m_now).filter(tenant_id__in=ids)):
-            held[tid].append(h)
-        committed = {tid for tid, hs in held.items() if any(h.plan_kind == PricePlan.Kind.RESERVED for h in hs)}
+        # the month's allocations, each clipped to the range (`rate_month`'s clip, then [start, end)) by the
+        # database, and counted per tenant, tier, plan kind and clipped span (the same span: one row)
+        held = _held_spans(_active_allocations(m_start, m_end, m_now).filter(tenant_id__in=ids),
+                           max(m_start, start), min(m_end, m_now, end), m_now)
+        committed = {tid for tid, _tier, kind, _a, _b, _n in held if kind == PricePlan.Kind.RESERVED}
         if committed:
             month = rate_months_many([t for t in tenants if t.pk in committed], m, m_now, tokens=reserved,
                                      month_books=(currency_of, books))
@@ -703,19 +725,14 @@ def spread_amounts(tenants: list[Tenant], start: datetime, end: datetime, now: d
                             out.money[(tid, cur, tier_key, part, b)] += x
         # the others' slice-hours: the price per hour of what is held, changing at span ends
         changes: dict[tuple, dict[datetime, Decimal]] = defaultdict(lambda: defaultdict(Decimal))
-        for tid, hs in held.items():
-            if tid in committed:
+        for tid, tier_id, kind, a_from, a_to, n in held:
+            if tid in committed or a_from >= a_to:
                 continue
             cur = currency_of[tid]
-            for h in hs:
-                a_from = max(h.activated_at, m_start, start)
-                a_to = min(h.stopped_at or m_now, m_end, m_now, end)
-                if a_from >= a_to:
-                    continue
-                for plan, p_lo, p_hi in books[cur].spans(h.tier_id, h.plan_kind, a_from, a_to):
-                    ch = changes[(tid, cur, h.tier_id if by_tier else None)]
-                    ch[p_lo] += plan.price_per_slice_hour
-                    ch[p_hi] -= plan.price_per_slice_hour
+            for plan, p_lo, p_hi in books[cur].spans(tier_id, kind, a_from, a_to):
+                ch = changes[(tid, cur, tier_id if by_tier else None)]
+                ch[p_lo] += plan.price_per_slice_hour * n
+                ch[p_hi] -= plan.price_per_slice_hour * n
         for (tid, cur, tier_key), ch in changes.items():
             per_hour, times = Decimal(0), sorted(ch)
             for at, nxt in zip(times, times[1:], strict=False):
@@ -723,13 +740,17 @@ def spread_amounts(tenants: list[Tenant], start: datetime, end: datetime, now: d
                 if not per_hour:
                     continue
                 if bucket_td is None:
-                    out.money[(tid, cur, tier_key, SLICES, None)] += per_hour * seconds(nxt - at) / 3600
+                    out.money[(tid, cur, tier_key, SLICES, None)] += _times_hours(per_hour, nxt - at)
                     continue
-                while at < nxt:
-                    b = _bucket_start(at, piece_step)
+                b, whole = _bucket_start(at, piece_step), None
+                while at < nxt:  # bucket by bucket: a whole one costs per_hour x its hours
                     edge = min(nxt, b + bucket_td)
-                    out.money[(tid, cur, tier_key, SLICES, b)] += per_hour * seconds(edge - at) / 3600
-                    at = edge
+                    if edge - at == bucket_td:
+                        whole = whole or _times_hours(per_hour, bucket_td)
+                        out.money[(tid, cur, tier_key, SLICES, b)] += whole
+                    else:
+                        out.money[(tid, cur, tier_key, SLICES, b)] += _times_hours(per_hour, edge - at)
+                    at, b = edge, b + bucket_td
         for cur, book in books.items():
             rows = UsageHourly.objects.filter(tenant_id__in=[t for t in ids if currency_of[t] == cur],
                                               hour__gte=max(m_start, lo - hour), hour__lt=min(m_end, hi + hour))
@@ -741,12 +762,19 @@ def spread_amounts(tenants: list[Tenant], start: datetime, end: datetime, now: d
                   .annotate(i=Sum("input_tokens"), o=Sum("output_tokens"), r=Sum("requests"), m=Sum(priced))
                   .order_by())
             acc, used = out.money, out.used
+            of_piece: dict[int, tuple[datetime | None, bool, Decimal | None]] = {}
             for row in _raw_rows(qs):
                 tid, piece, ins, outs, reqs, m = row[0], row[-5], row[-4], row[-3], row[-2], row[-1]
                 tier_key = row[1] if by_tier else None
-                a, b = _piece_span(piece, piece_step, lo, hi)
-                bucket = None if bucket_td is None else _bucket_start(a, piece_step)
-                if start <= a < end:  # the hour (or bucket) is inside the range: its tokens are the range's
+                known = of_piece.get(piece)
+                if known is None:  # (bucket, inside the range, an edge hour's seconds inside it)
+                    a, b = _piece_span(piece, piece_step, lo, hi)
+                    known = of_piece[piece] = (None if bucket_td is None else _bucket_start(a, piece_step),
+                                               start <= a < end,
+                                               seconds(max(min(b, end) - max(a, start), timedelta(0)))
+                                               if piece < 0 else None)
+                bucket, inside, edge_s = known
+                if inside:  # the hour (or bucket) is inside the range: its tokens are the range's
                     u = used[(tid, cur, tier_key, bucket)]
                     u[0] += int(ins + outs)
                     u[1] += int(reqs)
@@ -755,11 +783,10 @@ def spread_amounts(tenants: list[Tenant], start: datetime, end: datetime, now: d
                 if isinstance(m, float):  # (SQLite: an integer overflowed into a float)
                     raise ArithmeticError("token money overflowed the database's integers")
                 amount = Decimal(m) / divisor
-                if piece < 0:  # an edge hour: the part of it inside [start, end)
-                    ov = min(b, end) - max(a, start)
-                    if ov <= timedelta(0):
+                if edge_s is not None:  # an edge hour: the part of it inside [start, end)
+                    if not edge_s:
                         continue
-                    amount = amount * seconds(ov) / 3600
+                    amount = amount * edge_s / 3600
                 acc[(tid, cur, tier_key, TOKENS, bucket)] += amount
     return out
 
