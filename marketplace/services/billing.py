@@ -174,9 +174,10 @@ class PlanBook:
     def token_money(self, tier: str, kind: str, at: str) -> tuple[Case, Decimal]:
         """A SQL expression and its divisor: the row's tokens priced at the plan in force for its tier and
         plan kind at its time `at` (the plan `case` picks), input_tokens x the input price + output_tokens x
-        the output price, the prices as whole numbers (x 10**places, so that SQLite multiplies integers
-        and PostgreSQL numerics: exact in both), null when no price is in force. The money is the sum / divisor
-        (divisor: 10**places x 1M tokens)."""
+        the output price, null when no price is in force. The prices are whole numbers (x 10**places): both
+        databases multiply integers exactly (PostgreSQL sums them into a numeric; a product past 2**63, some
+        1e12 tokens in one rollup row at 10 per 1M, is an error there, a float in SQLite, which the caller
+        refuses), never floats. The money is the sum / divisor (divisor: 10**places x 1M tokens)."""
         prices = [x for p in self.by_pk.values() for x in (p.price_per_1m_input_tokens, p.price_per_1m_output_tokens)]
         places = max([0, *(-int(x.as_tuple().exponent) for x in prices)])
         scale = Decimal(10) ** places
