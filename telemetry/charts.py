@@ -460,15 +460,22 @@ def tenant_usage(per: Period, principal: Principal, params: dict | None = None):
     unit = currencies[0] if len(currencies) == 1 else "each tenant's billing currency"
     grid = figures.subplots(2, 1, shared_xaxes=True, vertical_spacing=0.12,
                             subplot_titles=("tokens", f"spend ({unit})"))
+    iso_of: dict[datetime, str] = {}  # (the same few bucket starts for every tenant)
+    cent, no_cents = Decimal("0.01"), Decimal("0.00")
+    spent: dict[int, Decimal] = {}
     for tid in sorted(slug, key=lambda t: slug[t]):
-        times = sorted(set(tok[tid]) | set(spend[tid]))
-        numbers[slug[tid]] = {"ts": [t.isoformat() for t in times], "tokens": [tok[tid].get(t, 0) for t in times],
-                              "spend": [_money(spend[tid].get(t, Decimal(0)), "0.01") for t in times],
-                              "total": _money(sum(spend[tid].values(), Decimal(0)), "0.01"),
+        tokens, money = tok[tid], spend[tid]
+        times = sorted(tokens.keys() | money.keys())
+        spent[tid] = sum(money.values(), Decimal(0))
+        numbers[slug[tid]] = {"ts": [iso_of.get(t) or iso_of.setdefault(t, t.isoformat()) for t in times],
+                              "tokens": [tokens.get(t, 0) for t in times],
+                              "spend": [money[t].quantize(cent, rounding=ROUND_HALF_UP) if t in money else no_cents
+                                        for t in times],
+                              "total": _money(spent[tid], "0.01"),
                               "currency": currency.get(tid) or own_currency[tid]}
     # the chart draws the tenants that spent most and sums the rest as one series (the numbers keep them all)
     ranked = sorted((t for t in slug if tok[t] or spend[t]),
-                    key=lambda t: (-sum(spend[t].values(), Decimal(0)), -sum(tok[t].values()), slug[t]))
+                    key=lambda t: (-spent[t], -sum(tok[t].values()), slug[t]))
     shown, rest = ranked[:TOP_TENANTS], ranked[TOP_TENANTS:]
     series = [(slug[t], tok[t], spend[t]) for t in sorted(shown, key=lambda t: slug[t])]
     if rest:
@@ -483,7 +490,7 @@ def tenant_usage(per: Period, principal: Principal, params: dict | None = None):
     traces = []  # each series' tokens bar (top), then its spend line (bottom)
     for name, tokens, money in series:
         times = sorted(set(tokens) | set(money))
-        iso = [t.isoformat() for t in times]
+        iso = [iso_of.get(t) or iso_of.setdefault(t, t.isoformat()) for t in times]
         traces += [grid.trace({"type": "bar", "x": iso, "y": [tokens.get(t, 0) for t in times], "name": name,
                                "legendgroup": name}, 1, 1),
                    grid.trace({"type": "scatter", "x": iso, "name": name, "legendgroup": name, "showlegend": False,

@@ -55,13 +55,15 @@ from datetime import UTC, date, datetime, timedelta
 from decimal import ROUND_HALF_UP, Decimal
 from functools import lru_cache
 
-from django.db import transaction
+from django.db import connections, transaction
 from django.db.models import (
     Aggregate,
     BigIntegerField,
     BooleanField,
     Case,
     Count,
+    DateTimeField,
+    DecimalField,
     F,
     IntegerField,
     Max,
@@ -72,7 +74,7 @@ from django.db.models import (
     Value,
     When,
 )
-from django.db.models.functions import TruncMonth
+from django.db.models.functions import Coalesce, Greatest, Least, TruncMonth
 from django.utils import timezone
 
 from marketplace import enqueue
@@ -168,6 +170,29 @@ class PlanBook:
                     span[f"{at}__lt"] = plans[i + 1].effective_from
                 whens.append(When(Q(**{tier: tier_id, kind: plan_kind, **span}), then=Value(p.pk)))
         return Case(*whens, default=Value(None), output_field=IntegerField())
+
+    def token_money(self, tier: str, kind: str, at: str) -> tuple[Case, Decimal]:
+        """A SQL expression and its divisor: the row's tokens priced at the plan in force for its tier and
+        plan kind at its time `at` (the plan `case` picks), input_tokens x the input price + output_tokens x
+        the output price, null when no price is in force. The prices are whole numbers (x 10**places): both
+        databases multiply integers exactly (PostgreSQL sums them into a numeric; a product past 2**63, some
+        1e12 tokens in one rollup row at 10 per 1M, is an error there, a float in SQLite, which the caller
+        refuses), never floats. The money is the sum / divisor (divisor: 10**places x 1M tokens)."""
+        prices = [x for p in self.by_pk.values() for x in (p.price_per_1m_input_tokens, p.price_per_1m_output_tokens)]
+        places = max([0, *(-int(x.as_tuple().exponent) for x in prices)])
+        scale = Decimal(10) ** places
+        whens = []
+        for (tier_id, plan_kind), plans in self.by_key.items():
+            for i, p in enumerate(plans):
+                span = {f"{at}__gte": p.effective_from}
+                if i + 1 < len(plans):
+                    span[f"{at}__lt"] = plans[i + 1].effective_from
+                price_in, price_out = (int(p.price_per_1m_input_tokens * scale),
+                                       int(p.price_per_1m_output_tokens * scale))
+                whens.append(When(Q(**{tier: tier_id, kind: plan_kind, **span}),
+                                  then=F("input_tokens") * Value(Decimal(price_in))
+                                  + F("output_tokens") * Value(Decimal(price_out))))
+        return Case(*whens, default=Value(None), output_field=DecimalField()), scale * MILLION
 
     def at(self, tier_id: int, kind: str, t: datetime) -> PricePlan | None:
         found = None
@@ -333,6 +358,26 @@ def _held(allocations: QuerySet) -> Iterator[tuple[int, Held]]:
             "tenant_id", "tier_id", "order__plan_kind", "state", "activated_at", "released_at", "updated_at"):
         yield tenant_id, Held(tier_id, kind, activated,
                               released or (updated if state == Allocation.State.FAILED else None))
+
+
+def _held_spans(allocations: QuerySet, lo: datetime, hi: datetime, now: datetime
+                ) -> list[tuple[int, int, str, datetime, datetime, int]]:
+    """(tenant id, tier id, plan kind, from, to, how many) of `allocations`: each one's active time (`Held`:
+    activated until stopped, else `now`) clipped to [lo, hi) by the database, the allocations with the same
+    tenant, tier, plan kind and clipped span counted as one row (to <= from: none of it inside)."""
+    stopped = Coalesce("released_at", Case(When(state=Allocation.State.FAILED, then=F("updated_at"))), Value(now),
+                       output_field=DateTimeField())
+    return list(allocations.annotate(a_from=Greatest("activated_at", Value(lo), output_field=DateTimeField()),
+                                     a_to=Least(stopped, Value(hi), output_field=DateTimeField()))
+                .values_list("tenant_id", "tier_id", "order__plan_kind", "a_from", "a_to")
+                .annotate(n=Count("pk")).order_by())
+
+
+def _times_hours(per_hour: Decimal, td: timedelta) -> Decimal:
+    """per_hour x the hours of td, exactly as per_hour x seconds / 3600 (a whole number of hours: one product)."""
+    if not td.microseconds and not td.seconds % 3600:
+        return per_hour * (td.days * 24 + td.seconds // 3600)
+    return per_hour * seconds(td) / 3600
 
 
 def _active_allocations(start: datetime, end: datetime, now: datetime) -> QuerySet:
@@ -660,10 +705,11 @@ def spread_amounts(tenants: list[Tenant], start: datetime, end: datetime, now: d
         currency_of, books = _month_books(tenants, m)
         for t in ids:
             out.currency.setdefault(t, currency_of[t])
-        held: dict[int, list[Held]] = defaultdict(list)
-        for tid, h in _held(_active_allocations(m_start, m_end, m_now).filter(tenant_id__in=ids)):
-            held[tid].append(h)
-        committed = {tid for tid, hs in held.items() if any(h.plan_kind == PricePlan.Kind.RESERVED for h in hs)}
+        # the month's allocations, each clipped to the range (`rate_month`'s clip, then [start, end)) by the
+        # database, and counted per tenant, tier, plan kind and clipped span (the same span: one row)
+        held = _held_spans(_active_allocations(m_start, m_end, m_now).filter(tenant_id__in=ids),
+                           max(m_start, start), min(m_end, m_now, end), m_now)
+        committed = {tid for tid, _tier, kind, _a, _b, _n in held if kind == PricePlan.Kind.RESERVED}
         if committed:
             month = rate_months_many([t for t in tenants if t.pk in committed], m, m_now, tokens=reserved,
                                      month_books=(currency_of, books))
@@ -680,19 +726,14 @@ def spread_amounts(tenants: list[Tenant], start: datetime, end: datetime, now: d
                             out.money[(tid, cur, tier_key, part, b)] += x
         # the others' slice-hours: the price per hour of what is held, changing at span ends
         changes: dict[tuple, dict[datetime, Decimal]] = defaultdict(lambda: defaultdict(Decimal))
-        for tid, hs in held.items():
-            if tid in committed:
+        for tid, tier_id, kind, a_from, a_to, n in held:
+            if tid in committed or a_from >= a_to:
                 continue
             cur = currency_of[tid]
-            for h in hs:
-                a_from = max(h.activated_at, m_start, start)
-                a_to = min(h.stopped_at or m_now, m_end, m_now, end)
-                if a_from >= a_to:
-                    continue
-                for plan, p_lo, p_hi in books[cur].spans(h.tier_id, h.plan_kind, a_from, a_to):
-                    ch = changes[(tid, cur, h.tier_id if by_tier else None)]
-                    ch[p_lo] += plan.price_per_slice_hour
-                    ch[p_hi] -= plan.price_per_slice_hour
+            for plan, p_lo, p_hi in books[cur].spans(tier_id, kind, a_from, a_to):
+                ch = changes[(tid, cur, tier_id if by_tier else None)]
+                ch[p_lo] += plan.price_per_slice_hour * n
+                ch[p_hi] -= plan.price_per_slice_hour * n
         for (tid, cur, tier_key), ch in changes.items():
             per_hour, times = Decimal(0), sorted(ch)
             for at, nxt in zip(times, times[1:], strict=False):
@@ -700,40 +741,64 @@ def spread_amounts(tenants: list[Tenant], start: datetime, end: datetime, now: d
                 if not per_hour:
                     continue
                 if bucket_td is None:
-                    out.money[(tid, cur, tier_key, SLICES, None)] += per_hour * seconds(nxt - at) / 3600
+                    out.money[(tid, cur, tier_key, SLICES, None)] += _times_hours(per_hour, nxt - at)
                     continue
-                while at < nxt:
-                    b = _bucket_start(at, piece_step)
+                b, whole = _bucket_start(at, piece_step), None
+                while at < nxt:  # bucket by bucket: a whole one costs per_hour x its hours
                     edge = min(nxt, b + bucket_td)
-                    out.money[(tid, cur, tier_key, SLICES, b)] += per_hour * seconds(edge - at) / 3600
-                    at = edge
+                    if edge - at == bucket_td:
+                        whole = whole or _times_hours(per_hour, bucket_td)
+                        out.money[(tid, cur, tier_key, SLICES, b)] += whole
+                    else:
+                        out.money[(tid, cur, tier_key, SLICES, b)] += _times_hours(per_hour, edge - at)
+                    at, b = edge, b + bucket_td
         for cur, book in books.items():
             rows = UsageHourly.objects.filter(tenant_id__in=[t for t in ids if currency_of[t] == cur],
                                               hour__gte=max(m_start, lo - hour), hour__lt=min(m_end, hi + hour))
-            qs = (rows.annotate(plan_id=book.case(TIER, PLAN_KIND, "hour"), piece=_piece((piece_step, lo, hi)))
-                  .values_list("tenant_id", TIER, "plan_id", "piece")
-                  .annotate(i=Sum("input_tokens"), o=Sum("output_tokens"), r=Sum("requests")).order_by())
-            prices = {pk: (p.price_per_1m_input_tokens, p.price_per_1m_output_tokens) for pk, p in book.by_pk.items()}
+            # the database prices the tokens (the plan in force at each hour) and sums them per tenant[, tier]
+            # and piece: one row per bucket, whatever the plans, deployments and hours
+            priced, divisor = book.token_money(TIER, PLAN_KIND, "hour")
+            keys = ["tenant_id", TIER] if by_tier else ["tenant_id"]
+            qs = (rows.annotate(piece=_piece((piece_step, lo, hi))).values_list(*keys, "piece")
+                  .annotate(i=Sum("input_tokens"), o=Sum("output_tokens"), r=Sum("requests"), m=Sum(priced))
+                  .order_by())
             acc, used = out.money, out.used
-            for tid, tier_id, plan_id, piece, ins, outs, reqs in qs:
-                a, b = _piece_span(piece, piece_step, lo, hi)
-                bucket = None if bucket_td is None else _bucket_start(a, piece_step)
-                tier_key = tier_id if by_tier else None
-                if start <= a < end:  # the hour (or bucket) is inside the range: its tokens are the range's
+            of_piece: dict[int, tuple[datetime | None, bool, Decimal | None]] = {}
+            for row in _raw_rows(qs):
+                tid, piece, ins, outs, reqs, m = row[0], row[-5], row[-4], row[-3], row[-2], row[-1]
+                tier_key = row[1] if by_tier else None
+                known = of_piece.get(piece)
+                if known is None:  # (bucket, inside the range, an edge hour's seconds inside it)
+                    a, b = _piece_span(piece, piece_step, lo, hi)
+                    known = of_piece[piece] = (None if bucket_td is None else _bucket_start(a, piece_step),
+                                               start <= a < end,
+                                               seconds(max(min(b, end) - max(a, start), timedelta(0)))
+                                               if piece < 0 else None)
+                bucket, inside, edge_s = known
+                if inside:  # the hour (or bucket) is inside the range: its tokens are the range's
                     u = used[(tid, cur, tier_key, bucket)]
-                    u[0] += ins + outs
-                    u[1] += reqs
-                price = prices.get(plan_id)
-                if price is None:  # no price in force: the invoice alerts; a chart has nothing to add
+                    u[0] += int(ins + outs)
+                    u[1] += int(reqs)
+                if m is None:  # no price in force: the invoice alerts; a chart has nothing to add
                     continue
-                amount = (ins * price[0] + outs * price[1]) / MILLION
-                if piece < 0:  # an edge hour: the part of it inside [start, end)
-                    ov = min(b, end) - max(a, start)
-                    if ov <= timedelta(0):
+                if isinstance(m, float):  # (SQLite: an integer overflowed into a float)
+                    raise ArithmeticError("token money overflowed the database's integers")
+                amount = Decimal(m) / divisor
+                if edge_s is not None:  # an edge hour: the part of it inside [start, end)
+                    if not edge_s:
                         continue
-                    amount = amount * seconds(ov) / 3600
+                    amount = amount * edge_s / 3600
                 acc[(tid, cur, tier_key, TOKENS, bucket)] += amount
     return out
+
+
+def _raw_rows(qs: QuerySet) -> list[tuple]:
+    """A values_list queryset's rows as the database driver returns them (no per-value converters: sums of
+    integers and numerics only)."""
+    sql, params = qs.query.get_compiler(using=qs.db).as_sql()
+    with connections[qs.db].cursor() as cursor:
+        cursor.execute(sql, params)
+        return cursor.fetchall()
 
 
 @lru_cache(maxsize=4096)

@@ -124,3 +124,39 @@ def test_spread_amounts_equal_the_invoices_lines(fleet, plans, usage, spans, sta
             for key in set(untiered) | set(got):
                 assert abs(got.get(key, D(0)) - untiered.get(key, D(0))) < TINY, (key, got.get(key), untiered.get(key))
         transaction.set_rollback(True)
+
+
+def test_allocations_held_over_the_same_span_count_each(fleet):
+    """spread_amounts reads the allocations clipped and counted per (tenant, tier, plan kind, span) by the
+    database: allocations with the same span (three of them, one failed at the same time as another's release)
+    each cost their slice-hours, as on the invoice's lines, and a span outside the range costs nothing."""
+    tier, tenants = fleet
+    t, a, _deps = tenants[0]
+    a.activated_at, a.released_at = T0 + timedelta(hours=1), T0 + timedelta(hours=30, minutes=7)
+    a.save()
+    order = Order.objects.get(tenant=t)
+    for state, released in (("active", a.released_at), ("failed", None), ("active", None)):
+        b = Allocation.objects.create(order=order, tenant=t, tier=tier, state=state, activated_at=a.activated_at,
+                                      released_at=released)
+        if state == "failed":  # stopped at its last change, the others' release
+            Allocation.objects.filter(pk=b.pk).update(updated_at=a.released_at)
+    Allocation.objects.create(order=order, tenant=t, tier=tier, state="active", activated_at=T0,
+                              released_at=T0 + timedelta(minutes=20))  # this month's, released before the range
+    start, end, now = T0 + timedelta(minutes=30), T0 + timedelta(days=2, minutes=45), T0 + timedelta(days=3)
+    for step in (None, 3600, 86400):
+        want: dict[tuple, Decimal] = defaultdict(Decimal)
+        for d, cur in billing.rated_lines_many([t], start, end, now, step=step or 10**9)[t.pk]:
+            if d.kind == billing.L.SLICE_HOURS:
+                if step is None:
+                    want[(t.pk, cur, None, billing.SLICES, None)] += billing.amount_between(d, start, end)
+                else:
+                    for bucket, x in billing.amount_by_bucket(d, start, end, timedelta(seconds=step)).items():
+                        want[(t.pk, cur, None, billing.SLICES, bucket)] += x
+        got = {k: x for k, x in billing.spread_amounts([t], start, end, now, step=step, by_tier=False).money.items()
+               if k[3] == billing.SLICES}
+        assert sum(want.values()) > 0 and set(got) == {k for k, x in want.items() if x}
+        assert all(abs(got[k] - want[k]) < TINY for k in got), step
+    # three allocations over [01:00, 30:07) and one from 01:00 on, at 1.2345 per slice-hour (inside the range)
+    total = sum(billing.spread_amounts([t], start, end, now).money.values())
+    held = 3 * (D(30 * 60 + 7) - 60) / 60 + (D(48 * 60 + 45) - 60) / 60
+    assert abs(total - held * D("1.2345")) < TINY
