@@ -406,7 +406,8 @@ def main() -> None:
                     help="scratch database name (e.g. a copy: CREATE DATABASE x TEMPLATE tessera_bench_scale)")
     ap.add_argument("--reads", default="",
                     help="comma-separated words: time only the reads whose label holds one (e.g. tenant-usage,spend); "
-                         "the month-end beat only if one of them is 'beat'")
+                         "the month-end beat only if one of them is 'beat'; with --reuse, the energy rollups are "
+                         "rebuilt only if one is 'energy' (else only the hours since the last run are rolled)")
     args = ap.parse_args()
     if not os.environ.get("DATABASE_URL", "").startswith("postgres"):
         sys.exit("scale.py needs PostgreSQL: set DATABASE_URL=postgres://...")
@@ -458,8 +459,10 @@ def main() -> None:
     from telemetry.services import energy
 
     t1 = time.perf_counter()
-    EnergyHourly.objects.all().delete()
-    EnergyDaily.objects.all().delete()
+    keep = args.reuse and args.reads and "energy" not in args.reads and EnergyHourly.objects.exists()
+    if not keep:  # (--reuse --reads without 'energy': the reused set's rollups as they are, up to its last run)
+        EnergyHourly.objects.all().delete()
+        EnergyDaily.objects.all().delete()
     hours = energy.rollup_hours(max_hours=24 * 31)  # what the downsampling job keeps up to date each hour
     days = energy.rollup_days()  # and each complete day
     energy_s = time.perf_counter() - t1
