@@ -75,20 +75,41 @@ def _opt(field, value):
     return None if value is None else field.to_representation(value)
 
 
+def _dt(value):
+    """DRF's DateTimeField.to_representation (ISO 8601 in the current time zone, "Z" for UTC) for the aware
+    datetimes the database gives, without its per-call time-zone lookup; anything else through the field."""
+    if value is None:
+        return None
+    if value.tzinfo is None:
+        return _DATETIME.to_representation(value)
+    s = value.astimezone(timezone.get_current_timezone()).isoformat()
+    return s[:-6] + "Z" if s.endswith("+00:00") else s
+
+
+def _dec(field, value):
+    """DRF's DecimalField.to_representation: a value the database gives at the field's scale is its own
+    quantization, written '{:f}'; anything else through the field."""
+    if value is None:
+        return None
+    if isinstance(value, Decimal) and value.as_tuple().exponent == -field.decimal_places:
+        return f"{value:f}"
+    return field.to_representation(value)
+
+
 def credit_note_brief(r: dict) -> dict:
     """A credit_notes_of row as CreditNoteBriefSerializer writes it."""
-    return {"id": r["id"], "number": r["number"], "total": _MONEY.to_representation(r["total"]),
-            "issued_at": _opt(_DATETIME, r["issued_at"])}
+    return {"id": r["id"], "number": r["number"], "total": _dec(_MONEY, r["total"]),
+            "issued_at": _dt(r["issued_at"])}
 
 
 def invoice_line_row(r: dict) -> dict:
     """An invoice_lines row as InvoiceLineSerializer writes it."""
     return {"id": r["id"], "kind": r["kind"], "tier": r["tier__key"], "allocation": r["allocation_id"],
             "deployment": r["deployment_id"], "description": r["description"],
-            "quantity": _QUANTITY.to_representation(r["quantity"]), "unit": r["unit"],
-            "unit_price": _UNIT_PRICE.to_representation(r["unit_price"]),
-            "amount": _MONEY.to_representation(r["amount"]), "usage_from": _opt(_DATETIME, r["usage_from"]),
-            "usage_to": _opt(_DATETIME, r["usage_to"])}
+            "quantity": _dec(_QUANTITY, r["quantity"]), "unit": r["unit"],
+            "unit_price": _dec(_UNIT_PRICE, r["unit_price"]),
+            "amount": _dec(_MONEY, r["amount"]), "usage_from": _dt(r["usage_from"]),
+            "usage_to": _dt(r["usage_to"])}
 
 
 def invoice_row(r: dict, credit_notes: list[dict], lines: list[dict] | None = None) -> dict:
@@ -96,8 +117,8 @@ def invoice_row(r: dict, credit_notes: list[dict], lines: list[dict] | None = No
     invoice_lines) as InvoiceSerializer does."""
     out = {"id": r["id"], "number": r["number"], "tenant": r["tenant__slug"], "status": r["status"],
            "period_start": _opt(_DATE, r["period_start"]), "period_end": _opt(_DATE, r["period_end"]),
-           "currency": r["currency"], "total": _MONEY.to_representation(r["total"]),
-           "rated_at": _opt(_DATETIME, r["rated_at"]), "finalized_at": _opt(_DATETIME, r["finalized_at"])}
+           "currency": r["currency"], "total": _dec(_MONEY, r["total"]),
+           "rated_at": _dt(r["rated_at"]), "finalized_at": _dt(r["finalized_at"])}
     if lines is not None:
         out["lines"] = [invoice_line_row(x) for x in lines]
     out["credit_notes"] = [credit_note_brief(c) for c in credit_notes]
@@ -278,7 +299,7 @@ class InvoiceViewSet(JsonErrorsMixin, ScopedViewSetMixin, viewsets.ReadOnlyModel
 
     def list(self, request, *args, **kwargs):
         page = self.paginate_queryset(self.filter_queryset(self.get_queryset()))
-        notes = selectors.credit_notes_of(r["id"] for r in page) if page else {}
+        notes = selectors.credit_notes_of(r["id"] for r in page if r["has_credit_notes"])
         return self.get_paginated_response([invoice_row(r, notes.get(r["id"], [])) for r in page])
 
     def retrieve(self, request, *args, **kwargs):

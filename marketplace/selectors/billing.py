@@ -9,9 +9,11 @@ from django.db.models import (
     BooleanField,
     Case,
     DecimalField,
+    Exists,
     ExpressionWrapper,
     F,
     FilteredRelation,
+    OuterRef,
     Prefetch,
     Q,
     QuerySet,
@@ -47,9 +49,11 @@ INVOICE_LINE_ROW = ("id", "kind", "tier__key", "allocation_id", "deployment_id",
 
 
 def invoice_list(principal: Principal) -> QuerySet:
-    """Invoices for a list, as rows (dicts of INVOICE_ROW, no model instances): filter, order and paginate it,
-    then add the page's credit notes with `credit_notes_of` (one query)."""
-    return Invoice.objects.visible_to(principal, "billing").values(*INVOICE_ROW)
+    """Invoices for a list, as rows (dicts of INVOICE_ROW and has_credit_notes, no model instances): filter, order
+    and paginate it, then add the credit notes of the page's rows that have any with `credit_notes_of` (one
+    query, none when no row has any: corrections are rare)."""
+    return Invoice.objects.visible_to(principal, "billing").values(
+        *INVOICE_ROW, has_credit_notes=Exists(CreditNote.objects.filter(invoice_id=OuterRef("pk"))))
 
 
 def invoice_lines(invoice_id: int) -> QuerySet:
@@ -59,9 +63,13 @@ def invoice_lines(invoice_id: int) -> QuerySet:
 
 def credit_notes_of(invoice_ids) -> dict[int, list[dict]]:
     """The credit notes correcting each of `invoice_ids` (visible invoices: a note is its invoice's tenant's),
-    as rows (id, number, total, issued_at) in order, in one query; an invoice without any is absent."""
+    as rows (id, number, total, issued_at) in order, in one query (none for no ids); an invoice without any
+    is absent."""
     out: dict[int, list[dict]] = {}
-    for r in CreditNote.objects.filter(invoice_id__in=list(invoice_ids)).order_by("pk").values(
+    invoice_ids = list(invoice_ids)
+    if not invoice_ids:
+        return out
+    for r in CreditNote.objects.filter(invoice_id__in=invoice_ids).order_by("pk").values(
             "invoice_id", "id", "number", "total", "issued_at"):
         out.setdefault(r.pop("invoice_id"), []).append(r)
     return out
