@@ -71,7 +71,7 @@ def credit_notes_of(invoice_ids) -> dict[int, list[dict]]:
         return out
     for r in CreditNote.objects.filter(invoice_id__in=invoice_ids).order_by("pk").values(
             "invoice_id", "id", "number", "total", "issued_at"):
-        out.setdefault(r.pop("invoice_id"), []).append(r)
+        out.setdefault(r["invoice_id"], []).append({k: r[k] for k in ("id", "number", "total", "issued_at")})
     return out
 
 
