@@ -35,9 +35,10 @@ def invoices(principal: Principal):
 
 
 def invoice_head(principal: Principal):
-    """Invoices without lines or credit notes (one invoice's page reads those with `invoice_lines` and
-    `credit_notes_of`, as rows)."""
-    return Invoice.objects.visible_to(principal, "billing").select_related("tenant")
+    """Invoices without lines or credit notes, each with has_credit_notes (one invoice's page reads its lines
+    with `invoice_lines` and, when it has any, its credit notes with `credit_notes_of`, as rows)."""
+    return Invoice.objects.visible_to(principal, "billing").select_related("tenant").annotate(
+        has_credit_notes=Exists(CreditNote.objects.filter(invoice_id=OuterRef("pk"))))
 
 
 #: An invoice as a list shows it (a row of `invoice_list`): no lines (a list shows none; they grow with usage).

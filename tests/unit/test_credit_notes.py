@@ -167,3 +167,6 @@ def test_invoice_list_and_detail_answer_what_their_serializers_write(billed, ope
         want_one = InvoiceSerializer(selectors.invoices(op).get(pk=i.pk)).data
         assert api.get(f"/api/v1/invoices/{i.pk}/").json() == want_one
     assert api.get(f"/api/v1/invoices/{inv.pk}/").json()["lines"][0]["amount"] == "20.00"
+    # one invoice asked for with filters is still filtered (a finalized invoice is no draft)
+    assert api.get(f"/api/v1/invoices/{inv.pk}/?status=draft").status_code == 404
+    assert api.get(f"/api/v1/invoices/{inv.pk}/?status=finalized").status_code == 200
