@@ -61,7 +61,22 @@ class User(AbstractUser):
 
     @property
     def is_operator(self) -> bool:
-        return bool(self.is_active and self.is_staff and self.has_perm("tenants.operate"))
+        """Active staff holding tenants.operate (a superuser holds every permission), as
+        ``has_perm("tenants.operate")`` through the ModelBackend answers it, in one EXISTS query instead of the
+        backend's two that read every permission of the user and of its groups (every API request of a staff
+        user asks this once); kept on the instance, as the backend keeps its permission cache."""
+        if not (self.is_active and self.is_staff):
+            return False
+        if self.is_superuser:
+            return True
+        holds = getattr(self, "_operate_perm", None)
+        if holds is None:
+            from django.contrib.auth.models import Permission
+
+            holds = Permission.objects.filter(content_type__app_label="tenants", codename="operate").filter(
+                models.Q(user=self) | models.Q(group__user=self)).exists()
+            self._operate_perm = holds
+        return holds
 
 
 CURRENCIES = [("USD", "US dollar"), ("EUR", "Euro"), ("GBP", "Pound sterling"), ("CHF", "Swiss franc"),

@@ -61,6 +61,70 @@ class InvoiceListSerializer(InvoiceSerializer):
         fields = [f for f in InvoiceSerializer.Meta.fields if f != "lines"]
 
 
+# The invoice reads (list, detail) answer from rows (selectors' .values()) through these: what the serializers
+# above would write for the same rows (their fields' own to_representation; tests compare the two), without
+# building model instances and walking the serializer's fields for each. The serializers stay the schema.
+_DATE = serializers.DateField()
+_DATETIME = serializers.DateTimeField()
+_MONEY = serializers.DecimalField(max_digits=14, decimal_places=2)
+_QUANTITY = serializers.DecimalField(max_digits=24, decimal_places=6)
+_UNIT_PRICE = serializers.DecimalField(max_digits=12, decimal_places=4)
+
+
+def _opt(field, value):
+    return None if value is None else field.to_representation(value)
+
+
+def _dt(value):
+    """DRF's DateTimeField.to_representation (ISO 8601 in the current time zone, "Z" for UTC) for the aware
+    datetimes the database gives, without its per-call time-zone lookup; anything else through the field."""
+    if value is None:
+        return None
+    if value.tzinfo is None:
+        return _DATETIME.to_representation(value)
+    s = value.astimezone(timezone.get_current_timezone()).isoformat()
+    return s[:-6] + "Z" if s.endswith("+00:00") else s
+
+
+def _dec(field, value):
+    """DRF's DecimalField.to_representation: a value the database gives at the field's scale is its own
+    quantization, written '{:f}'; anything else through the field."""
+    if value is None:
+        return None
+    if isinstance(value, Decimal) and value.as_tuple().exponent == -field.decimal_places:
+        return f"{value:f}"
+    return field.to_representation(value)
+
+
+def credit_note_brief(r: dict) -> dict:
+    """A credit_notes_of row as CreditNoteBriefSerializer writes it."""
+    return {"id": r["id"], "number": r["number"], "total": _dec(_MONEY, r["total"]),
+            "issued_at": _dt(r["issued_at"])}
+
+
+def invoice_line_row(r: dict) -> dict:
+    """An invoice_lines row as InvoiceLineSerializer writes it."""
+    return {"id": r["id"], "kind": r["kind"], "tier": r["tier__key"], "allocation": r["allocation_id"],
+            "deployment": r["deployment_id"], "description": r["description"],
+            "quantity": _dec(_QUANTITY, r["quantity"]), "unit": r["unit"],
+            "unit_price": _dec(_UNIT_PRICE, r["unit_price"]),
+            "amount": _dec(_MONEY, r["amount"]), "usage_from": _dt(r["usage_from"]),
+            "usage_to": _dt(r["usage_to"])}
+
+
+def invoice_row(r: dict, credit_notes: list[dict], lines: list[dict] | None = None) -> dict:
+    """An invoice_list row (selectors.INVOICE_ROW) as InvoiceListSerializer writes it, or with `lines` (rows of
+    invoice_lines) as InvoiceSerializer does."""
+    out = {"id": r["id"], "number": r["number"], "tenant": r["tenant__slug"], "status": r["status"],
+           "period_start": _opt(_DATE, r["period_start"]), "period_end": _opt(_DATE, r["period_end"]),
+           "currency": r["currency"], "total": _dec(_MONEY, r["total"]),
+           "rated_at": _dt(r["rated_at"]), "finalized_at": _dt(r["finalized_at"])}
+    if lines is not None:
+        out["lines"] = [invoice_line_row(x) for x in lines]
+    out["credit_notes"] = [credit_note_brief(c) for c in credit_notes]
+    return out
+
+
 class ExportLineSerializer(serializers.Serializer):
     kind = serializers.ChoiceField(choices=InvoiceLine.Kind.choices)
     tier = serializers.CharField()
@@ -226,9 +290,31 @@ class InvoiceViewSet(JsonErrorsMixin, ScopedViewSetMixin, viewsets.ReadOnlyModel
         return InvoiceListSerializer if self.action == "list" else InvoiceSerializer
 
     def get_queryset(self):
-        if self.action == "list" and not getattr(self, "swagger_fake_view", False):
-            return selectors.invoice_list(self.principal)  # no lines: a list shows none, and they grow with usage
+        if not getattr(self, "swagger_fake_view", False):
+            if self.action == "list":  # rows, no lines: a list shows none, and they grow with usage
+                return selectors.invoice_list(self.principal)
+            if self.action == "retrieve":  # its lines and credit notes are read as rows
+                return selectors.invoice_head(self.principal)
         return super().get_queryset()
+
+    def list(self, request, *args, **kwargs):
+        page = self.paginate_queryset(self.filter_queryset(self.get_queryset()))
+        notes = selectors.credit_notes_of(r["id"] for r in page if r["has_credit_notes"])
+        return self.get_paginated_response([invoice_row(r, notes.get(r["id"], [])) for r in page])
+
+    def retrieve(self, request, *args, **kwargs):
+        inv = self.get_object()
+        row = {f: getattr(inv, f) for f in selectors.INVOICE_ROW if f != "tenant__slug"}
+        row["tenant__slug"] = inv.tenant.slug
+        notes = selectors.credit_notes_of([inv.pk] if inv.has_credit_notes else [])
+        return Response(invoice_row(row, notes.get(inv.pk, []), list(selectors.invoice_lines(inv.pk))))
+
+    def filter_queryset(self, queryset):
+        # One invoice asked for without query parameters: the filters (a FilterSet and its form built per
+        # request, ~1 ms) would filter nothing and its ordering order one row.
+        if self.action == "retrieve" and not self.request.query_params:
+            return queryset
+        return super().filter_queryset(queryset)
 
     @extend_schema(parameters=[OpenApiParameter("format", str, enum=["csv", "json"])],
                    responses={(200, "application/json"): InvoiceExportSerializer,
@@ -330,13 +416,13 @@ class SpendView(GenericAPIView):
         page = self.paginate_queryset(rows)
         out = []
         for t in page:
-            limit, amount = t.monthly_spend_limit, billing.money(Decimal(t.spend))
+            limit, amount = t["monthly_spend_limit"], billing.money(Decimal(t["spend"]))
             ratio = (amount / limit) if limit else None
-            out.append({"tenant": t.slug, "spend": str(amount), "currency": t.invoice_currency or t.currency,
+            out.append({"tenant": t["slug"], "spend": str(amount), "currency": t["invoice_currency"] or t["currency"],
                         "limit": None if limit is None else str(limit),
                         "ratio": None if ratio is None else float(round(ratio, 4)),
-                        "warn": t.warn, "blocked": t.is_blocked, "period_start": period,
-                        "status": t.invoice_status, "rated_at": t.rated_at})
+                        "warn": t["warn"], "blocked": t["is_blocked"], "period_start": period,
+                        "status": t["invoice_status"], "rated_at": t["rated_at"]})
         return self.get_paginated_response(out)
 
 

@@ -9,13 +9,14 @@ from django.db.models import (
     BooleanField,
     Case,
     DecimalField,
+    Exists,
     ExpressionWrapper,
     F,
+    FilteredRelation,
     OuterRef,
     Prefetch,
     Q,
     QuerySet,
-    Subquery,
     Value,
     When,
 )
@@ -33,10 +34,46 @@ def invoices(principal: Principal):
         Prefetch("credit_notes", queryset=CreditNote.objects.order_by("pk")))
 
 
-def invoice_list(principal: Principal):
-    """Invoices for a list: no lines (a list shows none; they grow with usage), credit notes only."""
-    return Invoice.objects.visible_to(principal, "billing").select_related("tenant").prefetch_related(
-        Prefetch("credit_notes", queryset=CreditNote.objects.order_by("pk")))
+def invoice_head(principal: Principal):
+    """Invoices without lines or credit notes, each with has_credit_notes (one invoice's page reads its lines
+    with `invoice_lines` and, when it has any, its credit notes with `credit_notes_of`, as rows)."""
+    return Invoice.objects.visible_to(principal, "billing").select_related("tenant").annotate(
+        has_credit_notes=Exists(CreditNote.objects.filter(invoice_id=OuterRef("pk"))))
+
+
+#: An invoice as a list shows it (a row of `invoice_list`): no lines (a list shows none; they grow with usage).
+INVOICE_ROW = ("id", "number", "tenant__slug", "status", "period_start", "period_end", "currency", "total",
+               "rated_at", "finalized_at")
+#: An invoice line as its invoice's page shows it (a row of `invoice_lines`).
+INVOICE_LINE_ROW = ("id", "kind", "tier__key", "allocation_id", "deployment_id", "description", "quantity", "unit",
+                    "unit_price", "amount", "usage_from", "usage_to")
+
+
+def invoice_list(principal: Principal) -> QuerySet:
+    """Invoices for a list, as rows (dicts of INVOICE_ROW and has_credit_notes, no model instances): filter, order
+    and paginate it, then add the credit notes of the page's rows that have any with `credit_notes_of` (one
+    query, none when no row has any: corrections are rare)."""
+    return Invoice.objects.visible_to(principal, "billing").values(
+        *INVOICE_ROW, has_credit_notes=Exists(CreditNote.objects.filter(invoice_id=OuterRef("pk"))))
+
+
+def invoice_lines(invoice_id: int) -> QuerySet:
+    """One invoice's lines as rows (dicts of INVOICE_LINE_ROW), in order."""
+    return InvoiceLine.objects.filter(invoice_id=invoice_id).order_by("pk").values(*INVOICE_LINE_ROW)
+
+
+def credit_notes_of(invoice_ids) -> dict[int, list[dict]]:
+    """The credit notes correcting each of `invoice_ids` (visible invoices: a note is its invoice's tenant's),
+    as rows (id, number, total, issued_at) in order, in one query (none for no ids); an invoice without any
+    is absent."""
+    out: dict[int, list[dict]] = {}
+    invoice_ids = list(invoice_ids)
+    if not invoice_ids:
+        return out
+    for r in CreditNote.objects.filter(invoice_id__in=invoice_ids).order_by("pk").values(
+            "invoice_id", "id", "number", "total", "issued_at"):
+        out.setdefault(r["invoice_id"], []).append({k: r[k] for k in ("id", "number", "total", "issued_at")})
+    return out
 
 
 MONEY = DecimalField(max_digits=14, decimal_places=2)
@@ -48,14 +85,15 @@ def spend(principal: Principal, period_start: date, *, tenant: str | None = None
     month's invoice as last rated (a draft's total as of its rated_at, by the rating beat or a refresh;
     a finalized one's final total); nothing is rated or written here. No invoice: nothing was used.
     Filters: tenant (slug), warning (spend at or past the warning ratio), blocked (at or past the block
-    ratio). Rows: Tenant objects with spend, currency, rated_at, status, ratio, warn, is_blocked."""
-    month = Invoice.objects.filter(tenant=OuterRef("pk"), period_start=period_start)
+    ratio). Rows: dicts of slug, currency, monthly_spend_limit, spend, invoice_currency, rated_at, invoice_status,
+    warn, is_blocked (the month's invoice is a LEFT JOIN: at most one per tenant and month)."""
     qs = Tenant.objects.visible_to(principal, "billing").annotate(
-        spend=Coalesce(Subquery(month.values("total")[:1]), Value(0), output_field=MONEY),
-        invoice_currency=Subquery(month.values("currency")[:1]),
-        rated_at=Subquery(month.values("rated_at")[:1]),
-        finalized_at=Subquery(month.values("finalized_at")[:1]),
-        invoice_status=Subquery(month.values("status")[:1]),
+        month=FilteredRelation("invoices", condition=Q(invoices__period_start=period_start)),
+    ).annotate(
+        spend=Coalesce(F("month__total"), Value(0), output_field=MONEY),
+        invoice_currency=F("month__currency"),
+        rated_at=F("month__rated_at"),
+        invoice_status=F("month__status"),
     )
     limited = Q(monthly_spend_limit__isnull=False, monthly_spend_limit__gt=0)
     warn_at = ExpressionWrapper(F("monthly_spend_limit") * F("spend_warn_ratio"), output_field=MONEY)
@@ -72,7 +110,8 @@ def spend(principal: Principal, period_start: date, *, tenant: str | None = None
         qs = qs.filter(warn=warning)
     if blocked is not None:
         qs = qs.filter(is_blocked=blocked)
-    return qs.order_by("slug")
+    return qs.order_by("slug").values("slug", "currency", "monthly_spend_limit", "spend", "invoice_currency",
+                                      "rated_at", "invoice_status", "warn", "is_blocked")
 
 
 def credit_notes(principal: Principal):

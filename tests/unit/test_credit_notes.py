@@ -143,3 +143,30 @@ def test_late_usage_that_would_lower_a_finalized_top_up_is_credited(catalog, tie
     dec = billing.refresh(billing.draft_for(t, date(2026, 12, 1)), now=datetime(2026, 12, 20, tzinfo=UTC))
     assert dec.lines.get(kind="commitment_credit").amount == D("-50.00")  # only what is left of the top-up
     assert InvoiceLine.objects.filter(invoice=oct_inv).get(kind="commitment_topup").amount == D("70.00")
+
+
+def test_invoice_list_and_detail_answer_what_their_serializers_write(billed, operator, as_user):
+    """The invoice reads answer from rows (issue 17): the same content as InvoiceListSerializer and
+    InvoiceSerializer give for the same invoices, a finalized one with lines and two credit notes and a draft
+    (no number, no finalized_at), so the schema the serializers document stays the answer."""
+    from marketplace.api.billing import InvoiceListSerializer, InvoiceSerializer
+    from marketplace.selectors import billing as selectors
+
+    tenant, _owner, inv = billed
+    op = principal_for_user(operator)
+    line = inv.lines.get()
+    billing.issue_credit_note(op, inv, reason="goodwill", lines=[(line.pk, D("5.00"))])
+    billing.issue_credit_note(op, inv, reason="more", lines=[(line.pk, D("2.50"))])
+    draft = billing.draft_for(tenant, NOV)
+    api = as_user(operator)
+    listed = api.get("/api/v1/invoices/?ordering=period_start").json()["results"]
+    want = InvoiceListSerializer(selectors.invoices(op).order_by("period_start"), many=True).data
+    assert listed == [dict(x) for x in want]
+    assert [len(x["credit_notes"]) for x in listed] == [2, 0] and listed[1]["number"] is None
+    for i in (inv, draft):
+        want_one = InvoiceSerializer(selectors.invoices(op).get(pk=i.pk)).data
+        assert api.get(f"/api/v1/invoices/{i.pk}/").json() == want_one
+    assert api.get(f"/api/v1/invoices/{inv.pk}/").json()["lines"][0]["amount"] == "20.00"
+    # one invoice asked for with filters is still filtered (a finalized invoice is no draft)
+    assert api.get(f"/api/v1/invoices/{inv.pk}/?status=draft").status_code == 404
+    assert api.get(f"/api/v1/invoices/{inv.pk}/?status=finalized").status_code == 200
