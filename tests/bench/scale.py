@@ -284,14 +284,21 @@ HAND_SQL = {
             SELECT gpu_id, sum(kwh), sum(unallocated_kwh) FROM rolled WHERE gpu_id IS NOT NULL GROUP BY 1)
         SELECT 'tier', tier_id, tiers.kwh, tokens.t FROM tiers FULL JOIN tokens USING (tier_id)
         UNION ALL SELECT 'gpu', gpu_id, sum(kwh), sum(u) FROM gpus GROUP BY 2""",
+    # the list answers' rows and their count (a page says how many there are)
     "spend": """
-        SELECT t.slug, coalesce(i.total, 0), t.monthly_spend_limit FROM tenants_tenant t
+        SELECT t.slug, coalesce(i.total, 0) AS spend, t.monthly_spend_limit, coalesce(i.currency, t.currency),
+               i.status, i.rated_at,
+               coalesce(i.total, 0) >= t.monthly_spend_limit * t.spend_warn_ratio AS warn,
+               coalesce(i.total, 0) >= t.monthly_spend_limit * t.spend_block_ratio AS blocked,
+               count(*) OVER () FROM tenants_tenant t
         LEFT JOIN marketplace_invoice i ON i.tenant_id = t.id AND i.period_start = %(month)s
         ORDER BY t.slug LIMIT 50""",
     "invoices": """
-        SELECT i.*, t.slug FROM marketplace_invoice i JOIN tenants_tenant t ON t.id = i.tenant_id
+        SELECT i.*, t.slug, count(*) OVER () FROM marketplace_invoice i JOIN tenants_tenant t ON t.id = i.tenant_id
         ORDER BY i.period_start DESC, t.slug LIMIT 500""",
-    "invoice": """SELECT * FROM marketplace_invoiceline WHERE invoice_id = %(invoice)s ORDER BY id""",
+    "invoice": """
+        SELECT i.*, t.slug, l.* FROM marketplace_invoice i JOIN tenants_tenant t ON t.id = i.tenant_id
+        LEFT JOIN marketplace_invoiceline l ON l.invoice_id = i.id WHERE i.id = %(invoice)s ORDER BY l.id""",
     "usage-summary": """
         SELECT tenant_id, deployment_id, sum(input_tokens), sum(output_tokens), sum(requests)
         FROM telemetry_usagehourly WHERE hour >= %(month_start)s AND hour < %(end)s GROUP BY 1, 2""",
