@@ -71,21 +71,6 @@ _QUANTITY = serializers.DecimalField(max_digits=24, decimal_places=6)
 _UNIT_PRICE = serializers.DecimalField(max_digits=12, decimal_places=4)
 
 
-def _opt(field, value):
-    return None if value is None else field.to_representation(value)
-
-
-def _dt(value):
-    """DRF's DateTimeField.to_representation (ISO 8601 in the current time zone, "Z" for UTC) for the aware
-    datetimes the database gives, without its per-call time-zone lookup; anything else through the field."""
-    if value is None:
-        return None
-    if value.tzinfo is None:
-        return _DATETIME.to_representation(value)
-    s = value.astimezone(timezone.get_current_timezone()).isoformat()
-    return s[:-6] + "Z" if s.endswith("+00:00") else s
-
-
 def _dec(field, value):
     """DRF's DecimalField.to_representation: a value the database gives at the field's scale is its own
     quantization, written '{:f}'; anything else through the field."""
@@ -96,33 +81,57 @@ def _dec(field, value):
     return field.to_representation(value)
 
 
-def credit_note_brief(r: dict) -> dict:
-    """A credit_notes_of row as CreditNoteBriefSerializer writes it."""
-    return {"id": r["id"], "number": r["number"], "total": _dec(_MONEY, r["total"]),
-            "issued_at": _dt(r["issued_at"])}
+class InvoiceRows:
+    """Writes rows as the serializers would, made once per answer: the current time zone and DRF's date and
+    datetime formats are read once, not per value (an invoice list of 500 looked the time zone up 1,000 times)."""
 
+    def __init__(self) -> None:
+        from rest_framework.settings import api_settings
 
-def invoice_line_row(r: dict) -> dict:
-    """An invoice_lines row as InvoiceLineSerializer writes it."""
-    return {"id": r["id"], "kind": r["kind"], "tier": r["tier__key"], "allocation": r["allocation_id"],
-            "deployment": r["deployment_id"], "description": r["description"],
-            "quantity": _dec(_QUANTITY, r["quantity"]), "unit": r["unit"],
-            "unit_price": _dec(_UNIT_PRICE, r["unit_price"]),
-            "amount": _dec(_MONEY, r["amount"]), "usage_from": _dt(r["usage_from"]),
-            "usage_to": _dt(r["usage_to"])}
+        self.tz = timezone.get_current_timezone()
+        self.iso_dates = (api_settings.DATE_FORMAT or "").lower() == "iso-8601"
+        self.iso_datetimes = (api_settings.DATETIME_FORMAT or "").lower() == "iso-8601"
 
+    def date(self, value):
+        if value is None:
+            return None
+        return value.isoformat() if self.iso_dates else _DATE.to_representation(value)
 
-def invoice_row(r: dict, credit_notes: list[dict], lines: list[dict] | None = None) -> dict:
-    """An invoice_list row (selectors.INVOICE_ROW) as InvoiceListSerializer writes it, or with `lines` (rows of
-    invoice_lines) as InvoiceSerializer does."""
-    out = {"id": r["id"], "number": r["number"], "tenant": r["tenant__slug"], "status": r["status"],
-           "period_start": _opt(_DATE, r["period_start"]), "period_end": _opt(_DATE, r["period_end"]),
-           "currency": r["currency"], "total": _dec(_MONEY, r["total"]),
-           "rated_at": _dt(r["rated_at"]), "finalized_at": _dt(r["finalized_at"])}
-    if lines is not None:
-        out["lines"] = [invoice_line_row(x) for x in lines]
-    out["credit_notes"] = [credit_note_brief(c) for c in credit_notes]
-    return out
+    def dt(self, value):
+        """DRF's DateTimeField.to_representation (ISO 8601 in the current time zone, "Z" for UTC) for the aware
+        datetimes the database gives; anything else through the field."""
+        if value is None:
+            return None
+        if value.tzinfo is None or not self.iso_datetimes:
+            return _DATETIME.to_representation(value)
+        s = value.astimezone(self.tz).isoformat()
+        return s[:-6] + "Z" if s.endswith("+00:00") else s
+
+    def credit_note_brief(self, r: dict) -> dict:
+        """A credit_notes_of row as CreditNoteBriefSerializer writes it."""
+        return {"id": r["id"], "number": r["number"], "total": _dec(_MONEY, r["total"]),
+                "issued_at": self.dt(r["issued_at"])}
+
+    def line(self, r: dict) -> dict:
+        """An invoice_lines row as InvoiceLineSerializer writes it."""
+        return {"id": r["id"], "kind": r["kind"], "tier": r["tier__key"], "allocation": r["allocation_id"],
+                "deployment": r["deployment_id"], "description": r["description"],
+                "quantity": _dec(_QUANTITY, r["quantity"]), "unit": r["unit"],
+                "unit_price": _dec(_UNIT_PRICE, r["unit_price"]),
+                "amount": _dec(_MONEY, r["amount"]), "usage_from": self.dt(r["usage_from"]),
+                "usage_to": self.dt(r["usage_to"])}
+
+    def invoice(self, r: dict, credit_notes: list[dict], lines: list[dict] | None = None) -> dict:
+        """An invoice_list row (selectors.INVOICE_ROW) as InvoiceListSerializer writes it, or with `lines` (rows
+        of invoice_lines) as InvoiceSerializer does."""
+        out = {"id": r["id"], "number": r["number"], "tenant": r["tenant__slug"], "status": r["status"],
+               "period_start": self.date(r["period_start"]), "period_end": self.date(r["period_end"]),
+               "currency": r["currency"], "total": _dec(_MONEY, r["total"]),
+               "rated_at": self.dt(r["rated_at"]), "finalized_at": self.dt(r["finalized_at"])}
+        if lines is not None:
+            out["lines"] = [self.line(x) for x in lines]
+        out["credit_notes"] = [self.credit_note_brief(c) for c in credit_notes]
+        return out
 
 
 class ExportLineSerializer(serializers.Serializer):
@@ -300,14 +309,15 @@ class InvoiceViewSet(JsonErrorsMixin, ScopedViewSetMixin, viewsets.ReadOnlyModel
     def list(self, request, *args, **kwargs):
         page = self.paginate_queryset(self.filter_queryset(self.get_queryset()))
         notes = selectors.credit_notes_of(r["id"] for r in page if r["has_credit_notes"])
-        return self.get_paginated_response([invoice_row(r, notes.get(r["id"], [])) for r in page])
+        rows = InvoiceRows()
+        return self.get_paginated_response([rows.invoice(r, notes.get(r["id"], [])) for r in page])
 
     def retrieve(self, request, *args, **kwargs):
         inv = self.get_object()
         row = {f: getattr(inv, f) for f in selectors.INVOICE_ROW if f != "tenant__slug"}
         row["tenant__slug"] = inv.tenant.slug
         notes = selectors.credit_notes_of([inv.pk] if inv.has_credit_notes else [])
-        return Response(invoice_row(row, notes.get(inv.pk, []), list(selectors.invoice_lines(inv.pk))))
+        return Response(InvoiceRows().invoice(row, notes.get(inv.pk, []), list(selectors.invoice_lines(inv.pk))))
 
     def filter_queryset(self, queryset):
         # One invoice asked for without query parameters: the filters (a FilterSet and its form built per
