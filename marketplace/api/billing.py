@@ -26,7 +26,7 @@ from tenants.api.serializers import ScopedTenantField
 from tenants.models import Tenant
 from tenants.scoping import principal_for
 
-from .pagination import Pagination
+from .pagination import OneQueryPagination
 from .viewsets import ScopedViewSetMixin, reject_unsettable_fields
 
 
@@ -407,10 +407,10 @@ class SpendQuery(serializers.Serializer):
 class SpendView(GenericAPIView):
     """Month-to-date spend against each visible tenant's limit, paginated (page, page_size): the month's
     invoice as last rated (see rated_at; the rating beat re-rates drafts every TESSERA_RATING_INTERVAL_S)
-    or its final total. A read: nothing is rated or written, one query per page plus its count."""
+    or its final total. A read: nothing is rated or written, one query per page (its count included)."""
 
     capabilities = {"get": "billing"}
-    pagination_class = Pagination
+    pagination_class = OneQueryPagination  # one row per tenant: the page and its count in one query
     serializer_class = SpendRowSerializer
     queryset = Tenant.objects.none()  # for the schema; get() reads selectors.spend
     filter_backends: list = []  # its filters are SpendQuery's (no ordering or search)
