@@ -299,9 +299,17 @@ HAND_SQL = {
     "invoice": """
         SELECT i.*, t.slug, l.* FROM marketplace_invoice i JOIN tenants_tenant t ON t.id = i.tenant_id
         LEFT JOIN marketplace_invoiceline l ON l.invoice_id = i.id WHERE i.id = %(invoice)s ORDER BY l.id""",
+    # the answer's rows: each deployment's sums (used and billed) with its tenant's slug, its name and tier, in order
     "usage-summary": """
-        SELECT tenant_id, deployment_id, sum(input_tokens), sum(output_tokens), sum(requests)
-        FROM telemetry_usagehourly WHERE hour >= %(month_start)s AND hour < %(end)s GROUP BY 1, 2""",
+        WITH u AS (
+            SELECT tenant_id, deployment_id, sum(input_tokens) AS i, sum(output_tokens) AS o, sum(requests) AS r,
+                   sum(events) AS e, sum(billed_input_tokens) AS bi, sum(billed_output_tokens) AS bo,
+                   sum(billed_requests) AS br
+            FROM telemetry_usagehourly WHERE hour >= %(month_start)s AND hour < %(end)s GROUP BY 1, 2)
+        SELECT t.slug, d.name, d.allocation_id, ti.key, u.* FROM u JOIN tenants_tenant t ON t.id = u.tenant_id
+        JOIN marketplace_modeldeployment d ON d.id = u.deployment_id
+        LEFT JOIN marketplace_allocation a ON a.id = d.allocation_id LEFT JOIN marketplace_tier ti ON ti.id = a.tier_id
+        ORDER BY u.tenant_id, u.deployment_id""",
     **HAND_MONEY,
 }
 
