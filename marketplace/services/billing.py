@@ -162,36 +162,31 @@ class PlanBook:
     def case(self, tier: str, kind: str, at: str) -> Case:
         """A SQL expression: the pk of the plan in force for the row's tier and plan kind at its time `at`
         (null: no price in force). The same rule as `at`, for the database to group by."""
-        whens = []
+        whens = [When(cond, then=Value(p.pk)) for p, cond in self._in_force(tier, kind, at)]
+        return Case(*whens, default=Value(None), output_field=IntegerField())
+
+    def _in_force(self, tier: str, kind: str, at: str) -> Iterator[tuple[PricePlan, Q]]:
+        """Each plan and the condition on a row's tier, plan kind and time `at` under which it is in force."""
         for (tier_id, plan_kind), plans in self.by_key.items():
             for i, p in enumerate(plans):
                 span = {f"{at}__gte": p.effective_from}
                 if i + 1 < len(plans):
                     span[f"{at}__lt"] = plans[i + 1].effective_from
-                whens.append(When(Q(**{tier: tier_id, kind: plan_kind, **span}), then=Value(p.pk)))
-        return Case(*whens, default=Value(None), output_field=IntegerField())
+                yield p, Q(**{tier: tier_id, kind: plan_kind, **span})
 
     def token_money(self, tier: str, kind: str, at: str) -> tuple[Case, Decimal]:
         """A SQL expression and its divisor: the row's tokens priced at the plan in force for its tier and
         plan kind at its time `at` (the plan `case` picks), input_tokens x the input price + output_tokens x
-        the output price, null when no price is in force. The prices are whole numbers (x 10**places): both
-        databases multiply integers exactly (PostgreSQL sums them into a numeric; a product past 2**63, some
-        1e12 tokens in one rollup row at 10 per 1M, is an error there, a float in SQLite, which the caller
-        refuses), never floats. The money is the sum / divisor (divisor: 10**places x 1M tokens)."""
+        the output price, null when no price is in force. The prices are whole numbers (x 10**places), never
+        floats: PostgreSQL multiplies and sums them as numeric (exact, unbounded); SQLite as 64-bit integers,
+        where a product past 2**63 (some 1e12 tokens in one rollup row at 10 per 1M) turns into a float, which
+        the caller refuses. The money is the sum / divisor (divisor: 10**places x 1M tokens)."""
         prices = [x for p in self.by_pk.values() for x in (p.price_per_1m_input_tokens, p.price_per_1m_output_tokens)]
         places = max([0, *(-int(x.as_tuple().exponent) for x in prices)])
         scale = Decimal(10) ** places
-        whens = []
-        for (tier_id, plan_kind), plans in self.by_key.items():
-            for i, p in enumerate(plans):
-                span = {f"{at}__gte": p.effective_from}
-                if i + 1 < len(plans):
-                    span[f"{at}__lt"] = plans[i + 1].effective_from
-                price_in, price_out = (int(p.price_per_1m_input_tokens * scale),
-                                       int(p.price_per_1m_output_tokens * scale))
-                whens.append(When(Q(**{tier: tier_id, kind: plan_kind, **span}),
-                                  then=F("input_tokens") * Value(Decimal(price_in))
-                                  + F("output_tokens") * Value(Decimal(price_out))))
+        whens = [When(cond, then=F("input_tokens") * Value(Decimal(int(p.price_per_1m_input_tokens * scale)))
+                      + F("output_tokens") * Value(Decimal(int(p.price_per_1m_output_tokens * scale))))
+                 for p, cond in self._in_force(tier, kind, at)]
         return Case(*whens, default=Value(None), output_field=DecimalField()), scale * MILLION
 
     def at(self, tier_id: int, kind: str, t: datetime) -> PricePlan | None:
