@@ -74,7 +74,7 @@ from django.db.models import (
     Value,
     When,
 )
-from django.db.models.functions import Coalesce, Greatest, Least, TruncMonth
+from django.db.models.functions import Cast, Coalesce, Greatest, Least, TruncMonth
 from django.utils import timezone
 
 from marketplace import enqueue
@@ -187,7 +187,9 @@ class PlanBook:
         whens = [When(cond, then=F("input_tokens") * Value(Decimal(int(p.price_per_1m_input_tokens * scale)))
                       + F("output_tokens") * Value(Decimal(int(p.price_per_1m_output_tokens * scale))))
                  for p, cond in self._in_force(tier, kind, at)]
-        return Case(*whens, default=Value(None), output_field=DecimalField()), scale * MILLION
+        # the default a typed NULL: a currency without plans makes a CASE of no WHEN, which PostgreSQL would not sum
+        nothing = Cast(Value(None), output_field=DecimalField(max_digits=65, decimal_places=0))
+        return Case(*whens, default=nothing, output_field=DecimalField()), scale * MILLION
 
     def at(self, tier_id: int, kind: str, t: datetime) -> PricePlan | None:
         found = None

@@ -160,3 +160,22 @@ def test_allocations_held_over_the_same_span_count_each(fleet):
     total = sum(billing.spread_amounts([t], start, end, now).money.values())
     held = 3 * (D(30 * 60 + 7) - 60) / 60 + (D(48 * 60 + 45) - 60) / 60
     assert abs(total - held * D("1.2345")) < TINY
+
+
+def test_spread_amounts_for_a_tenant_billed_in_a_currency_without_plans(catalog, tiers):
+    """A tenant billed in a currency no plan is priced in (its invoice alerts 'no CHF price in force'): the
+    charts' money has nothing to add for it, and its tokens still count. token_money's CASE has no WHEN then:
+    an untyped NULL made PostgreSQL refuse the SUM ("function sum(unknown) is not unique"), failing the
+    tenant-usage chart and the portal for every tenant rated in the same call (found in review)."""
+    tier = tiers["3g"]
+    assert not PricePlan.objects.filter(currency="CHF").exists()
+    t = TenantFactory(slug="swiss", currency="CHF")
+    order = Order.objects.create(tenant=t, tier=tier, plan_kind="on_demand")
+    a = Allocation.objects.create(order=order, tenant=t, tier=tier, state="active", activated_at=T0)
+    dep = ModelDeployment.objects.create(allocation=a, tenant=t, name="d", backend="python", spec={}, memory_mb=10,
+                                         state="ready")
+    UsageHourly.objects.create(tenant=t, deployment=dep, hour=T0 + timedelta(hours=2), input_tokens=1000,
+                               output_tokens=500, requests=3)
+    out = billing.spread_amounts([t], T0, T0 + timedelta(days=1), T0 + timedelta(days=2), step=3600)
+    assert not any(out.money.values())
+    assert sum(u[0] for u in out.used.values()) == 1500
