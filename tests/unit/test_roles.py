@@ -121,3 +121,28 @@ def test_pagination_and_filters(as_user, operator, db):
 def test_me_lists_roles(as_user, world, members_a):
     r = as_user(members_a[Role.BILLING]).get("/api/v1/me/")
     assert r.json()["memberships"] == [{"tenant": "alpha", "role": "billing", "tenant_status": "active"}]
+
+
+@pytest.mark.parametrize("staff, active, superuser, via", [
+    (True, True, False, "user"), (True, True, False, "group"), (True, True, False, None),
+    (True, False, False, "user"), (False, True, False, "user"), (True, True, True, None), (True, False, True, None),
+    (False, True, True, None),
+])
+def test_is_operator_is_what_the_permission_backend_answers(staff, active, superuser, via):
+    """User.is_operator (one EXISTS query) says what has_perm('tenants.operate') through the auth backend says, for
+    active staff: the permission on the user or one of its groups, or a superuser; never inactive or non-staff."""
+    from django.contrib.auth.models import Group, Permission
+
+    from tenants.models import User
+
+    u = UserFactory(is_staff=staff, is_active=active, is_superuser=superuser)
+    perm = Permission.objects.get(content_type__app_label="tenants", codename="operate")
+    if via == "user":
+        u.user_permissions.add(perm)
+    elif via == "group":
+        g = Group.objects.create(name="ops")
+        g.permissions.add(perm)
+        u.groups.add(g)
+    u = User.objects.get(pk=u.pk)  # (no cached permissions)
+    assert u.is_operator == bool(active and staff and User.objects.get(pk=u.pk).has_perm("tenants.operate"))
+    assert u.is_operator == (active and staff and (superuser or via is not None))
