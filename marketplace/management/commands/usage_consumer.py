@@ -36,7 +36,8 @@ class Command(BaseCommand):
                 time.sleep(2)
                 continue
             if opts["once"]:
-                self.stdout.write(f"usage consumer: {result['processed']} events read, {result['new']} new")
+                self.stdout.write(f"usage consumer: {result['processed']} events read, {result['new']} new, "
+                                  f"{result['refused']} refused (unsigned or forged: not billed)")
                 return
             if not result["processed"] and not settings.REDIS_URL:
                 time.sleep(opts["idle_sleep"])
