@@ -305,6 +305,33 @@ def _dead_spool(d: Path, lines: list[bytes]) -> None:
         f.write(b"".join(line[:DEAD_LETTER_FIELD_BYTES] + b"\n" for line in lines))
 
 
+def requeue_refused(r: Any = None, *, stream: str | None = None, count: int = 1000) -> tuple[int, int]:
+    """Entries of the dead-letter stream that verify now (signed with a key the consumer lacked when it read them:
+    a rotation done in the wrong order) go back to the usage stream, to be consumed (and checked) again; the others
+    stay. Returns (requeued, left)."""
+    r = r or sync_redis()
+    stream = stream or settings.TESSERA_USAGE_STREAM
+    dead = dead_letter_stream(stream)
+    keyring = signing.keyring()
+    requeued = left = 0
+    start = "-"
+    while True:
+        entries = r.xrange(dead, min=start, count=count)
+        if not entries:
+            return requeued, left
+        pipe = r.pipeline(transaction=True)
+        for entry_id, fields in entries:
+            e, _reason = keyring.open(fields)
+            if e is None:
+                left += 1
+                continue
+            pipe.xadd(stream, {name: fields[name.encode()] for name in ("e", "k", "s")})
+            pipe.xdel(dead, entry_id)
+            requeued += 1
+        pipe.execute()
+        start = f"({_entry_id(entries[-1][0])}"
+
+
 def consume_spool(directory: Path | None = None, *, max_events: int = 20_000) -> tuple[int, int, int]:
     """Read spool files from their saved offsets; delete files fully read and idle. (lines read, new events
     stored, lines refused)."""

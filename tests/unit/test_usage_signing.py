@@ -280,12 +280,17 @@ def test_no_refusal_is_a_zero_series(db):
         assert f'tessera_usage_refused_total{{reason="{reason}"}} 0' in text
 
 
-def test_one_alert_per_burst_until_an_operator_resolves_it(backend, victim):
+def test_one_alert_per_burst_until_an_operator_resolves_it(backend, victim, operator):
     for i in range(3):  # three batches of one burst
         backend.hostile({"e": signing.dumps(bill(victim, f"f{i}"))})
         metering.consume(budget_s=5)
     (alert,) = open_alerts(victim["a"])
     assert UsageRefusal.objects.get(reason="unsigned").count == 3
+    assert alert.message.startswith("3 usage event(s) claiming this tenant refused, none billed [unsigned=3]")
+    console = Client()
+    console.force_login(operator)
+    page = console.get(reverse("console:overview_alerts")).content.decode()
+    assert "Usage events refused (unsigned or forged)" in page and victim["a"].name in page
     admin = UserFactory(is_staff=True, is_superuser=True)
     c = Client()
     c.force_login(admin)
@@ -337,3 +342,23 @@ def test_a_consumer_killed_before_its_ack_refuses_the_entry_again_never_bills_it
     assert metering.consume(budget_s=5)["refused"] == 1
     assert backend.left_in_stream() == (0, 0) and billed(victim["a"]) == 0
     assert refusals() == {"unsigned": 2}  # counted at least once (here twice), billed never
+
+
+def test_entries_refused_for_a_key_rotated_in_the_wrong_order_can_be_requeued(backend, victim, settings):
+    """The gateways got the new key before the consumer: their events are refused (unknown_key), not lost."""
+    if backend.kind != "redis":
+        pytest.skip("the dead-letter stream")
+    from django.core.management import call_command
+
+    settings.TESSERA_USAGE_SIGNING_KEY = KEY_OLD  # the consumer's key
+    backend.hostile(signing.Keyring(KEY_NEW.encode()).seal(bill(victim, "served-new", 5, 7)))  # a gateway's
+    backend.hostile({"e": signing.dumps(bill(victim)), "k": signing.key_id(KEY_NEW.encode()), "s": "0" * 64})
+    assert metering.consume(budget_s=5) == {"processed": 2, "new": 0, "refused": 2}
+    settings.TESSERA_USAGE_SIGNING_KEY, settings.TESSERA_USAGE_SIGNING_KEY_PREVIOUS = KEY_NEW, KEY_OLD  # fixed
+    call_command("usage_consumer", "--requeue-refused")
+    assert metering.consume(budget_s=5) == {"processed": 1, "new": 1, "refused": 0}
+    assert list(UsageEvent.objects.values_list("event_id", "input_tokens")) == [("served-new", 5)]
+    (left,) = backend.dead_letter()  # the forged one stays, with the reason it was refused for then
+    assert left["refused"] == "unknown_key" and json.loads(left["e"])["id"] == "forged-1"
+    assert signing.keyring().open({k: v.encode() for k, v in left.items()}) == (None, "forged")
+    assert metering.requeue_refused() == (0, 1)
