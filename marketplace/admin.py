@@ -1,4 +1,5 @@
 from django.contrib import admin
+from django.utils import timezone
 
 from .models import (
     Allocation,
@@ -174,12 +175,22 @@ class TritonServerAdmin(admin.ModelAdmin):
 @admin.register(BillingAlert)
 class BillingAlertAdmin(admin.ModelAdmin):
     """Billing problems an operator must act on (usage with no price in the invoice's currency, a
-    tenant's rating or finalization failing in the beat); resolved by the next successful run."""
+    tenant's rating or finalization failing in the beat); resolved by the next successful run. Refused
+    usage (unsigned or forged events that claimed the tenant) is resolved here, by the action below."""
 
     list_display = ["at", "tenant", "period_start", "kind", "message", "resolved_at"]
     list_filter = ["kind", "resolved_at"]
     list_select_related = ["tenant"]
     readonly_fields = ["tenant", "period_start", "kind", "message", "at", "resolved_at"]
+    actions = ["resolve_refused_usage"]
+
+    @admin.action(description="Resolve the selected refused-usage alerts (looked into)", permissions=["change"])
+    def resolve_refused_usage(self, request, queryset) -> None:
+        """Refused usage (unsigned or forged events) has no next run to resolve it: an operator does, after
+        looking; the next refusal opens a new alert."""
+        n = queryset.filter(kind=BillingAlert.Kind.REFUSED_USAGE, resolved_at__isnull=True).update(
+            resolved_at=timezone.now())
+        self.message_user(request, f"{n} refused-usage alert(s) resolved.")
 
     def has_add_permission(self, request) -> bool:
         return False

@@ -150,6 +150,15 @@ def env_mapping(name: str, check: Callable[[str], object]) -> dict[str, str]:
     return _typed(name, {}, parse, "comma-separated key=value pairs")
 
 
+def env_secret(name: str, *, min_length: int) -> str:
+    """A secret key of at least ``min_length`` characters (unset or empty: ""). The error names the variable and
+    the length, never the value."""
+    value = (_raw(name) or "").strip()
+    if value and len(value) < min_length:
+        raise ImproperlyConfigured(f"{name}: expected at least {min_length} characters, got {len(value)}")
+    return value
+
+
 def env_path(name: str, default: Path) -> Path:
     """A filesystem path (not created here)."""
     value = _raw(name)
@@ -485,6 +494,12 @@ TESSERA_GATEWAY_UPSTREAM_TIMEOUT_S = env_float("TESSERA_GATEWAY_UPSTREAM_TIMEOUT
 TESSERA_GATEWAY_TRY_TTL_S = 600  # the portal's "Try it" tokens
 TESSERA_USAGE_STREAM = env_str("TESSERA_USAGE_STREAM", "tessera:usage")  # Redis stream of served usage
 TESSERA_USAGE_SPOOL_DIR = env_path("TESSERA_USAGE_SPOOL_DIR", VAR_DIR / "usage-spool")  # without Redis
+# The key gateways sign each usage event with and the consumer checks (HMAC-SHA256; an unsigned or forged event
+# is never billed). Needed by gateways and the usage consumer (the control worker runs it from beat), not by node
+# workers. Empty: derived from SECRET_KEY (marketplace.gateway.signing). PREVIOUS: also accepted (rotation).
+# At least 32 characters: a signed event in the stream would let a short key be guessed offline.
+TESSERA_USAGE_SIGNING_KEY = env_secret("TESSERA_USAGE_SIGNING_KEY", min_length=32)
+TESSERA_USAGE_SIGNING_KEY_PREVIOUS = env_secret("TESSERA_USAGE_SIGNING_KEY_PREVIOUS", min_length=32)
 TESSERA_METERING_TOLERANCE = env_float("TESSERA_METERING_TOLERANCE", 0.02)  # metered vs served
 TESSERA_PLANNER_LATE_DAYS = env_float("TESSERA_PLANNER_LATE_DAYS", 35.0)  # planner rollup: late usage re-rolled
 TESSERA_API_KEY_LAST_USED_RESOLUTION_S = 60  # write last_used_at at most once a minute per key

@@ -13,8 +13,9 @@ from django.conf import settings
 from django.db.models import Count, Sum
 from django.utils import timezone
 
+from marketplace.gateway.signing import REASONS as REFUSAL_REASONS
 from marketplace.models import Allocation, AllocationEvent, Gpu, GpuSlot
-from telemetry.models import CollectorError, GpuSample, Resolution, UsageHourly
+from telemetry.models import CollectorError, GpuSample, Resolution, UsageHourly, UsageRefusal
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATEST_WITHIN = timedelta(minutes=15)
@@ -113,6 +114,12 @@ def render(now=None) -> str:
     errs = CollectorError.objects.select_related("gpu__node").order_by("gpu__node__hostname", "gpu__index", "kind")
     out.family("tessera_collector_errors_total", "counter", "Failed NVML telemetry reads per GPU and error.",
                [({"node": e.gpu.node.hostname, "gpu": str(e.gpu.index), "kind": e.kind}, e.count) for e in errs])
+
+    refused = dict(UsageRefusal.objects.values_list("reason", "count"))
+    out.family("tessera_usage_refused_total", "counter",
+               "Usage stream/spool entries the consumer refused and did not bill, by reason (unsigned, malformed, "
+               "unknown_key: signed with a key it does not hold, forged: the signature does not match).",
+               [({"reason": r}, refused.get(r, 0)) for r in sorted(set(REFUSAL_REASONS) | set(refused))])
     return out.text()
 
 

@@ -206,6 +206,20 @@ class CollectorError(models.Model):
         return f"{self.gpu_id} {self.kind} x{self.count}"
 
 
+class UsageRefusal(models.Model):
+    """Usage stream (or spool) entries the consumer refused and never billed, per reason (unsigned, malformed,
+    unknown_key, forged: marketplace.gateway.signing); ``count`` is the Prometheus counter
+    tessera_usage_refused_total."""
+
+    reason = models.CharField(max_length=24, unique=True)
+    count = models.BigIntegerField(default=0)
+    last_at = models.DateTimeField(default=timezone.now)
+    last_detail = models.CharField(max_length=500, blank=True, help_text="the last refused entry (id, source)")
+
+    def __str__(self) -> str:
+        return f"{self.reason} x{self.count}"
+
+
 class EnergyRows(models.Model):
     """The rows of an energy rollup: with a GPU, that GPU's kWh in the period and the part no slice held
     (``unallocated_kwh``); without, one allocation's (or tenant's) compute-share kWh across the fleet; one row

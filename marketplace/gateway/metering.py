@@ -3,7 +3,8 @@
 One event per request: ``{"id": request id, "t": tenant, "d": deployment, "ts": epoch seconds, "i": input
 tokens, "o": output tokens, "ms": milliseconds from the request's arrival to its metering, "a": the LoRA adapter the
 request selected, absent for the base model}``. The request id is
-the usage event id, so a replay is counted once.
+the usage event id, so a replay is counted once. Each event is stored signed (``signing``: its JSON ``e``, the key
+id ``k`` and ``s`` = HMAC-SHA256 of ``e``), in the stream and in the spool alike.
 
 Producers (``UsageSink``, async, in the gateway):
 
@@ -12,19 +13,25 @@ Producers (``UsageSink``, async, in the gateway):
   wait when idle). ``append`` returns once Redis has the event; the gateway sends the answer's last bytes only
   then, so an acknowledged request always has its event. Durable across a Redis restart as far as Redis is
   configured to be (production: ``appendonly yes``, ``appendfsync always`` or ``everysec``).
-- ``SpoolSink`` (no Redis: the demo): appended to a local file and ``fsync``-ed before ``append`` returns.
+- ``SpoolSink`` (no Redis: the demo): appended to a local file and ``fsync``-ed before ``append`` returns, one
+  JSON object ``{"e", "k", "s"}`` a line.
 
 Consumer (``consume``, sync, Django): a consumer group reads the stream in batches (``XREADGROUP``), claims
 what a killed consumer left pending (``XAUTOCLAIM``), writes each tenant's rows through the idempotent ingest
 (``telemetry.services.ingest.store_rows``: COPY into a stage, ``ON CONFLICT DO NOTHING``) and only then acks
 and deletes them. A consumer killed after the write and before the ack replays the batch: the event ids are
 already stored, so nothing is counted twice. The spool is read the same way, its offset saved after each write.
+
+The consumer checks every entry's signature before anything of it is read: an unsigned, malformed or forged entry
+(a process that can reach Redis but holds no key) is never ingested; it is acked and deleted like the others (it
+must not block the group), copied to the dead-letter stream ``<stream>:refused`` (capped at ``DEAD_LETTER_MAXLEN``
+entries; the spool's refused lines go to ``refused.dead`` in the spool folder, capped by size) and counted
+(``telemetry.services.refusals``: per reason for /metrics, a log line, a billing alert on the tenant it claimed).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import socket
@@ -37,6 +44,8 @@ from typing import Any
 
 from django.conf import settings
 
+from . import signing
+
 log = logging.getLogger("tessera.gateway.metering")
 
 GROUP = "tessera-usage"
@@ -44,6 +53,9 @@ CLAIM_IDLE_MS = 30_000
 SPOOL_ROTATE_BYTES = 8 * 1024 * 1024
 SPOOL_ROTATE_S = 60.0
 SPOOL_IDLE_S = 120.0  # a spool file unchanged this long, fully consumed, is deleted
+DEAD_LETTER_MAXLEN = 10_000  # refused stream entries kept for forensics (approximately: MAXLEN ~)
+DEAD_LETTER_FIELD_BYTES = 4096  # of each field of a refused entry, this much is kept
+DEAD_SPOOL = "refused.dead"  # in the spool folder; rotated to refused.dead.1 past SPOOL_ROTATE_BYTES
 
 
 class MeteringUnavailable(Exception):
@@ -59,10 +71,6 @@ def event(request_id: str, tenant_id: int, deployment_id: int, n_in: int, n_out:
     if ms is not None:
         e["ms"] = max(0, round(ms))
     return e
-
-
-def _dumps(e: dict[str, Any]) -> str:
-    return json.dumps(e, separators=(",", ":"))
 
 
 class UsageSink(ABC):
@@ -125,11 +133,13 @@ class RedisStreamSink(UsageSink):
     def __init__(self, redis: Any, stream: str | None = None) -> None:
         super().__init__()
         self.redis, self.stream = redis, stream or settings.TESSERA_USAGE_STREAM
+        self.keyring = signing.keyring()
 
     async def _write(self, events: list[dict[str, Any]]) -> None:
         pipe = self.redis.pipeline(transaction=False)
+        seal = self.keyring.seal
         for e in events:
-            pipe.xadd(self.stream, {"e": _dumps(e)})
+            pipe.xadd(self.stream, seal(e))
         await pipe.execute()
 
 
@@ -142,6 +152,7 @@ class SpoolSink(UsageSink):
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._file: Any = None
         self._opened = 0.0
+        self.keyring = signing.keyring()
 
     def _target(self) -> Any:
         if self._file is not None and (self._file.tell() > SPOOL_ROTATE_BYTES
@@ -157,7 +168,8 @@ class SpoolSink(UsageSink):
 
     def _write_sync(self, events: list[dict[str, Any]]) -> None:
         f = self._target()
-        f.write("".join(_dumps(e) + "\n" for e in events).encode())
+        seal = self.keyring.seal
+        f.write("".join(signing.spool_line(seal(e)) for e in events).encode())
         f.flush()
         os.fsync(f.fileno())
 
@@ -213,21 +225,50 @@ def _ensure_group(r: Any, stream: str) -> None:
             raise
 
 
-def _decode(entries: list) -> tuple[list[bytes], list[dict[str, Any]]]:
-    ids, events = [], []
+def _entry_id(entry_id: Any) -> str:
+    return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+
+
+def _decode(entries: list, keyring: signing.Keyring) -> tuple[list[bytes], list[dict[str, Any]], list[tuple]]:
+    """Every entry's id; the events of the well-signed ones; (entry id, fields, Refused) of the others."""
+    from telemetry.services.refusals import Refused
+
+    ids, events, refused = [], [], []
     for entry_id, fields in entries or []:
         ids.append(entry_id)
-        raw = (fields or {}).get(b"e") or (fields or {}).get("e")
-        try:
-            events.append(json.loads(raw if raw is not None else b""))  # missing: unreadable too
-        except (TypeError, ValueError):
-            log.error("unreadable usage stream entry dropped", extra={"entry": str(entry_id)})
-    return ids, events
+        if fields is None:  # deleted while pending (Redis before 7 still lists it): nothing to read or bill
+            log.warning("usage stream entry deleted while pending; acked", extra={"entry": _entry_id(entry_id)})
+            continue
+        e, reason = keyring.open(fields)
+        if e is not None:
+            events.append(e)
+        else:
+            refused.append((entry_id, fields, Refused(_entry_id(entry_id), reason or "malformed",
+                                                      signing.claimed_tenant(fields))))
+    return ids, events, refused
+
+
+def _dead_letter_fields(fields: Any, reason: str, entry_id: Any) -> dict[Any, Any]:
+    """What of a refused entry is kept: its first fields, each cut to DEAD_LETTER_FIELD_BYTES, and why."""
+    kept: dict[Any, Any] = {}
+    items = list(fields.items())[:16] if isinstance(fields, dict) else []
+    for k, v in items:
+        name = k if isinstance(k, bytes) else str(k).encode()
+        if name in (b"refused", b"entry"):
+            name = b"orig_" + name
+        kept[name[:64]] = (v if isinstance(v, bytes) else str(v).encode())[:DEAD_LETTER_FIELD_BYTES]
+    kept[b"refused"] = reason.encode()
+    kept[b"entry"] = _entry_id(entry_id).encode()
+    return kept
+
+
+def dead_letter_stream(stream: str | None = None) -> str:
+    return f"{stream or settings.TESSERA_USAGE_STREAM}:refused"
 
 
 def consume_stream(r: Any = None, *, stream: str | None = None, count: int = 5000, block_ms: int | None = None,
-                   consumer: str | None = None) -> tuple[int, int]:
-    """One batch from the stream: (entries processed, new events stored)."""
+                   consumer: str | None = None) -> tuple[int, int, int]:
+    """One batch from the stream: (entries processed, new events stored, entries refused)."""
     r = r or sync_redis()
     stream = stream or settings.TESSERA_USAGE_STREAM
     me = consumer or _consumer_name()
@@ -237,22 +278,70 @@ def consume_stream(r: Any = None, *, stream: str | None = None, count: int = 500
         got = r.xreadgroup(GROUP, me, {stream: ">"}, count=count, block=block_ms)
         entries = got[0][1] if got else []
     if not entries:
-        return 0, 0
-    ids, events = _decode(entries)
+        return 0, 0, 0
+    ids, events, refused = _decode(entries, signing.keyring())
     new = store(events)
-    pipe = r.pipeline(transaction=False)
+    dead = dead_letter_stream(stream)
+    if refused:  # counted before the ack: a consumer killed in between counts them again, never loses them
+        from telemetry.services import refusals
+
+        refusals.record([x for _, _, x in refused], source=stream, dead_letter=dead)
+    pipe = r.pipeline(transaction=True)  # the copies, the acks and the deletes together
+    for entry_id, fields, x in refused:
+        pipe.xadd(dead, _dead_letter_fields(fields, x.reason, entry_id), maxlen=DEAD_LETTER_MAXLEN, approximate=True)
     pipe.xack(stream, GROUP, *ids)
     pipe.xdel(stream, *ids)
     pipe.execute()
-    return len(ids), new
+    return len(ids), new, len(refused)
 
 
-def consume_spool(directory: Path | None = None, *, max_events: int = 20_000) -> tuple[int, int]:
-    """Read spool files from their saved offsets; delete files fully read and idle."""
+def _dead_spool(d: Path, lines: list[bytes]) -> None:
+    """Append refused spool lines to the spool's dead letter (one older file kept past SPOOL_ROTATE_BYTES)."""
+    dead = d / DEAD_SPOOL
+    if dead.exists() and dead.stat().st_size > SPOOL_ROTATE_BYTES:
+        os.replace(dead, d / f"{DEAD_SPOOL}.1")
+    fd = os.open(dead, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    with os.fdopen(fd, "ab") as f:
+        f.write(b"".join(line[:DEAD_LETTER_FIELD_BYTES] + b"\n" for line in lines))
+
+
+def requeue_refused(r: Any = None, *, stream: str | None = None, count: int = 1000) -> tuple[int, int]:
+    """Entries of the dead-letter stream that verify now (signed with a key the consumer lacked when it read them:
+    a rotation done in the wrong order) go back to the usage stream, to be consumed (and checked) again; the others
+    stay. Returns (requeued, left)."""
+    r = r or sync_redis()
+    stream = stream or settings.TESSERA_USAGE_STREAM
+    dead = dead_letter_stream(stream)
+    keyring = signing.keyring()
+    requeued = left = 0
+    start = "-"
+    while True:
+        entries = r.xrange(dead, min=start, count=count)
+        if not entries:
+            return requeued, left
+        pipe = r.pipeline(transaction=True)
+        for entry_id, fields in entries:
+            e, _reason = keyring.open(fields)
+            if e is None:
+                left += 1
+                continue
+            pipe.xadd(stream, {name: fields[name.encode()] for name in ("e", "k", "s")})
+            pipe.xdel(dead, entry_id)
+            requeued += 1
+        pipe.execute()
+        start = f"({_entry_id(entries[-1][0])}"
+
+
+def consume_spool(directory: Path | None = None, *, max_events: int = 20_000) -> tuple[int, int, int]:
+    """Read spool files from their saved offsets; delete files fully read and idle. (lines read, new events
+    stored, lines refused)."""
+    from telemetry.services.refusals import Refused, record
+
     d = Path(directory or settings.TESSERA_USAGE_SPOOL_DIR)
     if not d.is_dir():
-        return 0, 0
-    seen = new = 0
+        return 0, 0, 0
+    keyring = signing.keyring()
+    seen = new = refused_total = 0
     for path in sorted(d.glob("*.jsonl")):
         marker = path.with_suffix(".offset")
         offset = int(marker.read_text() or 0) if marker.exists() else 0
@@ -261,14 +350,23 @@ def consume_spool(directory: Path | None = None, *, max_events: int = 20_000) ->
             data = f.read()
         end = data.rfind(b"\n") + 1  # whole lines only: a line being written is read next time
         if end:
-            events = []
-            for line in data[:end].splitlines():
-                try:
-                    events.append(json.loads(line))
-                except ValueError:
-                    log.error("unreadable spool line dropped", extra={"file": path.name})
+            events, refused, dead = [], [], []
+            at = offset
+            for line in data[:end].split(b"\n")[:-1]:
+                fields = signing.spool_fields(line)
+                e, reason = keyring.open(fields)
+                if e is not None:
+                    events.append(e)
+                else:
+                    refused.append(Refused(f"{path.name}:{at}", reason or "malformed", signing.claimed_tenant(fields)))
+                    dead.append(line)
+                at += len(line) + 1
             new += store(events)
-            seen += len(events)
+            if refused:
+                record(refused, source=str(d), dead_letter=str(d / DEAD_SPOOL))
+                _dead_spool(d, dead)
+            seen += len(events) + len(refused)
+            refused_total += len(refused)
             tmp = marker.with_suffix(".offset.tmp")
             tmp.write_text(str(offset + end))
             os.replace(tmp, marker)
@@ -277,18 +375,18 @@ def consume_spool(directory: Path | None = None, *, max_events: int = 20_000) ->
             marker.unlink(missing_ok=True)
         if seen >= max_events:
             break
-    return seen, new
+    return seen, new, refused_total
 
 
 def consume(*, budget_s: float = 20.0, block_ms: int | None = None) -> dict[str, int]:
     """Drain what is there (the beat task and the consumer command): Redis stream when REDIS_URL is set,
-    else the spool. Returns entries processed and new events stored."""
+    else the spool. Returns entries processed, new events stored and entries refused (never billed)."""
     deadline = time.monotonic() + budget_s
-    total = new_total = 0
+    total = new_total = refused_total = 0
     r = sync_redis() if settings.REDIS_URL else None
     while time.monotonic() < deadline:
-        seen, new = consume_stream(r, block_ms=block_ms) if r is not None else consume_spool()
-        total, new_total = total + seen, new_total + new
+        seen, new, refused = consume_stream(r, block_ms=block_ms) if r is not None else consume_spool()
+        total, new_total, refused_total = total + seen, new_total + new, refused_total + refused
         if not seen:
             break
-    return {"processed": total, "new": new_total}
+    return {"processed": total, "new": new_total, "refused": refused_total}

@@ -174,12 +174,15 @@ class WebhookDelivery(models.Model):
 class BillingAlert(models.Model):
     """Something billing could not do and an operator must see: usage with no price in the invoice's
     currency (blocks finalization), a tenant whose rating or finalization failed in the beat. Open
-    while `resolved_at` is empty; the next successful rating or finalization resolves it."""
+    while `resolved_at` is empty; the next successful rating or finalization resolves it. And usage events
+    the consumer refused (unsigned or forged) that claimed this tenant: one open alert per burst, refreshed while
+    refusals go on, resolved by an operator (admin action) after looking."""
 
     class Kind(models.TextChoices):
         UNPRICED = "unpriced", "Usage with no price in the invoice's currency"
         RATING_FAILED = "rating_failed", "Rating failed"
         FINALIZE_FAILED = "finalize_failed", "Finalization failed"
+        REFUSED_USAGE = "refused_usage", "Usage events refused (unsigned or forged)"
 
     tenant = models.ForeignKey("tenants.Tenant", on_delete=models.CASCADE, related_name="billing_alerts")
     period_start = models.DateField(null=True, blank=True)

@@ -194,12 +194,12 @@ def test_request_limit_and_metering_are_shared_by_two_gateway_processes(fleet, g
     ok = [rid for s, rid, _ in answers if s == 200]
     assert len(set(ok)) == 10 and all(ok)
 
-    assert metering.consume(budget_s=10) == {"processed": len(served), "new": len(served)}
+    assert metering.consume(budget_s=10) == {"processed": len(served), "new": len(served), "refused": 0}
     events = _events()
     assert sorted(events) == sorted(served)  # every 200 has its event (x-request-id = event id); a 429 has none
     assert set(events.values()) == {(fleet["a"].pk, fleet["gen"].pk, 5, 2, 1)}
     assert _hourly_requests() == len(served)
-    assert metering.consume(budget_s=2) == {"processed": 0, "new": 0}
+    assert metering.consume(budget_s=2) == {"processed": 0, "new": 0, "refused": 0}
 
 
 # --- (b) a gateway process SIGKILLed during concurrent load ------------------------------------------------
@@ -256,7 +256,7 @@ def test_gateway_killed_under_load_loses_no_served_event_and_counts_none_twice(f
     assert len(events) - len(rids) <= failed[gw1.port], (len(events), len(rids), failed)
     assert set(events.values()) == {(fleet["a"].pk, fleet["gen"].pk, 5, 2, 1)}
     assert _hourly_requests() == len(events)
-    assert metering.consume(budget_s=2) == {"processed": 0, "new": 0}
+    assert metering.consume(budget_s=2) == {"processed": 0, "new": 0, "refused": 0}
     # what the killed gateway had in flight still holds the tenant's concurrency slots (until limits.stale_s())
     held = private_redis.client().zcard(f"{limits.PREFIX}conc:{fleet['a'].pk}")
     print(f"{len(rids)} answers with 200 ({served_by_gw1} from the killed gateway), {failed[gw1.port]} requests cut "
@@ -395,6 +395,6 @@ def test_consumer_killed_mid_batch_and_redis_restarted_lose_and_double_nothing(f
     assert _hourly_requests() == len(expected)  # the hourly totals counted each event once, replayed batch included
     hourly = dict(UsageHourly.objects.values("tenant_id").annotate(n=Sum("requests")).values_list("tenant_id", "n"))
     assert hourly == {fleet["a"].pk: a_events, fleet["b"].pk: 10_000}
-    assert metering.consume(budget_s=2) == {"processed": 0, "new": 0}
+    assert metering.consume(budget_s=2) == {"processed": 0, "new": 0, "refused": 0}
     print(f"consumer killed holding {pending_at_kill} entries; {stored_at_kill} events stored by then, "
           f"{written_unacked} of them of the held batch")

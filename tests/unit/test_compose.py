@@ -73,7 +73,8 @@ def test_docker_compose_config_where_the_plugin_exists():
     if probe.returncode != 0:
         pytest.skip(f"the docker CLI has no compose plugin here: {(probe.stderr or probe.stdout).strip()[:200]}")
     r = subprocess.run(["docker", "compose", "-f", str(COMPOSE), "config", "-q"], capture_output=True, text=True,
-                       env={"PATH": "/usr/bin:/bin:/usr/local/bin", "SECRET_KEY": "x", "POSTGRES_PASSWORD": "x"})
+                       env={"PATH": "/usr/bin:/bin:/usr/local/bin", "SECRET_KEY": "x", "POSTGRES_PASSWORD": "x",
+                            "REDIS_PASSWORD": "x"})
     assert r.returncode == 0, r.stderr
 
 
@@ -181,3 +182,48 @@ def test_readme_commands_match_the_compose_file(services):
         assert needle in readme, needle
     example = next(iter(node_workers(services)))
     assert f"--profile gpu up -d {example}" in readme
+
+
+# --- Redis needs a password; the usage signing key goes to the gateway and the consumer only (issue 28) -------
+
+def test_redis_requires_a_password_and_does_not_start_without_one(services):
+    redis = services["redis"]
+    command = " ".join(redis["command"])
+    assert redis["command"][:2] == ["sh", "-c"]
+    assert 'test -n "$$REDIS_PASSWORD" ||' in command and "exit 1" in command  # unset: Redis refuses to start
+    assert 'redis-server --requirepass "$$REDIS_PASSWORD"' in command
+    assert "exec docker-entrypoint.sh redis-server" in command  # the image's entrypoint drops root as before
+    for persistence in ("--appendonly yes", "--appendfsync everysec"):
+        assert persistence in command
+    assert redis["environment"]["REDIS_PASSWORD"] == "${REDIS_PASSWORD:-}"
+    assert redis["environment"]["REDISCLI_AUTH"] == "${REDIS_PASSWORD:-}"  # the healthcheck authenticates ...
+    assert redis["healthcheck"]["test"] == ["CMD-SHELL", "redis-cli ping | grep -q PONG"]  # ... and says PONG
+
+
+def test_every_service_reaches_redis_and_the_broker_with_the_password(services):
+    for name, s in tessera_services(services).items():
+        env = s.get("environment", {})
+        if name == "demo":  # SQLite and the embedded broker: no Redis
+            assert "REDIS_URL" not in env
+            continue
+        assert env["REDIS_URL"].startswith("redis://:${REDIS_PASSWORD:-}@redis:"), name
+        for var, value in env.items():
+            if isinstance(value, str) and "://" in value and var.startswith(("CELERY_", "REDIS")):
+                assert value.startswith("redis://:${REDIS_PASSWORD"), (name, var)
+    text = COMPOSE.read_text() + (DOCKER / "env.example").read_text() + (ROOT / "README.md").read_text()
+    assert "amqp://" not in text and "guest" not in text  # no RabbitMQ, let alone its guest user
+
+
+def test_the_usage_signing_key_goes_to_the_gateway_and_the_consumers_only(services):
+    holders = {name for name, s in tessera_services(services).items()
+               if "TESSERA_USAGE_SIGNING_KEY" in s.get("environment", {})}
+    assert holders == {"gateway", "usage-consumer", "control", "control-extra"}  # control: beat's consume-usage
+    for name in holders:
+        assert services[name]["environment"]["TESSERA_USAGE_SIGNING_KEY"] == "${TESSERA_USAGE_SIGNING_KEY:-}"
+    assert not holders & set(node_workers(services)) and "web" not in holders
+
+
+def test_env_example_names_every_secret_to_set():
+    names = {line.split("=", 1)[0] for line in (DOCKER / "env.example").read_text().splitlines()
+             if "=" in line and not line.startswith("#")}
+    assert {"SECRET_KEY", "POSTGRES_PASSWORD", "REDIS_PASSWORD", "TESSERA_USAGE_SIGNING_KEY"} <= names

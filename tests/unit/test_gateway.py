@@ -234,8 +234,8 @@ def test_spool_sink_without_redis_is_consumed_once(settings, fleet, tmp_path):
         await sink.close()
 
     run_async(write)
-    assert metering.consume(budget_s=5) == {"processed": 50, "new": 50}
-    assert metering.consume(budget_s=5) == {"processed": 0, "new": 0}
+    assert metering.consume(budget_s=5) == {"processed": 50, "new": 50, "refused": 0}
+    assert metering.consume(budget_s=5) == {"processed": 0, "new": 0, "refused": 0}
     assert UsageEvent.objects.count() == 50
 
 
