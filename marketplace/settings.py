@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import ipaddress
 import os
+import re
 from collections.abc import Callable
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
@@ -477,7 +479,26 @@ TESSERA_TRITONSERVER = env_str("TESSERA_TRITONSERVER")  # the binary; empty: nvi
 TESSERA_TRITON_PYTHON = env_str("TESSERA_TRITON_PYTHON")  # the python backend's Python; empty: ours
 # where the node stages tritonserver for the per-slice users; empty: <TESSERA_TRITON_REPO_ROOT>/.runtime
 TESSERA_SERVING_RUNTIME_DIR = env_str("TESSERA_SERVING_RUNTIME_DIR")
-TESSERA_SERVING_ISOLATE = env_bool("TESSERA_SERVING_ISOLATE", True)  # a Unix user per server (worker is root)
+TESSERA_SERVING_ISOLATE = env_bool("TESSERA_SERVING_ISOLATE", True)  # a sandbox per server (worker is root)
+# Names this installation's sandboxes on a node (Unix users tessera-<id>-<allocation>, network namespaces,
+# cgroups, firewall tables): two installations sharing a host never touch each other's. Default: derived from
+# SECRET_KEY (stable, the same on every process of one installation).
+TESSERA_INSTALLATION_ID = env_str("TESSERA_INSTALLATION_ID") or hashlib.sha256(
+    f"tessera-installation:{SECRET_KEY}".encode()).hexdigest()[:6]
+if not re.fullmatch(r"[a-z0-9]{1,8}", TESSERA_INSTALLATION_ID):
+    raise ImproperlyConfigured("TESSERA_INSTALLATION_ID must be 1 to 8 lowercase letters or digits")
+TESSERA_SANDBOX_SUBNET = env_str("TESSERA_SANDBOX_SUBNET", "10.213.0.0/16")  # a /30 per sandboxed server
+try:
+    if ipaddress.IPv4Network(TESSERA_SANDBOX_SUBNET).prefixlen > 30:
+        raise ValueError("smaller than a /30")
+except ValueError as _exc:
+    raise ImproperlyConfigured(f"TESSERA_SANDBOX_SUBNET must be an IPv4 network of at least a /30: {_exc}") from None
+TESSERA_SANDBOX_CGROUP = env_str("TESSERA_SANDBOX_CGROUP", "tessera")  # the parent cgroup of the sandboxes
+if not re.fullmatch(r"[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*", TESSERA_SANDBOX_CGROUP):
+    raise ImproperlyConfigured("TESSERA_SANDBOX_CGROUP must be a relative cgroup path (letters, digits, _.-)")
+TESSERA_SANDBOX_PIDS = env_int("TESSERA_SANDBOX_PIDS", 4096, minimum=16)  # tasks (threads) per sandbox
+TESSERA_SANDBOX_FILE_MIB = env_int("TESSERA_SANDBOX_FILE_MIB", 1024, minimum=1)  # largest file a slice writes
+TESSERA_SANDBOX_TMPFS_MIB = env_int("TESSERA_SANDBOX_TMPFS_MIB", 1024, minimum=1)  # each of /tmp, /dev/shm, home
 TESSERA_TRITON_IMAGE = env_str("TESSERA_TRITON_IMAGE", "nvcr.io/nvidia/tritonserver:24.10-py3")
 TESSERA_SIM_TRITON_HTTP = env_bool("TESSERA_SIM_TRITON_HTTP", False)  # simulated servers answer HTTP too
 TESSERA_SERVING_START_TIMEOUT_S = env_float("TESSERA_SERVING_START_TIMEOUT_S", 120.0)

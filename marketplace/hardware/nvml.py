@@ -343,6 +343,27 @@ class NvmlClient:
             return False
         return True
 
+    # ------------------------------------------------------------------ devices
+
+    def device_nodes(self, index: int, gi_id: int | None = None, ci_id: int | None = None,
+                     proc: str = "/proc/driver/nvidia/capabilities") -> list[str]:
+        """The device nodes a process needs to use GPU ``index`` (or one MIG slice of it): the control and UVM
+        nodes, ``/dev/nvidia<minor>`` and, for a slice, the capability nodes of its GPU and compute instances,
+        whose minors the driver gives in ``<proc>/gpu<minor>/mig/gi<gi>/access`` and ``.../ci<ci>/access``
+        (``DeviceFileMinor: N`` -> ``/dev/nvidia-caps/nvidia-capN``; NVIDIA MIG User Guide, "Device Nodes and
+        Capabilities"). A capability file that is not there (no driver here) is skipped."""
+        minor = self.nv.nvmlDeviceGetMinorNumber(self._h(index))
+        nodes = ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", f"/dev/nvidia{minor}"]
+        if gi_id is not None:
+            access = [f"{proc}/gpu{minor}/mig/gi{gi_id}/access"]
+            if ci_id is not None:
+                access.append(f"{proc}/gpu{minor}/mig/gi{gi_id}/ci{ci_id}/access")
+            for path in access:
+                cap = _device_file_minor(path)
+                if cap is not None:
+                    nodes.append(f"/dev/nvidia-caps/nvidia-cap{cap}")
+        return nodes
+
     # ------------------------------------------------------------------ telemetry
 
     def telemetry(self, index: int) -> Telemetry:
@@ -384,3 +405,16 @@ class NvmlClient:
             power_limit_w=self.nv.nvmlDeviceGetEnforcedPowerLimit(h) / 1000.0,
             mig=mig,
         )
+
+
+def _device_file_minor(path: str) -> int | None:
+    """``DeviceFileMinor: N`` of an nvidia-capabilities access file, or None when it cannot be read."""
+    try:
+        with open(path) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "DeviceFileMinor":
+                    return int(value.strip())
+    except (OSError, ValueError):
+        return None
+    return None

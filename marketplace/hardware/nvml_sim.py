@@ -534,6 +534,11 @@ class SimNvml:
         gpu, _gi, _ci = self._dev(handle)
         return gpu
 
+    def nvmlDeviceGetMinorNumber(self, handle: Any) -> int:
+        """The N of /dev/nvidiaN: the driver numbers them in PCI order, as it does the indices here."""
+        gpu, _gi, _ci = self._dev(handle)
+        return gpu
+
     def nvmlDeviceGetCudaComputeCapability(self, handle: Any) -> tuple[int, int]:
         gpu, _gi, _ci = self._dev(handle, allow_mig=True)
         major, _, minor = self._geos[gpu].compute_capability.partition(".")

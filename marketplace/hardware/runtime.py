@@ -2,10 +2,11 @@
 
 One small interface with three backends, chosen by ``TESSERA_SERVING_RUNTIME``:
 
-* ``process``: runs the ``tritonserver`` binary on the node. When the worker is root, each server runs as
-  its own unprivileged Unix user (created here, removed with the server), its repository owned by that user
-  with mode 0700, so a tenant's python model cannot read another slice's files; otherwise the server runs as
-  the worker's user and the isolation is reported as ``none``.
+* ``process``: runs the ``tritonserver`` binary on the node. When the worker is root, each server runs in a
+  sandbox of its own (``sandbox.py``: PID, IPC, mount and network namespaces, firewall rules, a cgroup with the
+  slice's limits, its own Unix user without capabilities), isolation ``sandbox``; a root worker on a host that
+  cannot make one refuses to start the server rather than run it unconfined. Otherwise (a laptop demo) the
+  server runs as the worker's user and the isolation is reported as ``none``.
 * ``docker``: the same through the Docker Engine API (the ``docker`` Python SDK) with NVIDIA's Triton
   image, ``--gpus device=<MIG UUID>``, only that slice's repository mounted read-only, a bridge network and
   ports published on the node's private address.
@@ -41,6 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from marketplace.hardware import sandbox as sb
+
 # Every API: the repository, config and shared-memory ones so that no one but Tessera loads a model, and
 # inference, metadata, statistics and health as well, since tenants' python models run on the same host and
 # could otherwise call (or read the statistics of) another slice's server on its node-private address.
@@ -52,7 +55,7 @@ LOG_FILE = "tritonserver.log"
 PID_FILE = "server.pid"
 LOG_TAIL_CHARS = 4000
 EXIT_TIMEOUT_SECS = 2
-USER_PREFIX = "tessera-s"
+USER_MARKER = "tessera slice server"  # the GECOS field of the users Tessera makes: "<marker> <installation>/<name>"
 RUNTIME_KINDS = ("process", "docker", "sim")
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,40}$")
 
@@ -74,11 +77,16 @@ class ServerSpec:
     grpc_port: int
     metrics_port: int
     secret: str
-    isolate: bool = True  # a Unix user of its own (process runtime, worker is root)
+    isolate: bool = True  # a sandbox of its own (process runtime, worker is root)
     gpu_metrics: bool = False
     labels: dict[str, str] = field(default_factory=dict)
     memory_mb: int | None = None  # the slice's memory (the simulator's load check)
     tokens_per_s: float | None = None  # the simulator's performance model
+    reach: str = ""  # where clients connect, as the runtime answered at start (empty: ``address``)
+    installation: str = "local"  # names the sandbox's user, namespace, cgroup and rules
+    limits: sb.Limits | None = None  # the sandbox's limits (None: no sandbox can be made for this spec)
+    devices: tuple[str, ...] = ()  # the GPU's device nodes the sandbox lets through
+    binds: tuple[str, ...] = ()  # folders the server reads besides its repository (the model store), read-only
 
     def __post_init__(self) -> None:
         if not NAME_RE.match(self.name):
@@ -89,29 +97,31 @@ class ServerSpec:
 
     @property
     def unix_user(self) -> str:
-        return f"{USER_PREFIX}{self.name.removeprefix('allocation-')}"[:32]
+        return sb.names(self.installation, self.name).user
 
     @property
     def http_url(self) -> str:
-        return f"http://{_url_host(self.address)}:{self.http_port}"
+        return f"http://{_url_host(self.reach or self.address)}:{self.http_port}"
 
     @property
     def metrics_url(self) -> str:
-        return f"http://{_url_host(self.address)}:{self.metrics_port}/metrics"
+        return f"http://{_url_host(self.reach or self.address)}:{self.metrics_port}/metrics"
 
     def restricted_args(self) -> list[str]:
         apis = ",".join(RESTRICTED_APIS)
         return [f"--http-restricted-api={apis}:{SECRET_HEADER}={self.secret}",
                 f"--grpc-restricted-protocol={apis}:{SECRET_HEADER}={self.secret}"]
 
-    def server_args(self, repo: str, backends: str | None) -> list[str]:
-        """tritonserver's command line (the binary excluded)."""
+    def server_args(self, repo: str, backends: str | None, address: str | None = None) -> list[str]:
+        """tritonserver's command line (the binary excluded). ``--strict-readiness=false``: the server is
+        ready when it answers, whatever one model's load did; each model's readiness is its own."""
+        address = address or self.address
         args = [f"--model-repository={repo}", "--model-control-mode=explicit",
-                f"--http-address={self.address}", f"--http-port={self.http_port}",
-                f"--grpc-address={self.address}", f"--grpc-port={self.grpc_port}",
-                f"--metrics-address={self.address}", f"--metrics-port={self.metrics_port}",
+                f"--http-address={address}", f"--http-port={self.http_port}",
+                f"--grpc-address={address}", f"--grpc-port={self.grpc_port}",
+                f"--metrics-address={address}", f"--metrics-port={self.metrics_port}",
                 f"--allow-gpu-metrics={'true' if self.gpu_metrics else 'false'}",
-                "--allow-sagemaker=false", "--allow-vertex-ai=false",
+                "--allow-sagemaker=false", "--allow-vertex-ai=false", "--strict-readiness=false",
                 f"--exit-timeout-secs={EXIT_TIMEOUT_SECS}", "--log-verbose=0", *self.restricted_args()]
         if backends:
             args.insert(2, f"--backend-directory={backends}")
@@ -129,6 +139,7 @@ class ServerStatus:
     exit_code: int | None = None
     container_id: str = ""
     detail: str = ""
+    address: str = ""  # where clients reach it (a sandbox's inner address; empty: the spec's address)
 
 
 class ServingRuntime(ABC):
@@ -136,7 +147,7 @@ class ServingRuntime(ABC):
 
     @abstractmethod
     def isolation(self, spec: ServerSpec) -> str:
-        """"user", "container", "none" or "sim": what keeps this server's files from the others."""
+        """"sandbox", "container", "none" or "sim": what keeps this server from the others and the node."""
 
     @abstractmethod
     def start(self, spec: ServerSpec) -> ServerStatus:
@@ -162,6 +173,14 @@ class ServingRuntime(ABC):
 
     def hand_over(self, spec: ServerSpec) -> None:  # noqa: B027 - optional
         """Give files Tessera wrote into the repository to the server's user (process runtime, isolated)."""
+
+    def census(self, spec: ServerSpec) -> sb.Census | None:
+        """What runs in the server's sandbox and which of its limits were hit (None: not sandboxed)."""
+        return None
+
+    def kill_model(self, spec: ServerSpec, model: str) -> int:
+        """Kill one model's processes (a python model's stubs and all they forked); how many were killed."""
+        return 0
 
 
 # --------------------------------------------------------------------------------------------------
@@ -265,15 +284,24 @@ def stage_install(install: TritonInstall, dest: Path) -> TritonInstall:
 # process
 # --------------------------------------------------------------------------------------------------
 
+def _pid_file(work_dir: Path) -> list[str]:
+    """The pid file's lines: pid, node, repository, the address clients reach the server at."""
+    try:
+        return (work_dir / PID_FILE).read_text().split("\n")
+    except OSError:
+        return []
+
+
 def _read_pid(work_dir: Path) -> int | None:
     try:
-        return int((work_dir / PID_FILE).read_text().split()[0])
-    except (OSError, ValueError, IndexError):
+        return int(_pid_file(work_dir)[0].split()[0])
+    except (ValueError, IndexError):
         return None
 
 
 def _alive(pid: int, repo_dir: Path) -> bool:
-    """The process exists, is not a zombie, and is a tritonserver serving this repository."""
+    """The process exists, is not a zombie, and is a tritonserver (or the sandbox holding one) serving this
+    repository."""
     try:
         status = Path(f"/proc/{pid}/stat").read_text()
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
@@ -281,34 +309,47 @@ def _alive(pid: int, repo_dir: Path) -> bool:
         return False
     if status.rsplit(")", 1)[-1].split()[0] in ("Z", "X"):
         return False
-    return f"--model-repository={repo_dir}".encode() in cmdline
+    repo = str(repo_dir).encode()
+    return b"--model-repository=" + repo in cmdline or (repo in cmdline and sb.INNER_REPO.encode() in cmdline)
 
 
 class ProcessRuntime(ServingRuntime):
     """``tritonserver`` processes on this host. ``python``: the Python the python backend stub embeds (same
-    X.Y as its stub, with numpy; readable by the per-slice users)."""
+    X.Y as its stub, with numpy; readable by the per-slice users). A root worker runs each server in its own
+    sandbox (``sandbox.Sandbox``); ``sandbox`` is that host's sandbox maker."""
 
     kind = "process"
 
     def __init__(self, *, binary: str = "", python: str = "", runtime_dir: Path | None = None,
-                 run_as_root: bool | None = None) -> None:
+                 run_as_root: bool | None = None, sandbox: sb.Sandbox | None = None) -> None:
         self.binary = binary
         self.python = python or sys.executable
         self.runtime_dir = runtime_dir
         self.is_root = (os.geteuid() == 0) if run_as_root is None else run_as_root
+        self.sandbox = sandbox or sb.Sandbox(installation="local")
         self._children: dict[str, subprocess.Popen] = {}
         self._lock = threading.Lock()
 
     def isolation(self, spec: ServerSpec) -> str:
-        return "user" if spec.isolate and self.is_root else "none"
+        return "sandbox" if spec.isolate and self.is_root else "none"
 
     # -- users -------------------------------------------------------------------------------
-    def _ensure_user(self, name: str) -> tuple[int, int]:
+    @staticmethod
+    def _marker(spec: ServerSpec) -> str:
+        return f"{USER_MARKER} {spec.installation}/{spec.name}"
+
+    def _ensure_user(self, spec: ServerSpec) -> tuple[int, int]:
+        """The server's own user: made here, or the one made here for it before; any other account of that
+        name is never reused."""
+        name = spec.unix_user
         with contextlib.suppress(KeyError):
             entry = pwd.getpwnam(name)
+            if entry.pw_gecos != self._marker(spec):
+                raise RuntimeFault(f"a Unix account named {name} exists and was not made by Tessera for this server "
+                                   f"(its comment is {entry.pw_gecos!r}): refusing to run a slice as it")
             return entry.pw_uid, entry.pw_gid
         cmd = ["useradd", "--system", "--no-create-home", "--home-dir", "/nonexistent",
-               "--shell", "/usr/sbin/nologin", "--user-group", name]
+               "--shell", "/usr/sbin/nologin", "--user-group", "--comment", self._marker(spec), name]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=False)
         except (OSError, subprocess.SubprocessError) as exc:
@@ -319,8 +360,24 @@ class ProcessRuntime(ServingRuntime):
         entry = pwd.getpwnam(name)
         return entry.pw_uid, entry.pw_gid
 
+    def _remove_user(self, spec: ServerSpec) -> None:
+        try:
+            entry = pwd.getpwnam(spec.unix_user)
+        except KeyError:
+            return
+        if entry.pw_gecos != self._marker(spec):
+            return  # not ours: never touched
+        try:
+            done = subprocess.run(["userdel", spec.unix_user], capture_output=True, text=True, timeout=30,
+                                  check=False)
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise RuntimeFault(f"could not remove the server's Unix user {spec.unix_user}: {exc}") from None
+        if done.returncode != 0:
+            raise RuntimeFault(f"could not remove the server's Unix user {spec.unix_user}: userdel exited "
+                               f"{done.returncode}: {(done.stderr or done.stdout).strip()[:300]}")
+
     def hand_over(self, spec: ServerSpec) -> None:
-        if self.isolation(spec) != "user":
+        if self.isolation(spec) != "sandbox":
             return
         try:
             entry = pwd.getpwnam(spec.unix_user)
@@ -330,22 +387,22 @@ class ProcessRuntime(ServingRuntime):
         spec.repo_dir.chmod(0o700)
 
     def cleanup(self, spec: ServerSpec) -> None:
-        if not (spec.isolate and self.is_root):
+        """The sandbox (cgroups, firewall rules, network namespace) and the server's user. Raises RuntimeFault
+        when one of them could not be removed (never silently)."""
+        if self.isolation(spec) != "sandbox":
             return
         try:
-            pwd.getpwnam(spec.unix_user)
-        except KeyError:
-            return
-        subprocess.run(["userdel", spec.unix_user], capture_output=True, text=True, timeout=30, check=False)
+            self.sandbox.remove(spec.name)
+        except sb.SandboxFault as exc:
+            raise RuntimeFault(f"the sandbox of {spec.name} could not be removed: {exc}") from None
+        self._remove_user(spec)
 
     # -- start / stop ------------------------------------------------------------------------
     def _install(self, spec: ServerSpec) -> TritonInstall:
+        """The installation to run: a configured one as it is (a sandbox binds its root read-only); the wheel's
+        staged once with the python backend's stub in backends/python, world-readable."""
         install = locate_triton(self.binary, self.python)
-        if self.isolation(spec) == "user":
-            if self.runtime_dir is None:
-                raise RuntimeFault("per-slice users need a staged tritonserver: no runtime folder configured")
-            install = stage_install(install, self.runtime_dir)
-        elif install.stub is not None:  # the stub must sit in backends/python: stage it once
+        if install.stub is not None:
             install = stage_install(install, self.runtime_dir or spec.work_dir.parent / ".runtime")
         return install
 
@@ -360,56 +417,101 @@ class ProcessRuntime(ServingRuntime):
             "HOME": str(home), "TMPDIR": str(home), "LANG": "C.UTF-8",
         }
 
+    def _python_binds(self) -> list[Path]:
+        """The python backend's Python outside /usr (its prefix), read-only in the sandbox."""
+        code = "import sys; print(sys.prefix); print(sys.base_prefix)"
+        try:
+            out = subprocess.run([self.python, "-c", code], capture_output=True, text=True, timeout=30,
+                                 check=True).stdout.split()
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise RuntimeFault(f"the python backend's Python {self.python} does not run: {exc}") from None
+        return [Path(p) for p in dict.fromkeys(out) if not p.startswith("/usr")]
+
+    def _check_sandbox(self, install: TritonInstall) -> None:
+        why = self.sandbox.unavailable()
+        if why is not None:
+            raise RuntimeFault(f"the slice's sandbox cannot be made on this node: {why} (TESSERA_SERVING_ISOLATE=0 "
+                               f"runs servers unconfined, for a laptop demo only)")
+        py_blocked = _reachable_by_others(Path(python_info(self.python)[1]))
+        if py_blocked is not None:
+            raise RuntimeFault(f"the python backend's Python {self.python} is not readable by the per-slice "
+                               f"users ({py_blocked} is closed): set TESSERA_TRITON_PYTHON to a Python "
+                               f"that other users can run, with numpy (e.g. Debian's python3 with "
+                               f"python3-numpy)")
+
     def start(self, spec: ServerSpec) -> ServerStatus:
         current = self.status(spec)
         if current.running:
             return current
         install = self._install(spec)
         spec.work_dir.mkdir(parents=True, exist_ok=True)
-        spec.work_dir.chmod(0o755)
-        home = spec.work_dir / "home"
-        home.mkdir(exist_ok=True)
+        spec.work_dir.chmod(0o700)
         spec.repo_dir.mkdir(parents=True, exist_ok=True)
-        user: tuple[int, int] | None = None
-        if self.isolation(spec) == "user":
-            blocked = _reachable_by_others(spec.repo_dir.parent) or _reachable_by_others(install.binary.parent)
-            if blocked is not None:
-                raise RuntimeFault(f"{blocked} is not reachable by the per-slice users (mode "
-                                   f"{stat.filemode(blocked.stat().st_mode)}): put TESSERA_TRITON_REPO_ROOT "
-                                   f"and TESSERA_SERVING_RUNTIME_DIR where other users may traverse")
-            py_blocked = _reachable_by_others(Path(python_info(self.python)[1]))
-            if py_blocked is not None:
-                raise RuntimeFault(f"the python backend's Python {self.python} is not readable by the per-slice "
-                                   f"users ({py_blocked} is closed): set TESSERA_TRITON_PYTHON to a Python "
-                                   f"that other users can run, with numpy (e.g. Debian's python3 with "
-                                   f"python3-numpy)")
-            user = self._ensure_user(spec.unix_user)
-            _chown_tree(spec.repo_dir, *user)
-            spec.repo_dir.chmod(0o700)
-            _chown_tree(home, *user)
-            home.chmod(0o700)
-        busy = _ports_in_use(spec.address, (spec.http_port, spec.grpc_port, spec.metrics_port))
-        if busy:
-            raise RuntimeFault(f"port(s) {', '.join(map(str, busy))} on {spec.address} are already in use")
+        sandboxed = self.isolation(spec) == "sandbox"
+        if sandboxed:
+            self._check_sandbox(install)
+        else:
+            busy = _ports_in_use(spec.address, (spec.http_port, spec.grpc_port, spec.metrics_port))
+            if busy:
+                raise RuntimeFault(f"port(s) {', '.join(map(str, busy))} on {spec.address} are already in use")
         log_path = spec.work_dir / LOG_FILE
-        args = [str(install.binary), *spec.server_args(str(spec.repo_dir.resolve()), str(install.backends))]
+        reach = spec.address
         with open(log_path, "ab") as log:
             os.chmod(log_path, 0o600)
             log.write(f"--- {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} starting\n".encode())
             log.flush()
-            kwargs: dict[str, Any] = {}
-            if user is not None:
-                kwargs = {"user": user[0], "group": user[1], "extra_groups": []}
+            if sandboxed:
+                args, env, cwd, reach = self._sandboxed(spec, install)
+            else:
+                home = spec.work_dir / "home"
+                home.mkdir(exist_ok=True)
+                args = [str(install.binary), *spec.server_args(str(spec.repo_dir.resolve()), str(install.backends))]
+                env, cwd = self._environment(spec, install, home), str(home)
             try:
                 proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                        env=self._environment(spec, install, home), cwd=home,
-                                        start_new_session=True, close_fds=True, **kwargs)
+                                        env=env, cwd=cwd, start_new_session=True, close_fds=True)
             except OSError as exc:
+                if sandboxed:
+                    with contextlib.suppress(sb.SandboxFault):
+                        self.sandbox.remove(spec.name)
                 raise RuntimeFault(f"could not start {install.binary}: {exc}") from None
-        (spec.work_dir / PID_FILE).write_text(f"{proc.pid}\n{spec.labels.get(NODE_LABEL, '')}\n")
+        (spec.work_dir / PID_FILE).write_text(f"{proc.pid}\n{spec.labels.get(NODE_LABEL, '')}\n"
+                                              f"{spec.repo_dir.resolve()}\n{reach}\n")
         with self._lock:
             self._children[spec.name] = proc
-        return ServerStatus(running=True, pid=proc.pid)
+        return ServerStatus(running=True, pid=proc.pid, address=reach)
+
+    def _sandboxed(self, spec: ServerSpec, install: TritonInstall) -> tuple[list[str], dict[str, str], str, str]:
+        """Make the server's sandbox (user, cgroups, network) and the command that starts it there."""
+        if spec.limits is None:
+            raise RuntimeFault(f"no sandbox limits for {spec.name}")
+        uid, gid = self._ensure_user(spec)
+        _chown_tree(spec.repo_dir, uid, gid)
+        spec.repo_dir.chmod(0o700)
+        etc = sb.passwd_files(spec.work_dir / "etc", spec.unix_user, uid, gid)
+        spec.work_dir.chmod(0o755)  # etc/ must be readable where bwrap binds it; the log stays 0600
+        binds = [*self._python_binds(), *(Path(b) for b in spec.binds)]
+        try:
+            self.sandbox.make_cgroups(spec.name, spec.limits)
+            net = self.sandbox.make_network(spec.name, (spec.http_port, spec.grpc_port, spec.metrics_port),
+                                            spec.address)
+        except sb.SandboxFault as exc:
+            with contextlib.suppress(sb.SandboxFault):
+                self.sandbox.remove(spec.name)
+            raise RuntimeFault(f"the slice's sandbox could not be made: {exc}") from None
+        _, libdir = python_info(self.python)
+        inner = sb.INNER_TRITON
+        env = {
+            "PATH": os.pathsep.join([str(Path(self.python).parent), "/usr/local/bin", "/usr/bin", "/bin"]),
+            "LD_LIBRARY_PATH": os.pathsep.join([*([f"{inner}/libs"] if install.libs else []), libdir]),
+            "CUDA_VISIBLE_DEVICES": spec.device_uuid,
+            "HOME": sb.INNER_HOME, "TMPDIR": "/tmp", "LANG": "C.UTF-8",
+        }
+        argv = [f"{inner}/bin/tritonserver", *spec.server_args(sb.INNER_REPO, f"{inner}/backends", net.inner_ip)]
+        root = install.binary.parent.parent
+        args = self.sandbox.command(spec.name, uid=uid, gid=gid, argv=argv, env=env, repo=spec.repo_dir.resolve(),
+                                    runtime=root, binds=binds, etc=etc, devices=spec.devices, limits=spec.limits)
+        return args, {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}, "/", net.client_address
 
     def _reap(self, spec: ServerSpec) -> int | None:
         with self._lock:
@@ -424,23 +526,29 @@ class ProcessRuntime(ServingRuntime):
 
     def status(self, spec: ServerSpec) -> ServerStatus:
         code = self._reap(spec)
+        lines = _pid_file(spec.work_dir)
         pid = _read_pid(spec.work_dir)
         if pid is not None and _alive(pid, spec.repo_dir.resolve()):
-            return ServerStatus(running=True, pid=pid)
+            return ServerStatus(running=True, pid=pid, address=lines[3] if len(lines) > 3 else "")
         return ServerStatus(running=False, pid=pid, exit_code=code)
 
     def stop(self, spec: ServerSpec, timeout: float = 20.0) -> int | None:
         st = self.status(spec)
+        sandboxed = self.isolation(spec) == "sandbox"
         if st.running and st.pid:
+            target = (self.sandbox.server_pid(spec.name) if sandboxed else None) or st.pid
             with contextlib.suppress(ProcessLookupError):
-                os.kill(st.pid, signal.SIGTERM)
+                os.kill(target, signal.SIGTERM)  # tritonserver itself: it unloads its models and exits
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline and self.status(spec).running:
                 time.sleep(0.05)
             if self.status(spec).running:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(st.pid, signal.SIGKILL)
-        if st.pid:  # its python stubs, in the server's own session
+        if sandboxed:  # whatever is left in its cgroup (stubs, what they forked)
+            with contextlib.suppress(sb.SandboxFault):
+                self.sandbox.kill(spec.name)
+        elif st.pid:  # its python stubs, in the server's own session
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(st.pid, signal.SIGKILL)
         code = self._reap(spec)
@@ -453,6 +561,16 @@ class ProcessRuntime(ServingRuntime):
             (spec.work_dir / PID_FILE).unlink()
         return code
 
+    def census(self, spec: ServerSpec) -> sb.Census | None:
+        if self.isolation(spec) != "sandbox":
+            return None
+        return self.sandbox.census(spec.name)
+
+    def kill_model(self, spec: ServerSpec, model: str) -> int:
+        if self.isolation(spec) != "sandbox":
+            return 0
+        return sum(self.sandbox.kill_tree(spec.name, pid) for pid in self.sandbox.stub_pids(spec.name, model))
+
     def logs(self, spec: ServerSpec, chars: int = LOG_TAIL_CHARS) -> str:
         return _tail(spec.work_dir / LOG_FILE, chars)
 
@@ -460,24 +578,14 @@ class ProcessRuntime(ServingRuntime):
         names = []
         for pid_file in sorted(work_root.glob(f"*/{PID_FILE}")):
             folder = pid_file.parent
+            lines = _pid_file(folder)
             pid = _read_pid(folder)
-            with contextlib.suppress(OSError, IndexError):
-                if pid_file.read_text().split("\n")[1] not in ("", node):
-                    continue  # another (simulated) node's server on this host
-            try:
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes() if pid else b""
-            except OSError:
-                cmdline = b""
-            if pid and b"tritonserver" in cmdline and _alive(pid, _repo_of(cmdline)):
+            if len(lines) > 1 and lines[1] not in ("", node):
+                continue  # another (simulated) node's server on this host
+            repo = Path(lines[2]) if len(lines) > 2 and lines[2] else Path("/nonexistent")
+            if pid and _alive(pid, repo):
                 names.append(folder.name)
         return names
-
-
-def _repo_of(cmdline: bytes) -> Path:
-    for part in cmdline.split(b"\0"):
-        if part.startswith(b"--model-repository="):
-            return Path(part.split(b"=", 1)[1].decode())
-    return Path("/nonexistent")
 
 
 def _chown_tree(root: Path, uid: int, gid: int) -> None:
@@ -516,20 +624,44 @@ def _tail(path: Path, chars: int) -> str:
 # --------------------------------------------------------------------------------------------------
 
 CONTAINER_REPO = "/models"
+CONTAINER_UID = "65534:65534"  # nobody: the image's files are readable, nothing of the node's is owned by it
+
+
+def bridge_name(spec: ServerSpec) -> str:
+    return sb.names(spec.installation, spec.name).host_if.removesuffix("h") + "d"
+
+
+def network_spec(spec: ServerSpec) -> dict[str, Any]:
+    """The keyword arguments of ``docker.from_env().networks.create`` for one slice's own bridge network (no
+    other container on it), named so that the node's firewall rules (``sandbox.host_rules``) can name its bridge:
+    they drop every connection the container opens, to the node and through it."""
+    return {
+        "name": sb.names(spec.installation, spec.name).netns,
+        "driver": "bridge",
+        "options": {"com.docker.network.bridge.name": bridge_name(spec),
+                    "com.docker.network.bridge.enable_icc": "false"},
+        "labels": {"tessera.server": spec.name, **spec.labels},
+    }
 
 
 def container_spec(spec: ServerSpec, image: str, model_store: Path | None = None) -> dict[str, Any]:
-    """The keyword arguments of ``docker.from_env().containers.run`` for one slice's server: NVIDIA's Triton
-    image, only this slice's MIG device (``--gpus device=<uuid>``), only its repository mounted read-only (and
-    the MSP's model store, read-only at the same path as on the node: a vLLM library model's ``model.json``
-    names its weights there), a bridge network (never the host's), ports published on the node's private
-    address, no privileges."""
+    """The keyword arguments of ``docker.from_env().containers.run`` for one slice's server, with the process
+    sandbox's guarantees: NVIDIA's Triton image, only this slice's MIG device (``--gpus device=<uuid>``), only its
+    repository mounted read-only (and the MSP's model store, read-only at the same path as on the node: a vLLM
+    library model's ``model.json`` names its weights there), its own bridge network (``network_spec``) with its
+    three ports published on the node's serving address and nothing else let in, the slice's memory (no swap),
+    process and CPU-weight limits, private IPC and a private ``/tmp`` and ``/dev/shm`` of bounded size, a read-only
+    root file system, no capabilities, no new privileges, an unprivileged user, no core files and a cap on any
+    file's size."""
+    limits = spec.limits or sb.Limits(memory_mib=spec.memory_mb or 4096, pids=4096, cpu_weight=100)
     volumes = {str(spec.repo_dir.resolve()): {"bind": CONTAINER_REPO, "mode": "ro"}}
     if model_store is not None:
         store = str(Path(model_store).resolve())
         if store == CONTAINER_REPO or store.startswith(CONTAINER_REPO + "/"):
             raise ValueError(f"the model store {store} would hide the repository mounted at {CONTAINER_REPO}")
         volumes[store] = {"bind": store, "mode": "ro"}
+    memory = f"{limits.memory_mib}m"
+    fsize = limits.file_size_mib * 1024 * 1024
     return {
         "image": image,
         "name": f"tessera-{spec.name}",
@@ -538,16 +670,22 @@ def container_spec(spec: ServerSpec, image: str, model_store: Path | None = None
         "environment": {"CUDA_VISIBLE_DEVICES": "0"},  # the container sees only the requested device
         "device_requests": [{"Driver": "nvidia", "DeviceIDs": [spec.device_uuid], "Capabilities": [["gpu"]]}],
         "volumes": volumes,
-        "network_mode": "bridge",
+        "network": network_spec(spec)["name"],
         "ports": {"8000/tcp": (spec.address, spec.http_port), "8001/tcp": (spec.address, spec.grpc_port),
                   "8002/tcp": (spec.address, spec.metrics_port)},
         "labels": {"tessera.server": spec.name, **spec.labels},
         "cap_drop": ["ALL"],
         "security_opt": ["no-new-privileges"],
         "read_only": True,
-        "tmpfs": {"/tmp": "rw,size=1g"},
-        "shm_size": "1g",
-        "user": "1000:1000",
+        "tmpfs": {"/tmp": f"rw,nosuid,nodev,size={limits.tmpfs_mib}m"},
+        "ipc_mode": "private",
+        "shm_size": f"{limits.tmpfs_mib}m",
+        "mem_limit": memory,
+        "memswap_limit": memory,  # the same: no swap
+        "pids_limit": limits.pids,
+        "cpu_shares": max(2, limits.cpu_weight * 1024 // 100),
+        "ulimits": [{"Name": "core", "Soft": 0, "Hard": 0}, {"Name": "fsize", "Soft": fsize, "Hard": fsize}],
+        "user": CONTAINER_UID,
         "restart_policy": {"Name": "no"},
     }
 
@@ -560,12 +698,19 @@ def _container_args(spec: ServerSpec) -> list[str]:
 
 
 class DockerRuntime(ServingRuntime):
+    """Triton containers through the Docker Engine API. Each slice's container is on its own bridge network, its
+    ports published on the node's serving address; the node's nftables rules (``sandbox.host_rules``, the process
+    sandbox's) drop every connection it opens, to the node itself and through it (the worker needs the host's
+    network namespace and CAP_NET_ADMIN for them)."""
+
     kind = "docker"
 
-    def __init__(self, image: str, client: Any = None, model_store: Path | None = None) -> None:
+    def __init__(self, image: str, client: Any = None, model_store: Path | None = None,
+                 sandbox: sb.Sandbox | None = None) -> None:
         self.image = image
         self._client = client
         self.model_store = model_store
+        self.sandbox = sandbox or sb.Sandbox(installation="local")
 
     @property
     def client(self) -> Any:
@@ -588,6 +733,11 @@ class DockerRuntime(ServingRuntime):
         found = self.client.containers.list(all=True, filters={"label": f"tessera.server={spec.name}"})
         return found[0] if found else None
 
+    def _network(self, spec: ServerSpec) -> Any:
+        want = network_spec(spec)
+        found = self.client.networks.list(names=[want["name"]])
+        return found[0] if found else self.client.networks.create(**want)
+
     def start(self, spec: ServerSpec) -> ServerStatus:
         c = self._container(spec)
         if c is not None and c.status == "running":
@@ -595,10 +745,19 @@ class DockerRuntime(ServingRuntime):
         if c is not None:
             c.remove(force=True)
         kwargs = container_spec(spec, self.image, self.model_store)
-        from docker.types import DeviceRequest
+        from docker.types import DeviceRequest, Ulimit
 
         kwargs["device_requests"] = [DeviceRequest(driver="nvidia", device_ids=[spec.device_uuid],
                                                    capabilities=[["gpu"]])]
+        kwargs["ulimits"] = [Ulimit(name=u["Name"], soft=u["Soft"], hard=u["Hard"]) for u in kwargs["ulimits"]]
+        try:
+            self._network(spec)
+        except Exception as exc:  # docker.errors.*
+            raise RuntimeFault(f"docker could not make the network of {kwargs['name']}: {exc}") from None
+        try:  # before the container runs: it never has a moment without them
+            self.sandbox.apply_firewall(spec.name, bridge_name(spec))
+        except sb.SandboxFault as exc:
+            raise RuntimeFault(f"the firewall of {kwargs['name']} could not be set: {exc}") from None
         try:
             c = self.client.containers.run(**kwargs)
         except Exception as exc:  # docker.errors.* (image missing, device refused...)
@@ -624,6 +783,14 @@ class DockerRuntime(ServingRuntime):
         code = c.attrs.get("State", {}).get("ExitCode")
         c.remove(force=True)
         return code
+
+    def cleanup(self, spec: ServerSpec) -> None:
+        try:
+            self.sandbox.remove_firewall(spec.name)
+            for net in self.client.networks.list(names=[network_spec(spec)["name"]]):
+                net.remove()
+        except Exception as exc:  # docker.errors.*, SandboxFault
+            raise RuntimeFault(f"the network of {spec.name} could not be removed: {exc}") from None
 
     def logs(self, spec: ServerSpec, chars: int = LOG_TAIL_CHARS) -> str:
         c = self._container(spec)

@@ -29,6 +29,10 @@ class Tier(models.Model):
     allowed_backends = models.CharField(
         max_length=200, default="python,onnxruntime,vllm,tensorrtllm,ensemble",
         help_text="Triton backends tenants may deploy on this tier (comma-separated; the MSP chooses)")
+    host_memory_mib = models.PositiveIntegerField(
+        null=True, blank=True, validators=[MinValueValidator(256)],
+        help_text="host memory (MiB) a slice's sandbox may use, its models' processes, /tmp and /dev/shm together; "
+                  "empty: as much as the slice has GPU memory")
     active = models.BooleanField(default=True)
     created_at = models.DateTimeField(default=timezone.now)
 
@@ -51,6 +55,11 @@ class Tier(models.Model):
     def memory_mib(self) -> int:
         profile = self.profile
         return profile.memory_mib if profile is not None else self.gpu_model.memory_mib
+
+    @property
+    def host_memory_allowance_mib(self) -> int:
+        """The host memory a slice of this tier may use (its sandbox's limit)."""
+        return self.host_memory_mib or self.memory_mib
 
 
 class PricePlan(models.Model):

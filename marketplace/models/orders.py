@@ -140,6 +140,8 @@ class DriftEvent(models.Model):
         SERVER_RESTARTED = "server_restarted", "Dead Triton server restarted"
         SERVER_STOPPED = "server_stopped", "Triton server without a live slice stopped"
         MODEL_UNLOADED = "model_unloaded", "Model Tessera did not deploy unloaded"
+        SANDBOX_LIMIT = "sandbox_limit", "Model stopped at its sandbox's limit"
+        MODEL_RESTARTED = "model_restarted", "Model whose processes died loaded again"
         METERING_MISMATCH = "metering_mismatch", "Metered requests differ from what Triton served"
         UNREACHABLE = "unreachable", "Node unreachable"
         ERROR = "error", "Reconcile error"

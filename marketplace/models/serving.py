@@ -23,7 +23,8 @@ class TritonServer(models.Model):
         STOPPED = "stopped", "Stopped"  # stopped by Tessera (release); ports returned
 
     class Isolation(models.TextChoices):
-        USER = "user", "Own Unix user"
+        SANDBOX = "sandbox", "Sandbox (namespaces, firewall, cgroup, own Unix user)"
+        USER = "user", "Own Unix user"  # servers started before the sandbox
         CONTAINER = "container", "Container"
         NONE = "none", "None (runs as the worker's user)"
         SIM = "sim", "Simulated"
@@ -48,6 +49,10 @@ class TritonServer(models.Model):
     last_health_at = models.DateTimeField(null=True, blank=True)
     last_health_ok = models.BooleanField(null=True, blank=True)
     restarts = models.PositiveIntegerField(default=0)
+    oom_kills = models.PositiveIntegerField(default=0, help_text="processes its sandbox's memory limit killed "
+                                                                  "(since it started), as last seen by reconcile")
+    pid_limit_hits = models.PositiveIntegerField(default=0, help_text="forks its sandbox's process limit refused "
+                                                                       "(since it started), as last seen by reconcile")
     exit_code = models.IntegerField(null=True, blank=True)
     reason = models.CharField(max_length=1000, blank=True, help_text="operators only: why it failed or stopped")
     log_tail = models.TextField(blank=True, help_text="operators only: the end of the server's log")

@@ -30,6 +30,11 @@ TEMPLATES = {"tiny-gen": triton.demo_text_model, "tiny-chat": triton.demo_chat_m
 slice_memory_mb = serving.slice_memory_mb
 
 
+# Backends whose models run as processes on the host (not in GPU memory): their declared memory counts against
+# the slice's host-memory allowance (Tier.host_memory_allowance_mib), the limit of its sandbox's cgroup.
+HOST_MEMORY_BACKENDS = ("python",)
+
+
 class WaitingForServer(Exception):
     """The slice's server is not up yet: the deploy task tries again shortly (until TESSERA_DEPLOY_WAIT_S)."""
 
@@ -162,6 +167,15 @@ def deploy(principal: Principal, allocation: Allocation, name: str, *, template:
             field = "context" if library_model is not None and result.max_cached_tokens else "spec"
             raise ServiceError(f"{result.reason} ({used:,} of {capacity:,} MiB on this {tier.name} slice are "
                                "taken by other models)", field=field, code="does_not_fit")
+        if backend in HOST_MEMORY_BACKENDS:  # runs in the slice's sandbox on the host: its memory limit
+            host_used = live.exclude(state=ModelDeployment.State.FAILED).filter(
+                backend__in=HOST_MEMORY_BACKENDS).aggregate(m=Sum("memory_mb"))["m"] or 0
+            allowance = tier.host_memory_allowance_mib
+            if host_used + result.needed_mib > allowance:
+                raise ServiceError(f"{name} declares {result.needed_mib:,} MiB of host memory; this {tier.name} "
+                                   f"slice's sandbox allows {allowance:,} MiB and {host_used:,} are declared by its "
+                                   f"other models", field="spec" if repository is None else "memory_mb",
+                                   code="does_not_fit")
         if stored.get("kind") == "library":
             from marketplace.services import models as model_svc
 
@@ -215,6 +229,12 @@ def _set(dep: ModelDeployment, state: str, reason: str = "") -> None:
     ModelDeployment.objects.filter(pk=dep.pk).update(**fields)
     for k, v in fields.items():
         setattr(dep, k, v)
+
+
+def fail(dep: ModelDeployment, reason: str) -> None:
+    """A ready model stopped by the node (its sandbox's limits): failed, with the reason its tenant sees; the
+    tenant retries it once fixed."""
+    _set(dep, ModelDeployment.State.FAILED, reason)
 
 
 def spec_from_json(data: dict) -> triton.ModelSpec:

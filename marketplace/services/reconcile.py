@@ -39,7 +39,7 @@ def fan_out() -> int:
 def reconcile_node(node_id: int) -> dict:
     node = Node.objects.select_related("platform__gpu_model").get(pk=node_id)
     found = {"orphans_destroyed": 0, "recreated": 0, "requeued": 0, "servers_restarted": 0, "servers_stopped": 0,
-             "models_reloaded": 0, "models_unloaded": 0, "errors": 0}
+             "models_reloaded": 0, "models_unloaded": 0, "models_stopped": 0, "errors": 0}
     desired = {}
     for inst in (GpuInstance.objects.filter(gpu__node=node, placement__isnull=False)
                  .select_related("gpu", "placement__profile")):
@@ -145,8 +145,9 @@ def _reconcile_servers(node: Node, found: dict) -> None:
 
 
 def _reconcile_models(node: Node, found: dict) -> None:
-    """Per running server, one repository index: reload what Tessera marks ready and the server lost;
-    unload what is loaded there that Tessera did not deploy."""
+    """Per running server: unload what is loaded there that Tessera did not deploy (asking Triton what it has
+    loaded, not only its repository index); stop a model that hit its sandbox's limits; load again what Tessera
+    marks ready and the server lost, or whose processes died."""
     servers = (TritonServer.objects.filter(node=node, state=TritonServer.State.RUNNING,
                                            allocation__state=Allocation.State.ACTIVE)
                .select_related("allocation__node", "allocation__tier__profile", "allocation__tier__gpu_model")
@@ -158,16 +159,18 @@ def _reconcile_models(node: Node, found: dict) -> None:
         deps.setdefault(dep.allocation_id, {})[dep.name] = dep
     for server in servers:
         a = server.allocation
+        mine = deps.get(a.pk, {})
+        folders = {f for dep in mine.values() for f in deployments.model_folders(dep)}
         try:
             with serving.client_for(a, server) as client:
-                loaded = {m["name"] for m in client.repository_index() if m.get("state") == "READY"}
-                mine = deps.get(a.pk, {})
-                for name in sorted(loaded - set(mine)):
+                loaded = client.loaded_models()
+                for name in sorted(loaded - folders):
                     client.unload_model(name)
                     found["models_unloaded"] += 1
                     DriftEvent.objects.create(node=node, kind=DriftEvent.Kind.MODEL_UNLOADED, allocation=a,
                                               detail=f"model {name} was loaded on the Triton server of allocation "
                                                      f"{a.pk} but Tessera did not deploy it; unloaded"[:1000])
+                dead = _enforce_limits(node, server, a, mine, client, found)
         except Exception as exc:  # one unreachable server must not stop the others
             found["errors"] += 1
             DriftEvent.objects.create(node=node, kind=DriftEvent.Kind.ERROR, allocation=a,
@@ -175,7 +178,7 @@ def _reconcile_models(node: Node, found: dict) -> None:
                                              f"{exc.__class__.__name__}: {exc}"[:1000], resolved=False)
             continue
         for dep in mine.values():
-            if dep.state != ModelDeployment.State.READY or dep.name in loaded:
+            if dep.state != ModelDeployment.State.READY or (dep.name in loaded and dep.name not in dead):
                 continue
             ModelDeployment.objects.filter(pk=dep.pk, state=ModelDeployment.State.READY).update(
                 state=ModelDeployment.State.LOADING)
@@ -184,7 +187,53 @@ def _reconcile_models(node: Node, found: dict) -> None:
             except deployments.WaitingForServer:
                 outcome = "waiting for the server"
             found["models_reloaded"] += 1
+            why = ("its processes had died" if dep.name in dead else
+                   "was not loaded on its Triton server (restarted?)")
             DriftEvent.objects.create(node=node, kind=DriftEvent.Kind.MODEL_RELOADED, allocation=a,
                                       resolved=outcome == "ready",
-                                      detail=f"model {dep.name} (deployment {dep.pk}) was not loaded on its Triton "
-                                             f"server (restarted?); loaded again: {outcome}")
+                                      detail=f"model {dep.name} (deployment {dep.pk}) {why}; loaded again: "
+                                             f"{outcome}"[:1000])
+
+
+def _enforce_limits(node: Node, server: TritonServer, a: Allocation, mine: dict[str, ModelDeployment], client,
+                    found: dict) -> set[str]:
+    """Read the server's sandbox: a python model whose processes hit the slice's process limit (the most tasks)
+    or were killed at its memory limit (none left) is stopped, unloaded and failed with the reason its tenant
+    sees; another one whose processes are gone without a limit hit is returned, to be loaded again."""
+    run = serving.runtime()
+    spec = serving.spec_for(server, a)
+    census = run.census(spec)
+    if census is None:
+        return set()
+    python = {n: d for n, d in mine.items() if d.state == ModelDeployment.State.READY and d.backend == "python"}
+    stubless = {n for n in python if not census.stubs.get(n)}
+    limits = spec.limits
+    stopped: dict[str, str] = {}
+    if census.pid_limit_hits > server.pid_limit_hits and census.stubs:
+        worst = max(census.stubs, key=lambda n: sum(census.stubs[n].values()))
+        if worst in python:
+            stopped[worst] = (f"stopped: it started more processes and threads than this slice allows "
+                              f"({limits.pids if limits else '?'}); fix the model and retry it")
+    if census.oom_kills > server.oom_kills:
+        for name in sorted(stubless):
+            stopped.setdefault(name, f"stopped: it used more memory than this slice allows "
+                                     f"({limits.memory_mib if limits else '?':,} MiB of host memory, its /tmp and "
+                                     f"/dev/shm included); fix the model or declare its memory, and retry it")
+    TritonServer.objects.filter(pk=server.pk).update(oom_kills=census.oom_kills, pid_limit_hits=census.pid_limit_hits)
+    for name, reason in stopped.items():
+        dep = python[name]
+        run.kill_model(spec, name)
+        try:
+            client.unload_model(name)
+        except Exception as exc:  # killed processes: the unload may time out; the model is failed anyway
+            log.warning("unload after a sandbox limit failed", extra={"deployment": dep.pk, "err": str(exc)})
+        deployments.fail(dep, reason)
+        found["models_stopped"] += 1
+        DriftEvent.objects.create(node=node, kind=DriftEvent.Kind.SANDBOX_LIMIT, allocation=a,
+                                  detail=f"model {name} (deployment {dep.pk}) of allocation {a.pk}: {reason}"[:1000])
+    if census.oom_kills > server.oom_kills and not stopped:
+        DriftEvent.objects.create(node=node, kind=DriftEvent.Kind.SANDBOX_LIMIT, allocation=a, resolved=False,
+                                  detail=f"the sandbox of allocation {a.pk} hit its memory limit "
+                                         f"({census.oom_kills - server.oom_kills} process(es) killed) and no model "
+                                         f"could be named for it"[:1000])
+    return stubless - set(stopped)

@@ -7,6 +7,7 @@ nonce that changes at every start, so only Tessera's workers can load or unload 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import shutil
@@ -20,8 +21,9 @@ from django.utils import timezone
 from django.utils.crypto import salted_hmac
 
 from marketplace.hardware import runtime as rt
+from marketplace.hardware import sandbox as sb
 from marketplace.hardware import triton
-from marketplace.models import Allocation, Node, TritonServer
+from marketplace.models import Allocation, DriftEvent, ModelDeployment, Node, TritonServer
 from marketplace.selectors.catalog import modelled_tokens_per_s
 
 log = logging.getLogger("tessera.serving")
@@ -70,15 +72,20 @@ def runtime() -> rt.ServingRuntime:
     kind = runtime_kind()
     runtime_dir = Path(settings.TESSERA_SERVING_RUNTIME_DIR or repo_root() / ".runtime")
     key = (kind, settings.TESSERA_TRITONSERVER, settings.TESSERA_TRITON_PYTHON, str(runtime_dir),
-           settings.TESSERA_TRITON_IMAGE, str(settings.TESSERA_MODEL_STORE_ROOT))
+           settings.TESSERA_TRITON_IMAGE, str(settings.TESSERA_MODEL_STORE_ROOT), settings.TESSERA_INSTALLATION_ID,
+           settings.TESSERA_SANDBOX_SUBNET, settings.TESSERA_SANDBOX_CGROUP, str(repo_root()))
     with _runtimes_lock:
         found = _runtimes.get(key)
         if found is None:
             if kind == "process":
+                box = sb.Sandbox(installation=settings.TESSERA_INSTALLATION_ID, subnet=settings.TESSERA_SANDBOX_SUBNET,
+                                 cgroup_parent=settings.TESSERA_SANDBOX_CGROUP, lock_dir=work_root())
                 found = rt.ProcessRuntime(binary=settings.TESSERA_TRITONSERVER, python=settings.TESSERA_TRITON_PYTHON,
-                                          runtime_dir=runtime_dir)
+                                          runtime_dir=runtime_dir, sandbox=box)
             elif kind == "docker":
-                found = rt.DockerRuntime(settings.TESSERA_TRITON_IMAGE, model_store=settings.TESSERA_MODEL_STORE_ROOT)
+                found = rt.DockerRuntime(settings.TESSERA_TRITON_IMAGE, model_store=settings.TESSERA_MODEL_STORE_ROOT,
+                                         sandbox=sb.Sandbox(installation=settings.TESSERA_INSTALLATION_ID,
+                                                            lock_dir=work_root()))
             elif kind == "sim":
                 found = rt.SimRuntime()
             else:
@@ -106,6 +113,16 @@ def slice_memory_mb(allocation: Allocation) -> int:
     return allocation.tier.memory_mib
 
 
+def sandbox_limits(allocation: Allocation) -> sb.Limits:
+    """What the slice's sandbox may use of the node: the tier's host memory, the node's process cap, a CPU
+    weight of 100 per compute slice (a whole GPU: 8)."""
+    tier = allocation.tier
+    profile = tier.profile if tier.profile_id else None
+    return sb.Limits(memory_mib=tier.host_memory_allowance_mib, pids=settings.TESSERA_SANDBOX_PIDS,
+                     cpu_weight=100 * (profile.compute_slices if profile is not None else 8),
+                     file_size_mib=settings.TESSERA_SANDBOX_FILE_MIB, tmpfs_mib=settings.TESSERA_SANDBOX_TMPFS_MIB)
+
+
 def _placed_node(allocation: Allocation) -> Node:
     """The slice's node: a served allocation is placed, and its node is never cleared."""
     node = allocation.node
@@ -117,14 +134,29 @@ def _placed_node(allocation: Allocation) -> Node:
 def spec_for(server: TritonServer, allocation: Allocation) -> rt.ServerSpec:
     tier = allocation.tier
     profile = tier.profile if tier.profile_id else None
+    node = _placed_node(allocation)
     return rt.ServerSpec(
         name=server.name, repo_dir=repo_dir(allocation.pk), work_dir=work_dir(allocation.pk),
-        device_uuid=allocation.mig_uuid or allocation.gpu_uuid, address=server.address,
+        device_uuid=allocation.mig_uuid or allocation.gpu_uuid, address=node.serving_address,
+        reach=server.address if server.address != node.serving_address else "",
         http_port=server.http_port or 1, grpc_port=server.grpc_port or 2, metrics_port=server.metrics_port or 3,
         secret=secret_for(server), isolate=settings.TESSERA_SERVING_ISOLATE,
         gpu_metrics=settings.TESSERA_NVML_BACKEND == "pynvml",
-        labels={rt.NODE_LABEL: _placed_node(allocation).hostname, "tessera.allocation": str(allocation.pk)},
-        memory_mb=slice_memory_mb(allocation), tokens_per_s=modelled_tokens_per_s(tier.gpu_model, profile))
+        labels={rt.NODE_LABEL: node.hostname, "tessera.allocation": str(allocation.pk)},
+        memory_mb=slice_memory_mb(allocation), tokens_per_s=modelled_tokens_per_s(tier.gpu_model, profile),
+        installation=settings.TESSERA_INSTALLATION_ID, limits=sandbox_limits(allocation),
+        binds=(str(settings.TESSERA_MODEL_STORE_ROOT),))
+
+
+def _device_nodes(allocation: Allocation) -> tuple[str, ...]:
+    """The GPU's device nodes for the slice's sandbox (the GPU, and a MIG slice's two capabilities)."""
+    from marketplace.hardware.nvml import NvmlClient
+
+    inst = allocation.instance
+    if inst is None:
+        return ()
+    with NvmlClient() as client:
+        return tuple(client.device_nodes(inst.gpu.index, inst.gi_id, inst.ci_id))
 
 
 def client_for(allocation: Allocation, server: TritonServer | None = None) -> triton.TritonBackend:
@@ -215,20 +247,27 @@ def ensure_server(allocation: Allocation, *, timeout: float | None = None) -> Tr
         _reserve_ports(server, check_os=listens)
     spec = spec_for(server, allocation)
     status = run.status(spec)
+    if status.running and status.address and status.address != server.address:  # found by a restarted worker
+        _update(server, address=status.address)
+        spec = spec_for(server, allocation)
     if status.running and _answers_ready(allocation, server):
         _mark_running(server, allocation, run, spec, status)
         return server
     if not status.running:  # (one that runs but is not ready yet, a replayed task's: wait for it below)
         _update(server, nonce=secrets.token_hex(16), state=TritonServer.State.STARTING, reason="", exit_code=None,
-                started_at=timezone.now(), runtime=run.kind)
+                started_at=timezone.now(), runtime=run.kind, oom_kills=0, pid_limit_hits=0)
         spec = spec_for(server, allocation)
         try:
+            if run.isolation(spec) == "sandbox":
+                spec = dataclasses.replace(spec, devices=_device_nodes(allocation))
             status = run.start(spec)
         except (rt.RuntimeFault, OSError) as exc:
             _fail(server, f"could not start: {exc}", run.logs(spec))
             raise ServingError("the slice's inference server could not be started", str(exc)) from None
         _update(server, pid=status.pid, container_id=status.container_id, isolation=run.isolation(spec),
-                unix_user=spec.unix_user if run.isolation(spec) == "user" else "")
+                unix_user=spec.unix_user if run.isolation(spec) == "sandbox" else "",
+                address=status.address or spec.address)
+        spec = spec_for(server, allocation)
     return _wait_ready(server, allocation, run, spec, timeout)
 
 
@@ -282,7 +321,13 @@ def stop_server(allocation: Allocation, reason: str = "slice released") -> bool:
     spec = spec_for(server, allocation)
     code = run.stop(spec)
     tail = run.logs(spec)
-    run.cleanup(spec)
+    try:
+        run.cleanup(spec)
+    except rt.RuntimeFault as exc:  # the release goes on; an operator must remove what is left
+        log.error("server cleanup failed", extra={"server": server.name, "err": str(exc)})
+        DriftEvent.objects.create(node_id=server.node_id, kind=DriftEvent.Kind.ERROR, allocation=allocation,
+                                  resolved=False, detail=f"the Triton server of allocation {allocation.pk} stopped, "
+                                                         f"but {exc}"[:1000])
     _update(server, state=TritonServer.State.STOPPED, stopped_at=timezone.now(), http_port=None, grpc_port=None,
             metrics_port=None,
             pid=None, exit_code=code, reason=reason[:1000], log_tail=tail[-LOG_TAIL_CHARS:] or server.log_tail)
@@ -319,12 +364,37 @@ def check(server: TritonServer, allocation: Allocation) -> bool:
 
 
 def restart(server: TritonServer, allocation: Allocation) -> TritonServer:
-    """Start a dead server again (same ports, a new secret); raises ServingError."""
+    """Start a dead or hung server again (same ports, a new secret); raises ServingError. A server that still
+    runs is scraped first: its statistics die with it."""
     run = runtime()
-    run.stop(spec_for(server, allocation))  # a hung one, or its orphaned python stubs
+    spec = spec_for(server, allocation)
+    if run.status(spec).running:
+        scrape_served(allocation, server)
+    run.stop(spec)  # a hung one, or its orphaned python stubs
     TritonServer.objects.filter(pk=server.pk).update(restarts=server.restarts + 1)
     server.refresh_from_db()
     return ensure_server(allocation)
+
+
+def scrape_served(allocation: Allocation, server: TritonServer) -> int:
+    """Count what each of the slice's ready models served since the last scrape (before the server is stopped
+    or restarted: its counters go with it). Returns how many models were read; one that does not answer is
+    logged and skipped."""
+    from telemetry.services import scrape  # telemetry builds on the marketplace
+
+    read = 0
+    deps = ModelDeployment.objects.filter(allocation=allocation, state=ModelDeployment.State.READY).order_by("pk")
+    try:
+        with _client(allocation, server) as client:
+            for dep in deps:
+                try:
+                    scrape.record_counters(dep, scrape.reader(client, dep.name))
+                    read += 1
+                except Exception as exc:  # one model's statistics must not stop the others
+                    log.warning("scrape before restart failed", extra={"deployment": dep.pk, "err": str(exc)})
+    except Exception as exc:  # the server does not answer at all
+        log.warning("scrape before restart failed", extra={"server": server.name, "err": str(exc)})
+    return read
 
 
 def stray_servers(node: Node) -> list[str]:
@@ -347,6 +417,7 @@ def stop_stray(node: Node, name: str) -> None:
     # no record of it: stop it by name (the ports and secret do not matter to stop)
     spec = rt.ServerSpec(name=name, repo_dir=repo_dir(allocation_id), work_dir=work_dir(allocation_id),
                          device_uuid="", address=node.serving_address, http_port=1, grpc_port=2, metrics_port=3,
-                         secret="", isolate=settings.TESSERA_SERVING_ISOLATE, labels={rt.NODE_LABEL: node.hostname})
+                         secret="", isolate=settings.TESSERA_SERVING_ISOLATE, labels={rt.NODE_LABEL: node.hostname},
+                         installation=settings.TESSERA_INSTALLATION_ID)
     runtime().stop(spec)
     runtime().cleanup(spec)

@@ -16,6 +16,7 @@ from celery.exceptions import Retry
 from tritonclient.utils import InferenceServerException
 
 from marketplace.hardware import runtime as rt
+from marketplace.hardware import sandbox as sb
 from marketplace.models import Allocation, DriftEvent, GpuInstance, ModelDeployment, Node, TritonServer
 from marketplace.services import deployments, nodes, orders, provisioning, reconcile, serving
 from marketplace.tasks import DEPLOY_WAIT_POLL_S, deploy_model
@@ -305,27 +306,36 @@ def test_the_server_environment_is_built_from_nothing(process_runtime, tiers, ow
     assert f"CUDA_VISIBLE_DEVICES={_fresh(a).mig_uuid}" in out.read_text()
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="creating Unix users needs root")
-def test_a_user_that_cannot_be_created_is_a_clear_error(tmp_path, monkeypatch):
-    monkeypatch.setattr(rt, "USER_PREFIX", "Not A Valid Name!")
-    root = Path(tempfile.mkdtemp(prefix="tessera-user-test-", dir="/tmp"))  # traversable, unlike tmp_path
+LIMITS = sb.Limits(memory_mib=512, pids=256, cpu_weight=100)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or sb.missing_tools() != [], reason="needs root and the sandbox's tools")
+def test_a_user_that_cannot_be_created_is_a_clear_error():
+    root = Path(tempfile.mkdtemp(prefix="tessera-user-test-", dir="/tmp"))
     try:
         root.chmod(0o755)
         run = rt.ProcessRuntime(binary=str(_fake_binary(root, "exit 0\n")), python="/usr/bin/python3"
-                                if os.path.exists("/usr/bin/python3") else "", runtime_dir=root / "rt")
+                                if os.path.exists("/usr/bin/python3") else "", runtime_dir=root / "rt",
+                                sandbox=sb.Sandbox(installation="Not A Valid Name!", lock_dir=root))
         with pytest.raises(rt.RuntimeFault, match="could not create the server's Unix user"):
-            run.start(spec(root, repo_dir=root / "repo", work_dir=root / "work", address="127.0.0.1"))
+            run.start(spec(root, repo_dir=root / "repo", work_dir=root / "work", address="127.0.0.1",
+                           installation="Not A Valid Name!", limits=LIMITS))
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def test_per_slice_users_need_a_serving_root_others_can_traverse(tmp_path):
-    closed = tmp_path / "closed"
-    closed.mkdir(mode=0o700)
-    run = rt.ProcessRuntime(binary=str(_fake_binary(tmp_path, "exit 0\n")), runtime_dir=tmp_path / "rt",
-                            run_as_root=True)
-    with pytest.raises(rt.RuntimeFault, match="is not reachable by the per-slice users"):
-        run.start(spec(tmp_path, repo_dir=closed / "repo", work_dir=closed / "work", address="127.0.0.1"))
+def test_a_root_worker_never_runs_a_server_unconfined(tmp_path, monkeypatch):
+    """Where the sandbox cannot be made (a tool missing), the server is refused, never started without it."""
+    monkeypatch.setattr(sb, "missing_tools", lambda: ["bwrap", "nft"])
+    monkeypatch.setattr(sb.os, "geteuid", lambda: 0)
+    started = tmp_path / "started"
+    run = rt.ProcessRuntime(binary=str(_fake_binary(tmp_path, f"touch {started}\nsleep 5\n")),
+                            runtime_dir=tmp_path / "rt", run_as_root=True)
+    s = spec(tmp_path, address="127.0.0.1", limits=LIMITS)
+    assert run.isolation(s) == "sandbox"
+    with pytest.raises(rt.RuntimeFault, match="sandbox cannot be made on this node: missing bwrap, nft"):
+        run.start(s)
+    assert not started.exists() and not (tmp_path / "work" / rt.PID_FILE).exists()
 
 
 def test_server_arguments_lock_the_repository_api_and_bind_the_private_address(tmp_path):
@@ -359,22 +369,74 @@ def test_the_secret_changes_with_every_start_and_is_never_stored(h100_node, tier
 
 # --- docker -------------------------------------------------------------------------------------
 
-def test_docker_container_spec_sees_one_device_one_read_only_repository_and_no_host_network(tmp_path):
-    s = spec(tmp_path)
+def test_docker_container_spec_gives_the_process_sandboxs_guarantees(tmp_path):
+    """One device, one read-only repository, its own network with only its published ports in, the slice's memory
+    (no swap), process and CPU limits, private IPC and bounded tmpfs, read-only root, no capabilities, no new
+    privileges, an unprivileged user, no core files, a cap on any file's size."""
+    limits = sb.Limits(memory_mib=6144, pids=512, cpu_weight=300, file_size_mib=256, tmpfs_mib=128)
+    s = spec(tmp_path, installation="ab12", limits=limits)
     c = rt.container_spec(s, "nvcr.io/nvidia/tritonserver:24.10-py3")
     assert c["device_requests"] == [{"Driver": "nvidia", "DeviceIDs": [s.device_uuid], "Capabilities": [["gpu"]]}]
     assert c["volumes"] == {str(s.repo_dir.resolve()): {"bind": "/models", "mode": "ro"}}  # nothing else mounted
-    assert c["network_mode"] == "bridge"
+    net = rt.network_spec(s)
+    assert c["network"] == net["name"] == "tessera-ab12-7" and "network_mode" not in c  # never the host's
+    assert net["driver"] == "bridge" and net["options"]["com.docker.network.bridge.enable_icc"] == "false"
+    bridge = net["options"]["com.docker.network.bridge.name"]
+    assert bridge == rt.bridge_name(s) and len(bridge) <= 15  # the kernel's limit, named by the firewall rules
     assert c["ports"] == {"8000/tcp": ("10.0.0.5", 20000), "8001/tcp": ("10.0.0.5", 20001),
                           "8002/tcp": ("10.0.0.5", 20002)}
+    assert c["mem_limit"] == c["memswap_limit"] == "6144m" and c["pids_limit"] == 512
+    assert c["cpu_shares"] == 3072 and c["ipc_mode"] == "private" and c["shm_size"] == "128m"
+    assert c["tmpfs"] == {"/tmp": "rw,nosuid,nodev,size=128m"}
+    assert {u["Name"]: (u["Soft"], u["Hard"]) for u in c["ulimits"]} == {"core": (0, 0),
+                                                                          "fsize": (256 << 20, 256 << 20)}
     assert c["cap_drop"] == ["ALL"] and c["security_opt"] == ["no-new-privileges"] and c["read_only"]
-    assert c["user"] != "0:0" and "privileged" not in c
+    assert c["user"] == "65534:65534" and "privileged" not in c and "cap_add" not in c
     assert set(c["environment"]) == {"CUDA_VISIBLE_DEVICES"}  # none of the worker's secrets
     cmd = c["command"]
     assert cmd[0] == "tritonserver" and "--model-repository=/models" in cmd
-    assert "--model-control-mode=explicit" in cmd and "--http-port=8000" in cmd
+    assert "--model-control-mode=explicit" in cmd and "--http-port=8000" in cmd and "--strict-readiness=false" in cmd
     assert any(a.startswith("--http-restricted-api=health,") and a.endswith("=s3cret") for a in cmd)
     assert c["labels"]["tessera.server"] == "allocation-7"
+    # the node's rules for its bridge: nothing it opens gets anywhere, answers to connections made to it do
+    rules = sb.host_rules(sb.names("ab12", s.name).table, bridge)
+    assert f'iifname "{bridge}" ct state established,related accept\n    iifname "{bridge}" drop' in rules
+    assert "dnat" not in rules.split("table ip")[0].replace("ct status dnat", "")
+
+
+class _FakeDocker:
+    """Records what the docker runtime asks of the engine, in order."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+        outer = self
+
+        class Networks:
+            def list(self, names):
+                return []
+
+            def create(self, **kw):
+                outer.calls.append(f"network {kw['name']}")
+
+        class Containers:
+            def list(self, **kw):
+                return []
+
+            def run(self, **kw):
+                outer.calls.append(f"run {kw['name']}")
+                return type("C", (), {"id": "c1"})()
+
+        self.networks, self.containers = Networks(), Containers()
+
+
+def test_docker_runtime_sets_the_firewall_before_the_container_runs(tmp_path, monkeypatch):
+    fake = _FakeDocker()
+    box = sb.Sandbox(installation="ab12", lock_dir=tmp_path)
+    monkeypatch.setattr(box, "apply_firewall", lambda name, bridge, **kw: fake.calls.append(f"firewall {bridge}"))
+    run = rt.DockerRuntime("img", client=fake, sandbox=box)
+    s = spec(tmp_path, installation="ab12", limits=LIMITS)
+    assert run.start(s).running
+    assert fake.calls == ["network tessera-ab12-7", f"firewall {rt.bridge_name(s)}", "run tessera-allocation-7"]
 
 
 def test_docker_container_spec_mounts_the_model_store_read_only_at_its_own_path(tmp_path, settings):

@@ -70,6 +70,12 @@ class TritonBackend(ABC):
         """``[{"name", "version"?, "state"?, "reason"?}]`` for every folder in the repository."""
 
     @abstractmethod
+    def loaded_models(self) -> set[str]:
+        """Every model the server has loaded: the repository index's READY ones and those it serves without a
+        folder in the repository (loaded with the repository API's file overrides), which the index does not
+        list but the statistics do."""
+
+    @abstractmethod
     def load_model(self, name: str, *, headers: dict[str, str] | None = None) -> None:
         """Load (or reload) a model from the repository; raises on failure. ``headers`` default to
         ``admin_headers``."""
@@ -141,6 +147,11 @@ class HttpTritonBackend(TritonBackend):
 
     def repository_index(self) -> list[dict[str, Any]]:
         return list(self.client.get_model_repository_index(headers=self.admin_headers))
+
+    def loaded_models(self) -> set[str]:
+        stats = self.client.get_inference_statistics("", headers=self.admin_headers).get("model_stats") or []
+        return ({m["name"] for m in self.repository_index() if m.get("state") == "READY"}
+                | {str(m["name"]) for m in stats if m.get("name")})
 
     def load_model(self, name: str, *, headers: dict[str, str] | None = None) -> None:
         self._batching.pop(name, None)

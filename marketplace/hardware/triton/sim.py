@@ -117,6 +117,12 @@ class SimTritonBackend(TritonBackend):
                     out.append(entry)
             return out
 
+    def loaded_models(self) -> set[str]:
+        self._check_up()
+        self._check_key(None)
+        with self._lock:
+            return {n for n, m in self._models.items() if m.state == "READY"}
+
     @property
     def used_memory_mb(self) -> int:
         with self._lock:
