@@ -28,12 +28,17 @@ chromium:
 	  echo "installing Debian's chromium for the browser tests"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; fi
 
-# The serving-isolation tests run the python backend as per-slice Unix users: they need a Python other users
-# can run, with numpy (Debian's python3 + python3-numpy). Installed here when missing and we are root.
+# The slice sandbox (per-slice Unix users, namespaces, firewall rules, cgroups) and its tests need, as root:
+# bubblewrap, iproute2, nftables, util-linux (setpriv, prlimit), libseccomp2, and a Python other users can run,
+# with numpy (Debian's python3 + python3-numpy). Installed here when missing and we are root with apt-get.
+SANDBOX_TOOLS := bwrap ip nft setpriv prlimit
 serving-deps:
-	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! /usr/bin/python3 -c 'import numpy' 2>/dev/null; then \
-	  echo "installing Debian's python3-numpy for the serving-isolation tests"; \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3 python3-numpy >/dev/null; fi
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && { ! /usr/bin/python3 -c 'import numpy' 2>/dev/null \
+	    || ! ls /usr/lib/*/libseccomp.so.2 >/dev/null 2>&1 \
+	    || ! (for t in $(SANDBOX_TOOLS); do command -v $$t >/dev/null || exit 1; done); }; then \
+	  echo "installing Debian's bubblewrap, nftables, iproute2, util-linux, libseccomp2, python3-numpy for the sandbox"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap nftables iproute2 \
+	    util-linux libseccomp2 python3 python3-numpy >/dev/null; fi
 
 test: lint chromium serving-deps
 	$(VENV)/bin/pytest $(PYTEST_ARGS)

@@ -460,28 +460,41 @@ class ProcessRuntime(ServingRuntime):
             os.chmod(log_path, 0o600)
             log.write(f"--- {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} starting\n".encode())
             log.flush()
-            if sandboxed:
-                args, env, cwd, reach = self._sandboxed(spec, install)
-            else:
-                home = spec.work_dir / "home"
-                home.mkdir(exist_ok=True)
-                args = [str(install.binary), *spec.server_args(str(spec.repo_dir.resolve()), str(install.backends))]
-                env, cwd = self._environment(spec, install, home), str(home)
-            try:
-                proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                        env=env, cwd=cwd, start_new_session=True, close_fds=True)
-            except OSError as exc:
+            with contextlib.ExitStack() as stack:
+                fds: tuple[int, ...] = ()
                 if sandboxed:
-                    with contextlib.suppress(sb.SandboxFault):
-                        self.sandbox.remove(spec.name)
-                raise RuntimeFault(f"could not start {install.binary}: {exc}") from None
+                    seccomp = stack.enter_context(open(self._seccomp(), "rb"))
+                    fds = (seccomp.fileno(),)
+                    args, env, cwd, reach = self._sandboxed(spec, install, seccomp.fileno())
+                else:
+                    home = spec.work_dir / "home"
+                    home.mkdir(exist_ok=True)
+                    args = [str(install.binary),
+                            *spec.server_args(str(spec.repo_dir.resolve()), str(install.backends))]
+                    env, cwd = self._environment(spec, install, home), str(home)
+                try:
+                    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                            env=env, cwd=cwd, start_new_session=True, close_fds=True, pass_fds=fds)
+                except OSError as exc:
+                    if sandboxed:
+                        with contextlib.suppress(sb.SandboxFault):
+                            self.sandbox.remove(spec.name)
+                    raise RuntimeFault(f"could not start {install.binary}: {exc}") from None
         (spec.work_dir / PID_FILE).write_text(f"{proc.pid}\n{spec.labels.get(NODE_LABEL, '')}\n"
                                               f"{spec.repo_dir.resolve()}\n{reach}\n")
         with self._lock:
             self._children[spec.name] = proc
         return ServerStatus(running=True, pid=proc.pid, address=reach)
 
-    def _sandboxed(self, spec: ServerSpec, install: TritonInstall) -> tuple[list[str], dict[str, str], str, str]:
+    def _seccomp(self) -> Path:
+        try:
+            return self.sandbox.seccomp()
+        except (ImportError, OSError, RuntimeError) as exc:  # no libseccomp
+            raise RuntimeFault(f"the sandbox's seccomp filter could not be built (Debian: libseccomp2): "
+                               f"{exc}") from None
+
+    def _sandboxed(self, spec: ServerSpec, install: TritonInstall,
+                   seccomp_fd: int) -> tuple[list[str], dict[str, str], str, str]:
         """Make the server's sandbox (user, cgroups, network) and the command that starts it there."""
         if spec.limits is None:
             raise RuntimeFault(f"no sandbox limits for {spec.name}")
@@ -510,7 +523,8 @@ class ProcessRuntime(ServingRuntime):
         argv = [f"{inner}/bin/tritonserver", *spec.server_args(sb.INNER_REPO, f"{inner}/backends", net.inner_ip)]
         root = install.binary.parent.parent
         args = self.sandbox.command(spec.name, uid=uid, gid=gid, argv=argv, env=env, repo=spec.repo_dir.resolve(),
-                                    runtime=root, binds=binds, etc=etc, devices=spec.devices, limits=spec.limits)
+                                    runtime=root, binds=binds, etc=etc, devices=spec.devices, limits=spec.limits,
+                                    seccomp_fd=seccomp_fd)
         return args, {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}, "/", net.client_address
 
     def _reap(self, spec: ServerSpec) -> int | None:

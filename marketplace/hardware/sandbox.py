@@ -314,6 +314,42 @@ table inet sandbox {
 """
 
 
+# Refused inside every sandbox (seccomp, EPERM): new namespaces (a user namespace would give the model
+# capabilities over new mount and network namespaces of its own: no way out, but kernel attack surface Triton
+# never needs), mounts, keyrings, BPF, userfaultfd, perf events, io_uring, ptrace, module and kexec loading;
+# clone3 answers ENOSYS so that the C library falls back to clone, whose namespace flags are checked.
+DENIED_SYSCALLS = ("unshare", "setns", "mount", "umount2", "pivot_root", "chroot", "fsopen", "fsmount", "fspick",
+                   "move_mount", "open_tree", "keyctl", "add_key", "request_key", "bpf", "userfaultfd",
+                   "perf_event_open", "io_uring_setup", "io_uring_enter", "io_uring_register", "ptrace",
+                   "process_vm_readv", "process_vm_writev", "kexec_load", "kexec_file_load", "init_module",
+                   "finit_module", "delete_module", "acct", "swapon", "swapoff", "reboot", "open_by_handle_at",
+                   "name_to_handle_at", "iopl", "ioperm", "quotactl", "syslog", "lookup_dcookie")
+CLONE_NAMESPACES = 0x7E020000  # CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET
+
+
+def seccomp_filter(path: Path) -> Path:
+    """Write the sandbox's seccomp program (BPF, for bubblewrap's ``--seccomp``) to ``path`` once."""
+    if path.is_file():
+        return path
+    import errno
+
+    import pyseccomp as sc
+
+    f = sc.SyscallFilter(sc.ALLOW)
+    for name in DENIED_SYSCALLS:
+        with contextlib.suppress(RuntimeError, ValueError):  # a name this kernel's headers do not know
+            f.add_rule(sc.ERRNO(errno.EPERM), name)
+    for flag in (1 << b for b in range(32) if CLONE_NAMESPACES >> b & 1):  # any namespace flag: one rule each
+        f.add_rule(sc.ERRNO(errno.EPERM), "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
+    f.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}")
+    with open(tmp, "wb") as out:
+        f.export_bpf(out)
+    tmp.chmod(0o644)
+    os.replace(tmp, path)
+    return path
+
+
 class Sandbox:
     """Makes, runs and takes down the sandboxes of one installation's servers on this host."""
 
@@ -441,9 +477,12 @@ class Sandbox:
         cg.create(limits)
         return cg
 
+    def seccomp(self) -> Path:
+        return seccomp_filter((self.lock_dir or Path("/run")) / "tessera-sandbox.bpf")
+
     def command(self, server: str, *, uid: int, gid: int, argv: list[str], env: dict[str, str],
                 repo: Path, runtime: Path, binds: Iterable[Path] = (), etc: Path | None = None,
-                devices: Iterable[str] = (), limits: Limits) -> list[str]:
+                devices: Iterable[str] = (), limits: Limits, seccomp_fd: int | None = None) -> list[str]:
         """The command line that joins the cgroups, enters the network namespace, builds the mount namespace
         and drops to the slice's user: ``sh`` (as root) -> ``ip netns exec`` -> ``bwrap`` -> ``prlimit`` ->
         ``setpriv`` -> ``argv`` (paths in ``argv`` are the inner ones)."""
@@ -454,6 +493,8 @@ class Sandbox:
                 "ip", "netns", "exec", n.netns, "bwrap",
                 "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--new-session",
                 "--hostname", "slice"]
+        if seccomp_fd is not None:
+            args += ["--seccomp", str(seccomp_fd)]
         made: set[str] = {"/"}
 
         def parents(path: str) -> list[str]:

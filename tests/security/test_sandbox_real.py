@@ -121,13 +121,26 @@ def run(cmd):
     if op == "ptrace":
         rc = libc.ptrace(16, int(arg), None, None)  # PTRACE_ATTACH
         return "ATTACHED" if rc == 0 else "DENIED errno " + str(ctypes.get_errno())
-    if op == "userns":
-        rc = libc.unshare(0x10000000)  # CLONE_NEWUSER
-        return "UNSHARED" if rc == 0 else "DENIED errno " + str(ctypes.get_errno())
+    if op == "userns":  # unshare(2) and clone(2) with CLONE_NEWUSER | CLONE_NEWNET
+        rc = libc.unshare(0x10000000)
+        if rc == 0:
+            return "UNSHARED"
+        first = ctypes.get_errno()
+        stack = ctypes.create_string_buffer(65536)
+        child = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)(lambda _: 0)
+        top = ctypes.c_void_p(ctypes.addressof(stack) + 65536)
+        pid = libc.clone(child, top, 0x10000000 | 0x40000000 | 17, None)  # | SIGCHLD
+        if pid > 0:
+            os.waitpid(pid, 0)
+            return "CLONED"
+        return "DENIED errno " + str(first) + " " + str(ctypes.get_errno())
+    if op == "syscall":  # io_uring_setup (425), bpf (321), keyctl (250), perf_event_open (298), mount (165)
+        rc = libc.syscall(int(arg), 0, 0, 0, 0, 0)
+        return "ALLOWED" if rc >= 0 else "DENIED errno " + str(ctypes.get_errno())
     if op == "env":
         return "ENV " + " ".join(sorted(os.environ))
     if op == "status":  # its credentials as the kernel sees them
-        keep = ("Uid", "Gid", "Groups", "CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb", "NoNewPrivs")
+        keep = ("Uid", "Gid", "Groups", "CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb", "NoNewPrivs", "Seccomp")
         return "\n".join(line for line in open("/proc/self/status").read().splitlines() if line.split(":")[0] in keep)
     if op == "inject":  # a model of its own, loaded into its own server with the secret found in /proc
         host, port, header, secret = own_server()
@@ -334,12 +347,16 @@ def test_hostile_model_writes_nowhere_but_its_private_tmp_and_cannot_gain_privil
     assert probe(attacker, "ptrace:1").startswith("DENIED")  # its sandbox's init (root)
     procs = json.loads(probe(attacker, "procs").removeprefix("PROCS "))
     assert all(int(pid) < 100 for pid in procs)  # its own PID namespace: no host pid to aim at
+    # no new namespaces (user, network) and none of the syscalls a sandbox has no use for (seccomp: EPERM = 1)
+    assert probe(attacker, "userns") == "DENIED errno 1 1"
+    for number in (425, 321, 250, 298, 165):
+        assert probe(attacker, f"syscall:{number}") == "DENIED errno 1", number
     # its own user, no capabilities (not even in its bounding set), no new privileges
     status = dict(line.split(":\t", 1) for line in probe(attacker, "status").splitlines())
     uid = pwd.getpwnam(_server(attacker).unix_user).pw_uid
     assert status["Uid"].split()[0] == str(uid) and status["Groups"].strip() == ""
     assert {status[k] for k in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb")} == {"0000000000000000"}
-    assert status["NoNewPrivs"] == "1"
+    assert status["NoNewPrivs"] == "1" and status["Seccomp"] == "2"
 
 
 def test_model_loaded_behind_tesseras_back_is_found_and_unloaded(node_pair):
