@@ -182,6 +182,10 @@ class ServingRuntime(ABC):
         """Kill one model's processes (a python model's stubs and all they forked); how many were killed."""
         return 0
 
+    def trim_log(self, spec: ServerSpec) -> bool:
+        """Keep the server's log file bounded (runtimes whose log is a file the server appends to)."""
+        return False
+
 
 # --------------------------------------------------------------------------------------------------
 # The tritonserver installation: the binary, its libraries, the python backend and its stub
@@ -588,6 +592,12 @@ class ProcessRuntime(ServingRuntime):
     def logs(self, spec: ServerSpec, chars: int = LOG_TAIL_CHARS) -> str:
         return _tail(spec.work_dir / LOG_FILE, chars)
 
+    def trim_log(self, spec: ServerSpec) -> bool:
+        """Keep the server's log (which its models write to) under half the sandbox's file-size limit, so that the
+        limit never stops the server: past that, only its last MiB is kept. Returns whether it was trimmed."""
+        limit = (spec.limits.file_size_mib if spec.limits else 1024) * 1024 * 1024 // 2
+        return _trim(spec.work_dir / LOG_FILE, limit)
+
     def running(self, work_root: Path, node: str) -> list[str]:
         names = []
         for pid_file in sorted(work_root.glob(f"*/{PID_FILE}")):
@@ -620,6 +630,22 @@ def _ports_in_use(address: str, ports: tuple[int, ...]) -> list[int]:
             except OSError:
                 busy.append(port)
     return busy
+
+
+def _trim(path: Path, limit: int, keep: int = 1024 * 1024) -> bool:
+    """Cut a log its writer appends to (O_APPEND) down to its last ``keep`` bytes once it is over ``limit``."""
+    try:
+        if path.stat().st_size <= limit:
+            return False
+        with open(path, "r+b") as f:
+            f.seek(-min(keep, limit), os.SEEK_END)
+            tail = f.read()
+            f.seek(0)
+            f.write(b"--- earlier log trimmed by Tessera ---\n" + tail)
+            f.truncate()
+        return True
+    except OSError:
+        return False
 
 
 def _tail(path: Path, chars: int) -> str:

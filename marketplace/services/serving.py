@@ -354,6 +354,7 @@ def check(server: TritonServer, allocation: Allocation) -> bool:
     """Is it running and ready? Records the health check and the log tail."""
     run = runtime()
     spec = spec_for(server, allocation)
+    run.trim_log(spec)
     status = run.status(spec)
     ok = status.running and _answers_ready(allocation, server)
     fields = {"last_health_at": timezone.now(), "last_health_ok": ok, "log_tail": run.logs(spec)[-LOG_TAIL_CHARS:]}

@@ -155,3 +155,24 @@ def test_passwd_names_only_root_and_the_slices_user(tmp_path):
         "root:x:0:0:root:/nonexistent:/usr/sbin/nologin",
         "tessera-ab12-7:x:990:990:slice:/home/slice:/usr/sbin/nologin"]
     assert oct((folder / "passwd").stat().st_mode & 0o777) == "0o644"
+
+
+def test_a_log_its_models_flood_is_trimmed_to_its_tail_before_the_file_limit_stops_the_server(tmp_path):
+    from marketplace.hardware import runtime as rt
+
+    work = tmp_path / "work"
+    work.mkdir()
+    log = work / rt.LOG_FILE
+    spec = rt.ServerSpec(name="allocation-7", repo_dir=tmp_path / "repo", work_dir=work, device_uuid="MIG-x",
+                         address="127.0.0.1", http_port=1, grpc_port=2, metrics_port=3, secret="s",
+                         limits=sb.Limits(memory_mib=512, pids=64, cpu_weight=100, file_size_mib=4))
+    with open(log, "ab") as writer:  # the server's stdout: O_APPEND, as the runtime opens it
+        writer.write(b"x" * (3 << 20) + b"the last line\n")
+        writer.flush()
+        run = rt.ProcessRuntime(run_as_root=False)
+        assert run.trim_log(spec)  # 3 MiB > half of 4 MiB
+        writer.write(b"written after the trim\n")
+    text = log.read_bytes()
+    assert len(text) < (1 << 20) + 100 and text.startswith(b"--- earlier log trimmed by Tessera ---\n")
+    assert text.endswith(b"the last line\nwritten after the trim\n")
+    assert not run.trim_log(spec)
