@@ -543,12 +543,12 @@ class ProcessRuntime(ServingRuntime):
         return code
 
     def status(self, spec: ServerSpec) -> ServerStatus:
-        code = self._reap(spec)
         lines = _pid_file(spec.work_dir)
         pid = _read_pid(spec.work_dir)
         if pid is not None and _alive(pid, spec.repo_dir.resolve()):
             return ServerStatus(running=True, pid=pid, address=lines[3] if len(lines) > 3 else "")
-        return ServerStatus(running=False, pid=pid, exit_code=code)
+        # reaped only once seen dead: polled before the check, a child exiting in between lost its code
+        return ServerStatus(running=False, pid=pid, exit_code=self._reap(spec))
 
     def stop(self, spec: ServerSpec, timeout: float = 20.0) -> int | None:
         st = self.status(spec)
