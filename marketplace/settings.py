@@ -480,22 +480,30 @@ TESSERA_TRITON_PYTHON = env_str("TESSERA_TRITON_PYTHON")  # the python backend's
 # where the node stages tritonserver for the per-slice users; empty: <TESSERA_TRITON_REPO_ROOT>/.runtime
 TESSERA_SERVING_RUNTIME_DIR = env_str("TESSERA_SERVING_RUNTIME_DIR")
 TESSERA_SERVING_ISOLATE = env_bool("TESSERA_SERVING_ISOLATE", True)  # a sandbox per server (worker is root)
+def _matching(pattern: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if not re.fullmatch(pattern, text):
+            raise ValueError(text)
+        return text
+    return parse
+
+
+def _sandbox_subnet(text: str) -> str:
+    if ipaddress.IPv4Network(text).prefixlen > 30:
+        raise ValueError(text)
+    return text
+
+
 # Names this installation's sandboxes on a node (Unix users tessera-<id>-<allocation>, network namespaces,
 # cgroups, firewall tables): two installations sharing a host never touch each other's. Default: derived from
 # SECRET_KEY (stable, the same on every process of one installation).
-TESSERA_INSTALLATION_ID = env_str("TESSERA_INSTALLATION_ID") or hashlib.sha256(
-    f"tessera-installation:{SECRET_KEY}".encode()).hexdigest()[:6]
-if not re.fullmatch(r"[a-z0-9]{1,8}", TESSERA_INSTALLATION_ID):
-    raise ImproperlyConfigured("TESSERA_INSTALLATION_ID must be 1 to 8 lowercase letters or digits")
-TESSERA_SANDBOX_SUBNET = env_str("TESSERA_SANDBOX_SUBNET", "10.213.0.0/16")  # a /30 per sandboxed server
-try:
-    if ipaddress.IPv4Network(TESSERA_SANDBOX_SUBNET).prefixlen > 30:
-        raise ValueError("smaller than a /30")
-except ValueError as _exc:
-    raise ImproperlyConfigured(f"TESSERA_SANDBOX_SUBNET must be an IPv4 network of at least a /30: {_exc}") from None
-TESSERA_SANDBOX_CGROUP = env_str("TESSERA_SANDBOX_CGROUP", "tessera")  # the parent cgroup of the sandboxes
-if not re.fullmatch(r"[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*", TESSERA_SANDBOX_CGROUP):
-    raise ImproperlyConfigured("TESSERA_SANDBOX_CGROUP must be a relative cgroup path (letters, digits, _.-)")
+TESSERA_INSTALLATION_ID = _typed("TESSERA_INSTALLATION_ID", hashlib.sha256(
+    f"tessera-installation:{SECRET_KEY}".encode()).hexdigest()[:6], _matching(r"[a-z0-9]{1,8}"),
+    "1 to 8 lowercase letters or digits")
+TESSERA_SANDBOX_SUBNET = _typed("TESSERA_SANDBOX_SUBNET", "10.213.0.0/16", _sandbox_subnet,
+                                "an IPv4 network of at least a /30")  # a /30 per sandboxed server
+TESSERA_SANDBOX_CGROUP = _typed("TESSERA_SANDBOX_CGROUP", "tessera", _matching(r"[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*"),
+                                "a relative cgroup path (letters, digits, _.-)")  # the sandboxes' parent cgroup
 TESSERA_SANDBOX_PIDS = env_int("TESSERA_SANDBOX_PIDS", 4096, minimum=16)  # tasks (threads) per sandbox
 TESSERA_SANDBOX_FILE_MIB = env_int("TESSERA_SANDBOX_FILE_MIB", 1024, minimum=1)  # largest file a slice writes
 TESSERA_SANDBOX_TMPFS_MIB = env_int("TESSERA_SANDBOX_TMPFS_MIB", 1024, minimum=1)  # each of /tmp, /dev/shm, home

@@ -46,7 +46,7 @@ log = logging.getLogger("tessera.sandbox")
 TOOLS = ("bwrap", "ip", "nft", "setpriv", "prlimit")
 INNER_TRITON = "/opt/tessera/triton"  # the staged tritonserver, inside
 INNER_REPO = "/models"  # the slice's repository, inside
-INNER_HOME = "/home/slice"
+INNER_HOME = "/slice"
 TABLE_PREFIX = "tessera_"
 # The kernel's interface-name limit is 15 characters: "ts" + 8 hex + "h"/"p".
 IFNAME_LEN = 15

@@ -61,7 +61,7 @@ def test_the_command_joins_the_cgroup_enters_the_namespaces_and_drops_to_the_sli
     assert ("--ro-bind", str(tmp_path / "rt"), sb.INNER_TRITON) in binds
     assert ("--ro-bind", str(tmp_path / "store"), str(tmp_path / "store")) in binds
     assert ("--ro-bind", str(tmp_path / "etc" / "passwd"), "/etc/passwd") in binds
-    assert not any(dest in ("/", "/sys", "/run", "/var", "/home", "/root") for _, _, dest in binds)
+    assert not any(dest in ("/", "/sys", "/run", "/var", "/root") for _, _, dest in binds)
     tmpfs = [bwrap[i + 1] for i, a in enumerate(bwrap) if a == "--tmpfs"]
     assert tmpfs == ["/tmp", "/dev/shm", sb.INNER_HOME]
     assert bwrap.count("--size") == 3 and str(32 << 20) in bwrap
@@ -153,7 +153,7 @@ def test_passwd_names_only_root_and_the_slices_user(tmp_path):
     folder = sb.passwd_files(tmp_path / "etc", "tessera-ab12-7", 990, 990)
     assert (folder / "passwd").read_text().splitlines() == [
         "root:x:0:0:root:/nonexistent:/usr/sbin/nologin",
-        "tessera-ab12-7:x:990:990:slice:/home/slice:/usr/sbin/nologin"]
+        "tessera-ab12-7:x:990:990:slice:/slice:/usr/sbin/nologin"]
     assert oct((folder / "passwd").stat().st_mode & 0o777) == "0o644"
 
 
