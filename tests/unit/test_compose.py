@@ -123,7 +123,8 @@ def test_each_node_worker_consumes_its_own_queue(services):
         assert "," not in queue, f"{name} must consume only its node's queue"
         assert cmd[cmd.index("-c") + 1] == "1"
         assert cmd[cmd.index("-n") + 1] == f"{host}@%h"
-        assert name == f"node-{host}" and s["hostname"] == host
+        assert name == f"node-{host}" and "hostname" not in s  # Docker refuses a hostname with the host network
+        assert s["network_mode"] == "host" and {"SYS_ADMIN", "NET_ADMIN"} <= set(s["cap_add"])  # the slices' rules
         assert s["environment"]["TESSERA_NVML_BACKEND"] == "pynvml"
         devices = s["deploy"]["resources"]["reservations"]["devices"]
         assert any("gpu" in d["capabilities"] for d in devices)
