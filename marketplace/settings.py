@@ -604,3 +604,5 @@ TESSERA_REPO_MAX_UNPACK_SECONDS = env_float("TESSERA_REPO_MAX_UNPACK_SECONDS", 3
 # directory always) to refuse bad names, links and bombs at once with a 400; 0: leave all of it to the worker.
 TESSERA_UPLOAD_PRESCAN_BYTES = env_int("TESSERA_UPLOAD_PRESCAN_BYTES", 64 * 1024**2, minimum=0)
 DATA_UPLOAD_MAX_NUMBER_FILES = 1
+# Uploaded archives stream to a temporary file (never into memory) and stop being stored past the limit above.
+FILE_UPLOAD_HANDLERS = ["marketplace.uploads.CappedUploadHandler"]

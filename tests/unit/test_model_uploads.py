@@ -7,6 +7,7 @@ names a node path."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from unittest import mock
 
@@ -250,3 +251,20 @@ def test_a_worker_past_its_soft_time_limit_fails_the_upload(owner, monkeypatch):
     repo.refresh_from_db()
     assert repo.state == "failed" and "took too long" in repo.failure_reason
 
+
+def test_an_archive_over_the_size_limit_is_never_stored_past_it(api_a, settings):
+    from marketplace.uploads import CappedUploadHandler
+
+    settings.TESSERA_UPLOAD_MAX_BYTES = 100_000
+    handler = CappedUploadHandler()
+    handler.new_file("archive", "big.tar.gz", "application/gzip", None)
+    for start in range(0, 1_000_000, 65536):
+        assert handler.receive_data_chunk(bytes(65536), start) is None
+    f = handler.file_complete(1_048_576)
+    assert f.size == 1_048_576 and f.file.seek(0, 2) <= 100_000  # what it was sent with; what it stored
+    f.close()
+    data = mr.archive_bytes({**GOOD, "echo/1/noise.bin": os.urandom(1024**2)})  # 1 MiB that does not compress
+    r, _ = post(api_a, data)
+    assert r.status_code == 400 and r.json()["archive"] == [
+        f"the archive is {len(data):,} bytes; the limit is 100,000"]
+    assert not ModelRepository.objects.exists() and files_under(settings.TESSERA_UPLOAD_ROOT) == []
