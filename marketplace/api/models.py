@@ -82,7 +82,8 @@ class ModelRepositorySerializer(serializers.ModelSerializer):
 
 def accepted(data) -> Response:
     """202: stored, a worker validates it; poll ``url`` (also the ``Location`` header)."""
-    return Response(data, status=status.HTTP_202_ACCEPTED, headers={"Location": data["url"]})
+    # str(): the serializer's url is DRF's Hyperlink (a str subclass), which WSGI servers refuse in a header
+    return Response(data, status=status.HTTP_202_ACCEPTED, headers={"Location": str(data["url"])})
 
 
 class ModelRepositoryViewSet(ScopedViewSetMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin,

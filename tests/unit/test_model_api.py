@@ -34,6 +34,7 @@ def test_upload_multipart_then_list_and_detail(api, as_key, key_a, h100_node, wo
     body = r.json()
     assert body["state"] == "validating" and body["manifest"] == [] and body["failure_reason"] == ""
     assert r["Location"] == body["url"] and body["url"].endswith(f"/api/v1/model-repositories/{body['id']}/")
+    assert type(r.headers["Location"]) is str  # exactly: wsgiref (runserver, the demo) refuses a str subclass
     validated(ModelRepository.objects.get(pk=body["id"]))
     body = c.get(body["url"]).json()
     assert body["state"] == "ready" and body["validated_at"]
