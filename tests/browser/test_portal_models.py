@@ -1,7 +1,7 @@
 """The models journey in a real browser (live server + a real node worker): upload a Triton repository (a bad
-one is refused naming the file; one the worker refuses shows why; a good one turns ready), find a tier for a library model, order it from there, deploy the uploaded
-model and a library model and see them ready. Screenshots: portal-repositories, portal-find-tier,
-portal-models-library."""
+one is refused naming the file; one the worker refuses shows why; a good one turns ready), find a tier for a
+library model, order it from there, deploy the uploaded model and a library model and see them ready.
+Screenshots: portal-repositories, portal-find-tier, portal-models-library."""
 
 from __future__ import annotations
 

@@ -159,8 +159,8 @@ BROKEN_PY = '''class TritonPythonModel:
     def initialize(self, args):
         raise RuntimeError("cannot start: " + __file__)
 '''
-WARM_CONFIG = ECHO_CONFIG.replace('name: "shout"', 'name: "warm"') + '''model_warmup [ { name: "hello" batch_size: 1 inputs {
-  key: "prompt" value: { data_type: TYPE_STRING dims: [ 1 ] input_data_file: "prompt.bin" } } } ]
+WARM_CONFIG = ECHO_CONFIG.replace('name: "shout"', 'name: "warm"') + '''model_warmup [ { name: "hello"
+  batch_size: 1 inputs { key: "prompt" value: { data_type: TYPE_STRING dims: [ 1 ] input_data_file: "prompt.bin" } } } ]
 '''
 
 
