@@ -26,6 +26,8 @@ web request can afford before the archive is unpacked by a worker.
 
 from __future__ import annotations
 
+import bz2
+import gzip
 import io
 import json
 import lzma
@@ -41,7 +43,7 @@ import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import IO, BinaryIO, TypeVar, overload
+from typing import IO, BinaryIO, TypeVar, cast, overload
 
 from marketplace.hardware import triton
 from marketplace.hardware.triton import repository as triton_repository
@@ -259,9 +261,49 @@ def _tar_members(tar: tarfile.TarFile) -> Iterator[tuple[tarfile.TarInfo, str | 
         yield m, rel
 
 
+TAR_MAX_READ = 4 * 1024 * 1024  # the largest single read tarfile may make (member data is read 1 MiB at a time)
+
+
+class _CappedReads:
+    """The decompressed tar stream, refusing any single read over ``TAR_MAX_READ``: tarfile reads a pax or GNU
+    long-name header whole into memory before it yields the member, so a few KiB of gzip could otherwise make it
+    allocate gigabytes (measured: a 100 KB archive holding a 100 MiB pax header took 315 MB and 1 s to list)."""
+
+    def __init__(self, raw: BinaryIO | io.BufferedIOBase) -> None:
+        self.raw = raw
+
+    def read(self, size: int = -1) -> bytes:
+        if size is None or size < 0 or size > TAR_MAX_READ:
+            raise RepoError(f"a tar header larger than {TAR_MAX_READ:,} bytes (a pax or long-name header no model "
+                            "repository needs)")
+        return self.raw.read(size)
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self.raw.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self.raw.tell()
+
+
+def _open_tar(fileobj: BinaryIO) -> tarfile.TarFile:
+    """A tar, plain or gzip/bzip2/xz-compressed, decompressed here (not by tarfile) so that its reads are capped."""
+    head = fileobj.read(6)
+    fileobj.seek(0)
+    raw: BinaryIO | io.BufferedIOBase
+    if head[:2] == b"\x1f\x8b":
+        raw = gzip.GzipFile(fileobj=fileobj, mode="rb")
+    elif head[:3] == b"BZh":
+        raw = bz2.BZ2File(fileobj)
+    elif head[:6] == b"\xfd7zXZ\x00":
+        raw = lzma.LZMAFile(fileobj)
+    else:
+        raw = fileobj
+    return tarfile.open(fileobj=cast(IO[bytes], _CappedReads(raw)), mode="r:")
+
+
 def _extract_tar(fileobj: BinaryIO, w: _Writer) -> None:
     try:
-        with tarfile.open(fileobj=fileobj, mode="r:*") as tar:
+        with _open_tar(fileobj) as tar:
             for m, rel in _tar_members(tar):
                 if rel is None:
                     continue
@@ -399,7 +441,7 @@ def prescan(source: Path, limits: Limits, *, filename: str = "", budget_bytes: i
         if budget_bytes <= 0:
             return False
         try:
-            with tarfile.open(fileobj=fh, mode="r:*") as tar:
+            with _open_tar(fh) as tar:
                 tally = _Tally(limits)
                 for m, rel in _tar_members(tar):
                     _count(tally, rel, m.isdir(), m.size)

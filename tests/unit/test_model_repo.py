@@ -409,3 +409,24 @@ def test_a_write_failure_is_the_servers_not_the_archives(tmp_path, monkeypatch):
     monkeypatch.setattr(mr.os, "rename", full)
     with pytest.raises(mr.StorageError):
         load(tmp_path)
+
+
+def test_a_huge_pax_header_is_refused_before_tarfile_reads_it_into_memory(tmp_path):
+    import tracemalloc
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz", format=tarfile.PAX_FORMAT) as tar:
+        info, data = _info("echo/1/x", data=b"x")
+        info.pax_headers = {"comment": "A" * (64 * 1024 * 1024)}  # 64 MiB that gzip makes 65 KB
+        tar.addfile(info, io.BytesIO(data))
+    archive = tmp_path / "pax.tar.gz"
+    archive.write_bytes(buf.getvalue())
+    assert archive.stat().st_size < 100_000
+    tracemalloc.start()
+    try:
+        with pytest.raises(mr.RepoError, match="a tar header larger than 4,194,304 bytes"):
+            mr.prescan(archive, LIMITS)  # the web request's part: it used to allocate ~200 MB here
+        refused(tmp_path, "a tar header larger than", raw=buf.getvalue())
+        assert tracemalloc.get_traced_memory()[1] < 16 * 1024 * 1024
+    finally:
+        tracemalloc.stop()
