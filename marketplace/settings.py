@@ -442,6 +442,7 @@ SPECTACULAR_SETTINGS = {
         "SpecBackendEnum": "marketplace.hardware.triton.BACKENDS",
         "RepositoryBackendEnum": "marketplace.hardware.model_repo.KNOWN_BACKENDS",
         "LibraryBackendEnum": "marketplace.models.library.LIBRARY_BACKENDS",
+        "UploadStateEnum": "marketplace.models.library.UploadState",
     },
 }
 
