@@ -66,8 +66,8 @@ def node_roots() -> dict[str, str]:
 # what is cheap (role, name, archive size and kind, the member headers a zip's central directory or the first
 # TESSERA_UPLOAD_PRESCAN_BYTES of a tar.gz show), store the archive under TESSERA_UPLOAD_ROOT and record the
 # object "validating"; refusals there are ServiceErrors (400). After the commit, tessera.validate_repository /
-# tessera.validate_adapter (control queue) runs validate_repository / validate_adapter below: unpack within the
-# limits, check, then "ready" or "failed" with a reason a tenant may read.
+# tessera.validate_adapter (control queue) run validate() below: unpack within the limits, check, then "ready" or
+# "failed" with a reason a tenant may read.
 
 KINDS: dict[str, type[ModelRepository] | type[LoraAdapter]] = {"repository": ModelRepository, "adapter": LoraAdapter}
 TASKS = {"repository": enqueue.VALIDATE_REPOSITORY, "adapter": enqueue.VALIDATE_ADAPTER}
@@ -85,8 +85,8 @@ def _may_add(principal: Principal, tenant, name: str, model: type[ModelRepositor
 
 
 def _receive(upload, dest: Path) -> tuple[int, str]:
-    """Stream an uploaded archive (Django keeps it in a temporary file past FILE_UPLOAD_MAX_MEMORY_SIZE) into
-    ``dest``, chunk by chunk, within TESSERA_UPLOAD_MAX_BYTES: (its size, SHA-256)."""
+    """Copy an uploaded archive (a temporary file: marketplace.uploads.CappedUploadHandler) into ``dest``, chunk by
+    chunk, within TESSERA_UPLOAD_MAX_BYTES: (its size, SHA-256)."""
     limit = settings.TESSERA_UPLOAD_MAX_BYTES
     size = getattr(upload, "size", 0) or 0
     if size > limit:
