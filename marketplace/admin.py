@@ -103,20 +103,22 @@ class LibraryModelAdmin(admin.ModelAdmin):
 
 @admin.register(LoraAdapter)
 class LoraAdapterAdmin(admin.ModelAdmin):
-    list_display = ["name", "tenant", "base", "rank", "size_bytes", "created_at"]
-    list_filter = ["base"]
+    list_display = ["name", "tenant", "base", "state", "rank", "size_bytes", "created_at"]
+    list_filter = ["state", "base"]
     search_fields = ["name", "tenant__slug"]
-    readonly_fields = ["tenant", "base", "source", "store_path", "filename", "archive_sha256", "rank",
-                       "target_modules", "size_bytes", "file_count", "path", "created_by", "created_at"]
+    readonly_fields = ["tenant", "base", "source", "store_path", "filename", "archive_sha256", "state",
+                       "failure_reason", "validated_at", "rank", "target_modules", "size_bytes", "file_count", "path",
+                       "created_by", "created_at"]
 
 
 @admin.register(ModelRepository)
 class ModelRepositoryAdmin(admin.ModelAdmin):
-    list_display = ["name", "tenant", "source", "file_count", "size_bytes", "created_at"]
-    list_filter = ["source"]
+    list_display = ["name", "tenant", "source", "state", "file_count", "size_bytes", "created_at"]
+    list_filter = ["state", "source"]
     search_fields = ["name", "tenant__slug"]
-    readonly_fields = ["tenant", "source", "store_path", "filename", "archive_bytes", "archive_sha256", "size_bytes",
-                       "file_count", "manifest", "path", "created_by", "created_at"]
+    readonly_fields = ["tenant", "source", "store_path", "filename", "archive_bytes", "archive_sha256", "state",
+                       "failure_reason", "validated_at", "size_bytes", "file_count", "manifest", "path", "created_by",
+                       "created_at"]
 
 
 class AllocationEventInline(admin.TabularInline):

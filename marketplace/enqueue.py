@@ -12,6 +12,8 @@ DEPLOY_MODEL = "tessera.deploy_model"
 UNDEPLOY_MODEL = "tessera.undeploy_model"
 DELIVER_WEBHOOK = "tessera.deliver_webhook"
 RATE_TENANT = "tessera.rate_tenant"
+VALIDATE_REPOSITORY = "tessera.validate_repository"
+VALIDATE_ADAPTER = "tessera.validate_adapter"
 
 
 def send(task_name: str, args: list, queue: str) -> None:

@@ -453,6 +453,7 @@ SPECTACULAR_SETTINGS = {
         "SpecBackendEnum": "marketplace.hardware.triton.BACKENDS",
         "RepositoryBackendEnum": "marketplace.hardware.model_repo.KNOWN_BACKENDS",
         "LibraryBackendEnum": "marketplace.models.library.LIBRARY_BACKENDS",
+        "UploadStateEnum": "marketplace.models.library.UploadState",
     },
 }
 
@@ -640,4 +641,13 @@ TESSERA_MODEL_STORE_S3_ACCESS_KEY_ID = env_str("TESSERA_MODEL_STORE_S3_ACCESS_KE
 TESSERA_MODEL_STORE_S3_SECRET_ACCESS_KEY = env_str("TESSERA_MODEL_STORE_S3_SECRET_ACCESS_KEY", "")
 TESSERA_REPO_MAX_EXPANDED_BYTES = env_int("TESSERA_REPO_MAX_EXPANDED_BYTES", 8 * 1024**3, minimum=1)
 TESSERA_REPO_MAX_FILES = env_int("TESSERA_REPO_MAX_FILES", 2000, minimum=1)
+# Each config.pbtxt (and a LoRA adapter's adapter_config.json), checked before it is parsed.
+TESSERA_REPO_MAX_CONFIG_BYTES = env_int("TESSERA_REPO_MAX_CONFIG_BYTES", 1024 * 1024, minimum=1)
+# The control worker's wall-clock budget to unpack and check one archive (its Celery time limit is a minute more).
+TESSERA_REPO_MAX_UNPACK_SECONDS = env_float("TESSERA_REPO_MAX_UNPACK_SECONDS", 300.0, minimum=1.0)
+# The web request reads a tar.gz's member headers up to this far into the decompressed stream (a zip's central
+# directory always) to refuse bad names, links and bombs at once with a 400; 0: leave all of it to the worker.
+TESSERA_UPLOAD_PRESCAN_BYTES = env_int("TESSERA_UPLOAD_PRESCAN_BYTES", 64 * 1024**2, minimum=0)
 DATA_UPLOAD_MAX_NUMBER_FILES = 1
+# Uploaded archives stream to a temporary file (never into memory) and stop being stored past the limit above.
+FILE_UPLOAD_HANDLERS = ["marketplace.uploads.CappedUploadHandler"]

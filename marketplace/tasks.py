@@ -3,9 +3,17 @@
 
 from __future__ import annotations
 
-from celery import shared_task
+import logging
 
+from celery import shared_task
+from celery.exceptions import SoftTimeLimitExceeded
+from django.conf import settings
+
+from marketplace.hardware import model_repo
 from marketplace.services import billing, deployments, provisioning, reconcile, webhooks
+from marketplace.services import models as model_svc
+
+log = logging.getLogger("tessera.tasks")
 
 NODE_TASK = {
     "acks_late": True,
@@ -77,3 +85,43 @@ def rate_tenant(self, run_id: int, tenant_id: int) -> str:
         return billing.rate_run_tenant(run_id, tenant_id, final_attempt=self.request.retries >= self.max_retries)
     except Exception as exc:
         raise self.retry(exc=exc, countdown=min(300, 10 * 2 ** self.request.retries)) from exc
+
+
+# Uploads: the web request stored the archive; a control worker unpacks and validates it within
+# TESSERA_REPO_MAX_UNPACK_SECONDS (its own clock), Celery's soft limit a minute later as the backstop.
+UPLOAD_TASK = {
+    "acks_late": True,
+    "reject_on_worker_lost": True,
+    "autoretry_for": (model_repo.StorageError,),
+    "retry_backoff": 5,
+    "retry_backoff_max": 120,
+    "max_retries": 3,
+    "soft_time_limit": settings.TESSERA_REPO_MAX_UNPACK_SECONDS + 60,
+    "time_limit": settings.TESSERA_REPO_MAX_UNPACK_SECONDS + 120,
+}
+
+
+def _validate(task, kind: str, pk: int) -> str:
+    try:
+        return model_svc.validate(kind, pk, final_attempt=task.request.retries >= task.max_retries)
+    except model_repo.StorageError:
+        raise  # retried; failed on the final attempt by validate()
+    except SoftTimeLimitExceeded:
+        model_svc.fail_validation(kind, pk, "unpacking and checking it took too long (the time limit)")
+        return "failed"
+    except Exception:  # never left "validating": the tenant sees a failure, the operators the traceback
+        log.exception("upload validation crashed", extra={"kind": kind, "id": pk})
+        model_svc.fail_validation(kind, pk, model_svc.INTERNAL_FAILURE)
+        return "failed"
+
+
+@shared_task(bind=True, name="tessera.validate_repository", **UPLOAD_TASK)
+def validate_repository(self, repository_id: int) -> str:
+    """Control queue: unpack and validate an uploaded (or model-store) repository -> ready or failed."""
+    return _validate(self, "repository", repository_id)
+
+
+@shared_task(bind=True, name="tessera.validate_adapter", **UPLOAD_TASK)
+def validate_adapter(self, adapter_id: int) -> str:
+    """Control queue: unpack and validate an uploaded (or model-store) LoRA adapter -> ready or failed."""
+    return _validate(self, "adapter", adapter_id)

@@ -106,3 +106,14 @@ class InvoiceFactory(factory.django.DjangoModelFactory):
     period_start = factory.LazyFunction(lambda: timezone.now().date().replace(day=1))
     period_end = factory.LazyAttribute(lambda o: (o.period_start.replace(day=28) + timedelta(days=4)).replace(day=1))
     currency = factory.SelfAttribute("tenant.currency")
+
+
+def validated(obj):
+    """An uploaded model repository or LoRA adapter after its validation by the control worker
+    (``tessera.validate_repository`` / ``tessera.validate_adapter``), run in-line here; refreshed."""
+    from marketplace.models import LoraAdapter
+    from marketplace.services import models as model_svc
+
+    model_svc.validate("adapter" if isinstance(obj, LoraAdapter) else "repository", obj.pk)
+    obj.refresh_from_db()
+    return obj

@@ -107,7 +107,8 @@ class DeploymentSerializer(serializers.ModelSerializer):
     spec = ModelSpecField(required=False, help_text="a full model spec (instead of template, repository or "
                                                     "library_model)")
     repository = ScopedRepositoryField(required=False, allow_null=True,
-                                       help_text="one of your model repositories (id): deploys its model")
+                                       help_text="one of your model repositories (id): deploys its model; it must be "
+                                                 "ready (409 while it is validating or when it failed)")
     model = serializers.CharField(required=False, write_only=True, max_length=64,
                                   help_text="with repository: which of its models (default: its only model or "
                                             "its ensemble)")

@@ -52,14 +52,21 @@ class ModelRepositorySerializer(serializers.ModelSerializer):
     store_path = serializers.CharField(required=False, allow_blank=True, max_length=500,
                                        help_text="instead of an archive: a folder or archive in the MSP's model "
                                                  "store, relative to its root")
-    manifest = ManifestModelSerializer(many=True, read_only=True)
+    manifest = ManifestModelSerializer(many=True, read_only=True,
+                                       help_text="its models (empty until the repository is ready)")
+    url = serializers.HyperlinkedIdentityField(view_name="api:modelrepository-detail",
+                                               help_text="poll it while the state is validating")
 
     class Meta:
         model = ModelRepository
-        fields = ["id", "tenant", "name", "source", "archive", "store_path", "filename", "archive_bytes",
-                  "archive_sha256", "size_bytes", "file_count", "manifest", "created_at"]
-        read_only_fields = ["id", "source", "filename", "archive_bytes", "archive_sha256", "size_bytes", "file_count",
-                            "created_at"]
+        fields = ["id", "url", "tenant", "name", "source", "archive", "store_path", "filename", "archive_bytes",
+                  "archive_sha256", "state", "failure_reason", "validated_at", "size_bytes", "file_count", "manifest",
+                  "created_at"]
+        read_only_fields = ["id", "source", "filename", "archive_bytes", "archive_sha256", "state", "failure_reason",
+                            "validated_at", "size_bytes", "file_count", "created_at"]
+        extra_kwargs = {"state": {"help_text": "validating (a worker unpacks and checks the archive), ready "
+                                               "(deployable) or failed (see failure_reason)"},
+                        "failure_reason": {"help_text": "why validation failed; names files inside the archive"}}
         validators: list[Validator[dict[str, object]]] = []
 
     def validate(self, attrs):
@@ -73,23 +80,34 @@ class ModelRepositorySerializer(serializers.ModelSerializer):
         return attrs
 
 
+def accepted(data) -> Response:
+    """202: stored, a worker validates it; poll ``url`` (also the ``Location`` header)."""
+    # str(): the serializer's url is DRF's Hyperlink (a str subclass), which WSGI servers refuse in a header
+    return Response(data, status=status.HTTP_202_ACCEPTED, headers={"Location": str(data["url"])})
+
+
 class ModelRepositoryViewSet(ScopedViewSetMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin,
                              mixins.CreateModelMixin, mixins.DestroyModelMixin, viewsets.GenericViewSet):
     """A tenant's own Triton model repositories. Create: multipart with ``archive`` (tar.gz or zip) or JSON with
-    ``store_path``; validated (paths, links, devices, file count, expanded size, each config.pbtxt with Triton's
-    schema, backends, one device, no host paths) and refused whole with a 400 naming the file. Deploy a model of
-    it with ``POST /api/v1/deployments/`` and ``repository``."""
+    ``store_path``. The request stores the archive and answers 202 with the repository ``validating`` and its
+    ``url`` (also in ``Location``); what the archive's headers show at once (names that are not UTF-8, paths
+    leaving the archive, links, devices, too many files, a declared expanded size or a config.pbtxt over the
+    limits) is a 400 naming the file. A control worker then unpacks it within the limits and validates it
+    (each config.pbtxt with Triton's schema, backends, one device, every file a config names inside the model,
+    no host paths): ``ready``, or ``failed`` with ``failure_reason`` naming the file. Deploy a model of a ready
+    repository with ``POST /api/v1/deployments/`` and ``repository`` (409 while it is not ready)."""
 
     queryset_model = ModelRepository
     selector = sel.repositories
     serializer_class = ModelRepositorySerializer
     parser_classes = [MultiPartParser, FormParser, JSONParser]
-    filterset_fields = ["source", "name"]
+    filterset_fields = ["source", "name", "state"]
     search_fields = ["name"]
     ordering_fields = ["created_at", "name"]
     ordering = ["-created_at"]
     capabilities = {"create": "deploy", "destroy": "deploy"}
 
+    @extend_schema(responses={202: ModelRepositorySerializer})
     def create(self, request, *args, **kwargs):
         s = self.get_serializer(data=request.data)
         s.is_valid(raise_exception=True)
@@ -98,7 +116,7 @@ class ModelRepositoryViewSet(ScopedViewSetMixin, mixins.ListModelMixin, mixins.R
             repo = model_svc.upload_repository(self.principal, d["tenant"], d["name"], d["archive"])
         else:
             repo = model_svc.import_from_store(self.principal, d["tenant"], d["name"], d["store_path"])
-        return Response(self.get_serializer(repo).data, status=status.HTTP_201_CREATED)
+        return accepted(self.get_serializer(repo).data)
 
     def destroy(self, request, *args, **kwargs):
         model_svc.delete_repository(self.principal, self.get_object())
@@ -114,13 +132,17 @@ class LoraAdapterSerializer(serializers.ModelSerializer):
                                               ".zip (multipart)")
     store_path = serializers.CharField(required=False, allow_blank=True, max_length=500,
                                        help_text="instead of an archive: its folder in the MSP's model store")
+    url = serializers.HyperlinkedIdentityField(view_name="api:loraadapter-detail",
+                                               help_text="poll it while the state is validating")
 
     class Meta:
         model = LoraAdapter
-        fields = ["id", "tenant", "name", "base", "source", "archive", "store_path", "filename", "archive_sha256",
-                  "rank", "target_modules", "size_bytes", "file_count", "created_at"]
-        read_only_fields = ["id", "source", "filename", "archive_sha256", "rank", "target_modules", "size_bytes",
-                            "file_count", "created_at"]
+        fields = ["id", "url", "tenant", "name", "base", "source", "archive", "store_path", "filename",
+                  "archive_sha256", "state", "failure_reason", "validated_at", "rank", "target_modules", "size_bytes",
+                  "file_count", "created_at"]
+        read_only_fields = ["id", "source", "filename", "archive_sha256", "state", "failure_reason", "validated_at",
+                            "rank", "target_modules", "size_bytes", "file_count", "created_at"]
+        extra_kwargs = ModelRepositorySerializer.Meta.extra_kwargs
         validators: list[Validator[dict[str, object]]] = []
 
     validate = ModelRepositorySerializer.validate
@@ -128,20 +150,22 @@ class LoraAdapterSerializer(serializers.ModelSerializer):
 
 class LoraAdapterViewSet(ScopedViewSetMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin,
                          mixins.CreateModelMixin, mixins.DestroyModelMixin, viewsets.GenericViewSet):
-    """A tenant's LoRA adapters for library base models. Deploy them with their base model
-    (``POST /api/v1/deployments/`` with ``library_model`` and ``adapters``): vLLM multi-LoRA, each adapter selected
-    by its name; the fit counts their memory."""
+    """A tenant's LoRA adapters for library base models. Create answers 202 with the adapter ``validating`` (a
+    control worker unpacks and checks it, like a repository: then ``ready`` or ``failed``). Deploy ready ones with
+    their base model (``POST /api/v1/deployments/`` with ``library_model`` and ``adapters``): vLLM multi-LoRA,
+    each adapter selected by its name; the fit counts their memory."""
 
     queryset_model = LoraAdapter
     selector = sel.adapters
     serializer_class = LoraAdapterSerializer
     parser_classes = [MultiPartParser, FormParser, JSONParser]
-    filterset_fields = ["source", "name"]
+    filterset_fields = ["source", "name", "state"]
     search_fields = ["name"]
     ordering_fields = ["created_at", "name"]
     ordering = ["-created_at"]
     capabilities = {"create": "deploy", "destroy": "deploy"}
 
+    @extend_schema(responses={202: LoraAdapterSerializer})
     def create(self, request, *args, **kwargs):
         s = self.get_serializer(data=request.data)
         s.is_valid(raise_exception=True)
@@ -150,7 +174,7 @@ class LoraAdapterViewSet(ScopedViewSetMixin, mixins.ListModelMixin, mixins.Retri
             ad = model_svc.upload_adapter(self.principal, d["tenant"], d["name"], d["base"], d["archive"])
         else:
             ad = model_svc.adapter_from_store(self.principal, d["tenant"], d["name"], d["base"], d["store_path"])
-        return Response(self.get_serializer(ad).data, status=status.HTTP_201_CREATED)
+        return accepted(self.get_serializer(ad).data)
 
     def destroy(self, request, *args, **kwargs):
         model_svc.delete_adapter(self.principal, self.get_object())
@@ -231,6 +255,7 @@ def shape_from(principal, d) -> fit.ModelShape:
         repo = sel.repositories(principal).filter(pk=d["repository"]).first()
         if repo is None:
             raise ServiceError("no such repository", field="repository")
+        model_svc.require_ready(repo, "repository")
         _top, names = model_svc.pick_model(repo, None) if len(repo.manifest) else (None, [])
         return model_svc.repository_shape(repo, names)
     return fit.ModelShape(name=f"{d['memory_mib']:,} MiB model", backend=d["backend"], fixed_mib=d["memory_mib"])

@@ -48,13 +48,24 @@ class LibraryModel(models.Model):
         return self.name
 
 
+class UploadState(models.TextChoices):
+    """Where an uploaded repository or adapter is: the web request stores the archive (validating), a control
+    worker unpacks and checks it (ready, or failed with a reason a tenant may read)."""
+
+    VALIDATING = "validating", "Validating"
+    READY = "ready", "Ready"
+    FAILED = "failed", "Failed"
+
+
 class ModelRepository(models.Model):
-    """A tenant's own Triton model repository (uploaded archive or a model-store object), validated and unpacked
-    under TESSERA_UPLOAD_ROOT (readable by the web app and the node workers)."""
+    """A tenant's own Triton model repository (uploaded archive or a model-store object): stored by the web request,
+    unpacked and validated by a control worker under TESSERA_UPLOAD_ROOT (readable by the node workers)."""
 
     class Source(models.TextChoices):
         UPLOAD = "upload", "Uploaded archive"
         STORE = "store", "MSP model store"
+
+    State = UploadState
 
     tenant = models.ForeignKey("tenants.Tenant", on_delete=models.PROTECT, related_name="model_repositories")
     name = models.CharField(max_length=64)
@@ -63,9 +74,14 @@ class ModelRepository(models.Model):
     filename = models.CharField(max_length=255, blank=True)
     archive_bytes = models.PositiveBigIntegerField(default=0)
     archive_sha256 = models.CharField(max_length=64, blank=True)
-    size_bytes = models.PositiveBigIntegerField(help_text="expanded size")
-    file_count = models.PositiveIntegerField()
-    manifest = models.JSONField(help_text="its models, each: name, backend, max_batch_size, inputs, outputs, "
+    state = models.CharField(max_length=12, choices=UploadState.choices, default=UploadState.VALIDATING,
+                             help_text="validating (a worker unpacks and checks it), ready (deployable) or failed")
+    failure_reason = models.TextField(blank=True, help_text="why it failed (names files inside the archive only)")
+    validated_at = models.DateTimeField(null=True, blank=True)
+    size_bytes = models.PositiveBigIntegerField(default=0, help_text="expanded size")
+    file_count = models.PositiveIntegerField(default=0)
+    manifest = models.JSONField(default=list, blank=True,
+                                help_text="its models, each: name, backend, max_batch_size, inputs, outputs, "
                                           "versions, size_bytes, memory_mb, steps")
     path = models.CharField(max_length=300, help_text="relative to TESSERA_UPLOAD_ROOT")
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL,
@@ -86,7 +102,9 @@ class ModelRepository(models.Model):
 
 class LoraAdapter(models.Model):
     """A tenant's LoRA adapter (PEFT layout) for a library base model, served by vLLM multi-LoRA on a deployment of
-    that base model; stored under TESSERA_UPLOAD_ROOT like a repository."""
+    that base model; stored and validated like a repository."""
+
+    State = UploadState
 
     tenant = models.ForeignKey("tenants.Tenant", on_delete=models.PROTECT, related_name="lora_adapters")
     name = models.CharField(max_length=64, help_text="the name requests select it by (vLLM's lora_name)")
@@ -95,10 +113,14 @@ class LoraAdapter(models.Model):
     store_path = models.CharField(max_length=500, blank=True)
     filename = models.CharField(max_length=255, blank=True)
     archive_sha256 = models.CharField(max_length=64, blank=True)
-    rank = models.PositiveIntegerField(help_text="r of adapter_config.json")
+    state = models.CharField(max_length=12, choices=UploadState.choices, default=UploadState.VALIDATING,
+                             help_text="validating (a worker unpacks and checks it), ready (deployable) or failed")
+    failure_reason = models.TextField(blank=True, help_text="why it failed (names files inside the archive only)")
+    validated_at = models.DateTimeField(null=True, blank=True)
+    rank = models.PositiveIntegerField(default=0, help_text="r of adapter_config.json (0 until validated)")
     target_modules = models.JSONField(default=list)
-    size_bytes = models.PositiveBigIntegerField()
-    file_count = models.PositiveIntegerField()
+    size_bytes = models.PositiveBigIntegerField(default=0)
+    file_count = models.PositiveIntegerField(default=0)
     path = models.CharField(max_length=300, help_text="relative to TESSERA_UPLOAD_ROOT")
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL,
                                    related_name="+")

@@ -135,6 +135,12 @@ def deploy(principal: Principal, allocation: Allocation, name: str, *, template:
         raise Forbidden("Your role or API-key scopes do not allow deploying to this slice.")
     if repository is not None and repository.tenant_id != allocation.tenant_id:
         raise ServiceError("the repository belongs to another tenant", field="repository")
+    from marketplace.services import models as model_svc
+
+    if repository is not None:
+        model_svc.require_ready(repository, "repository")  # 409 while it is validating or when it failed
+    for a in adapters or ():
+        model_svc.require_ready(a, "adapters")
     if concurrency < 1:
         raise ServiceError("concurrency must be at least 1", field="concurrency")
     adapters = list(adapters or ())
@@ -219,9 +225,18 @@ def _enqueue(task_name: str, dep: ModelDeployment, allocation: Allocation) -> No
     enqueue.send(task_name, [dep.pk], node.queue)
 
 
+def tenant_safe(reason: str, allocation_id: int) -> str:
+    """A failure reason as the tenant may read it: the slice's repository, the upload root and the model store
+    become model-relative paths, any other path of the node ``<node path>`` (Triton's load errors name files
+    with the server's absolute paths)."""
+    from marketplace.services import models as model_svc
+
+    return model_repo.scrub_paths(reason, {str(serving.repo_dir(allocation_id)): "", **model_svc.node_roots()})
+
+
 def _set(dep: ModelDeployment, state: str, reason: str = "") -> None:
     now = timezone.now()
-    fields = {"state": state, "updated_at": now, "failure_reason": reason[:1000]}
+    fields = {"state": state, "updated_at": now, "failure_reason": tenant_safe(reason, dep.allocation_id)[:1000]}
     if state != ModelDeployment.State.PENDING:  # no longer waiting for the slice's server
         fields.update(waiting_reason="", waiting_since=None)
     if state == ModelDeployment.State.READY:

@@ -3,26 +3,32 @@ repositories Tessera writes for library models (vLLM, TensorRT-LLM) and the memo
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import logging
 import math
+import os
 import shutil
+import tempfile
 import uuid
 from pathlib import Path
 from typing import BinaryIO
 
 from django.conf import settings
-from django.db import transaction
+from django.db import IntegrityError, transaction
+from django.utils import timezone
 
-from marketplace import fit
+from marketplace import enqueue, fit
 from marketplace.hardware import model_repo, triton
-from marketplace.models import LibraryModel, LoraAdapter, ModelDeployment, ModelRepository, Tier
-from tenants.errors import Forbidden, ServiceError
+from marketplace.models import LibraryModel, LoraAdapter, ModelDeployment, ModelRepository, Tier, UploadState
+from tenants.errors import Conflict, Forbidden, ServiceError
 from tenants.scoping import Principal
 
 Source = ModelRepository.Source  # where a repository or an adapter came from (upload or the model store)
 
 MIB = 1024 * 1024
+log = logging.getLogger("tessera.models")
 
 
 def upload_root() -> Path:
@@ -35,59 +41,126 @@ def store_root() -> Path:
 
 def limits() -> model_repo.Limits:
     return model_repo.Limits(max_files=settings.TESSERA_REPO_MAX_FILES,
-                             max_expanded_bytes=settings.TESSERA_REPO_MAX_EXPANDED_BYTES)
+                             max_expanded_bytes=settings.TESSERA_REPO_MAX_EXPANDED_BYTES,
+                             max_config_bytes=settings.TESSERA_REPO_MAX_CONFIG_BYTES,
+                             max_seconds=settings.TESSERA_REPO_MAX_UNPACK_SECONDS)
 
 
 def repository_path(repo: ModelRepository) -> Path:
     return upload_root() / repo.path
 
 
-# --- a tenant's own repository ------------------------------------------------------------------
+def archive_path(obj: ModelRepository | LoraAdapter) -> Path:
+    """Where the web request keeps an uploaded archive until the worker has unpacked it."""
+    return upload_root() / f"{obj.path}.archive"
 
-def _store(principal: Principal, tenant, name: str, source: BinaryIO | Path, *, kind: str, filename: str = "",
-           store_path: str = "", size: int = 0, sha: str = "") -> ModelRepository:
+
+def node_roots() -> dict[str, str]:
+    """The node folders a message may name, and what a tenant reads instead (``model_repo.scrub_paths``)."""
+    return {str(upload_root()): "", str(store_root()): "model-store", str(settings.TESSERA_TRITON_REPO_ROOT): ""}
+
+
+# --- uploads: the web request stores, a control worker unpacks and validates ------------------------
+#
+# upload_repository / import_from_store / upload_adapter / adapter_from_store run in the web request: they check
+# what is cheap (role, name, archive size and kind, the member headers a zip's central directory or the first
+# TESSERA_UPLOAD_PRESCAN_BYTES of a tar.gz show), store the archive under TESSERA_UPLOAD_ROOT and record the
+# object "validating"; refusals there are ServiceErrors (400). After the commit, tessera.validate_repository /
+# tessera.validate_adapter (control queue) run validate() below: unpack within the limits, check, then "ready" or
+# "failed" with a reason a tenant may read.
+
+KINDS: dict[str, type[ModelRepository] | type[LoraAdapter]] = {"repository": ModelRepository, "adapter": LoraAdapter}
+TASKS = {"repository": enqueue.VALIDATE_REPOSITORY, "adapter": enqueue.VALIDATE_ADAPTER}
+
+
+def _may_add(principal: Principal, tenant, name: str, model: type[ModelRepository] | type[LoraAdapter],
+             what: str) -> None:
     if not principal.can("deploy", tenant.pk):
-        raise Forbidden("Your role or API-key scopes do not allow adding model repositories.")
+        raise Forbidden(f"Your role or API-key scopes do not allow adding {what}.")
     if not triton.MODEL_NAME_RE.match(name or ""):
         raise ServiceError("1 to 64 characters from a-z A-Z 0-9 _ -", field="name")
-    if ModelRepository.objects.filter(tenant=tenant, name=name).exists():
-        raise ServiceError(f"a repository named {name} exists; choose another name", field="name")
-    rel = f"{tenant.slug}/{uuid.uuid4().hex}"
-    dest = upload_root() / rel
+    if model.objects.filter(tenant=tenant, name=name).exclude(state=UploadState.FAILED).exists():
+        raise ServiceError(f"{'an adapter' if model is LoraAdapter else 'a repository'} named {name} exists; "
+                           "choose another name", field="name")
+
+
+def _receive(upload, dest: Path) -> tuple[int, str]:
+    """Copy an uploaded archive (a temporary file: marketplace.uploads.CappedUploadHandler) into ``dest``, chunk by
+    chunk, within TESSERA_UPLOAD_MAX_BYTES: (its size, SHA-256)."""
+    limit = settings.TESSERA_UPLOAD_MAX_BYTES
+    size = getattr(upload, "size", 0) or 0
+    if size > limit:
+        raise ServiceError(f"the archive is {size:,} bytes; the limit is {limit:,}", field="archive")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    digest, written = hashlib.sha256(), 0
+    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as out:
+        for chunk in upload.chunks():
+            written += len(chunk)
+            if written > limit:
+                raise ServiceError(f"the archive is over the limit of {limit:,} bytes", field="archive")
+            digest.update(chunk)
+            out.write(chunk)
+    return written, digest.hexdigest()
+
+
+def _prescan(source: Path, *, filename: str, field: str) -> None:
+    """The member checks the archive's headers allow, bounded (model_repo.prescan): a refusal is a 400 now."""
     try:
-        repo = model_repo.import_repository(source, dest, limits(), filename=filename)
+        model_repo.prescan(source, limits(), filename=filename, budget_bytes=settings.TESSERA_UPLOAD_PRESCAN_BYTES)
     except model_repo.RepoError as exc:
-        raise ServiceError(str(exc), field="archive" if kind == Source.UPLOAD else "store_path") from None
+        raise ServiceError(str(exc), field=field) from None
+
+
+def _record(kind: str, tenant, name: str, fields: dict, *, archive: Path | None = None):
+    """The object, "validating", replacing a failed one of the same name; its validation is queued on the
+    control queue when the transaction commits. On any failure the stored archive goes too."""
+    model = KINDS[kind]
     try:
         with transaction.atomic():
-            return ModelRepository.objects.create(
-                tenant=tenant, name=name, source=kind, store_path=store_path, filename=filename[:255],
-                archive_bytes=size, archive_sha256=sha, size_bytes=repo.size_bytes, file_count=repo.file_count,
-                manifest=repo.as_json(), path=rel, created_by=principal.user)
-    except BaseException:  # the row was not stored (a name race): the files go too
-        shutil.rmtree(dest, ignore_errors=True)
+            for old in model.objects.select_for_update().filter(tenant=tenant, name=name, state=UploadState.FAILED):
+                _remove_files(old)
+                old.delete()
+            obj = model.objects.create(tenant=tenant, name=name, state=UploadState.VALIDATING, **fields)
+            transaction.on_commit(functools.partial(enqueue.send, TASKS[kind], [obj.pk], "control"))
+    except IntegrityError:  # a concurrent upload of the same name won
+        if archive is not None:
+            archive.unlink(missing_ok=True)
+        raise ServiceError(f"{'an adapter' if kind == 'adapter' else 'a repository'} named {name} exists; choose "
+                           "another name", field="name") from None
+    except BaseException:
+        if archive is not None:
+            archive.unlink(missing_ok=True)
         raise
+    return obj
 
 
-def _checked_upload(upload) -> tuple:
-    """An uploaded archive within TESSERA_UPLOAD_MAX_BYTES: (its file, size, SHA-256), rewound for unpacking."""
-    size = getattr(upload, "size", 0) or 0
-    if size > settings.TESSERA_UPLOAD_MAX_BYTES:
-        raise ServiceError(f"the archive is {size:,} bytes; the limit is {settings.TESSERA_UPLOAD_MAX_BYTES:,}",
-                           field="archive")
-    digest = hashlib.sha256()
-    for chunk in upload.chunks():
-        digest.update(chunk)
-    upload.seek(0)
-    return (upload.file if hasattr(upload, "file") else upload), size, digest.hexdigest()
+def _stored_upload(upload, rel: str) -> tuple[Path, int, str, str]:
+    """The uploaded archive stored as ``<rel>.archive`` and pre-scanned: (its path, size, SHA-256, file name)."""
+    filename = (getattr(upload, "name", "") or "")[:255]
+    archive = upload_root() / f"{rel}.archive"
+    try:
+        size, sha = _receive(upload, archive)
+        _prescan(archive, filename=filename, field="archive")
+    except BaseException:
+        archive.unlink(missing_ok=True)
+        raise
+    return archive, size, sha, filename
+
+
+def _new_rel(tenant, prefix: str = "") -> str:
+    return f"{tenant.slug}/{prefix}{uuid.uuid4().hex}"
 
 
 def upload_repository(principal: Principal, tenant, name: str, upload) -> ModelRepository:
-    """A Triton repository archive (tar.gz or zip) uploaded by a tenant: validated, unpacked under
-    TESSERA_UPLOAD_ROOT; a refusal is a 400 naming the file and stores nothing."""
-    fh, size, sha = _checked_upload(upload)
-    return _store(principal, tenant, name, fh, kind=Source.UPLOAD, filename=getattr(upload, "name", "") or "",
-                  size=size, sha=sha)
+    """A Triton repository archive (tar.gz or zip) uploaded by a tenant: stored, pre-scanned and recorded
+    "validating" (a refusal is a 400 naming the file and stores nothing); a control worker unpacks it."""
+    _may_add(principal, tenant, name, ModelRepository, "model repositories")
+    rel = _new_rel(tenant)
+    archive, size, sha, filename = _stored_upload(upload, rel)
+    return _record("repository", tenant, name, {
+        "source": Source.UPLOAD, "filename": filename, "archive_bytes": size, "archive_sha256": sha, "path": rel,
+        "created_by": principal.user}, archive=archive)
 
 
 def _store_object(store_path: str) -> Path:
@@ -98,7 +171,7 @@ def _store_object(store_path: str) -> Path:
         raise ServiceError("a path relative to the model store, without '..'", field="store_path")
     path = root / raw
     if path.is_symlink() or not path.resolve().is_relative_to(root) or not path.exists():
-        raise ServiceError(f"{raw}: no such object in the model store", field="store_path")
+        raise ServiceError(f"{model_repo.shown(raw)}: no such object in the model store", field="store_path")
     return path
 
 
@@ -110,35 +183,51 @@ def _store_key(store_path: str) -> str:
     return raw
 
 
-def _s3_object(store_path: str) -> tuple[BinaryIO, int, str]:
-    """An archive object of the operator's S3-compatible store (endpoint, bucket and prefix are settings; the
-    tenant names a key under the prefix only, so it cannot make Tessera fetch anything else): downloaded to a
-    temporary file within TESSERA_UPLOAD_MAX_BYTES, as (file, size, SHA-256)."""
-    import tempfile
-
+def _s3_client():
     import boto3
+
+    return boto3.client("s3", endpoint_url=settings.TESSERA_MODEL_STORE_S3_ENDPOINT or None,
+                        region_name=settings.TESSERA_MODEL_STORE_S3_REGION,
+                        aws_access_key_id=settings.TESSERA_MODEL_STORE_S3_ACCESS_KEY_ID or None,
+                        aws_secret_access_key=settings.TESSERA_MODEL_STORE_S3_SECRET_ACCESS_KEY or None)
+
+
+def _s3_head(store_path: str) -> int:
+    """The archive object's size, from a HEAD request (the web request fetches nothing): it must exist under the
+    operator's prefix (the tenant names a key, so Tessera fetches nothing else) and be within
+    TESSERA_UPLOAD_MAX_BYTES."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    key = settings.TESSERA_MODEL_STORE_S3_PREFIX + _store_key(store_path)
+    try:
+        head = _s3_client().head_object(Bucket=settings.TESSERA_MODEL_STORE_S3_BUCKET, Key=key)
+    except (ClientError, BotoCoreError):
+        raise ServiceError(f"{store_path.strip()}: no such object in the model store", field="store_path") from None
+    size = int(head.get("ContentLength", 0))
+    if size > settings.TESSERA_UPLOAD_MAX_BYTES:
+        raise ServiceError(f"the archive is {size:,} bytes; the limit is {settings.TESSERA_UPLOAD_MAX_BYTES:,}",
+                           field="store_path")
+    return size
+
+
+def _s3_download(store_path: str) -> tuple[BinaryIO, int, str]:
+    """The archive object, downloaded (worker side) to a temporary file within TESSERA_UPLOAD_MAX_BYTES, as
+    (file, size, SHA-256)."""
     from botocore.exceptions import BotoCoreError, ClientError
 
     key = settings.TESSERA_MODEL_STORE_S3_PREFIX + _store_key(store_path)
     limit = settings.TESSERA_UPLOAD_MAX_BYTES
-    client = boto3.client("s3", endpoint_url=settings.TESSERA_MODEL_STORE_S3_ENDPOINT or None,
-                          region_name=settings.TESSERA_MODEL_STORE_S3_REGION,
-                          aws_access_key_id=settings.TESSERA_MODEL_STORE_S3_ACCESS_KEY_ID or None,
-                          aws_secret_access_key=settings.TESSERA_MODEL_STORE_S3_SECRET_ACCESS_KEY or None)
     try:
-        obj = client.get_object(Bucket=settings.TESSERA_MODEL_STORE_S3_BUCKET, Key=key)
+        obj = _s3_client().get_object(Bucket=settings.TESSERA_MODEL_STORE_S3_BUCKET, Key=key)
     except (ClientError, BotoCoreError):
-        raise ServiceError(f"{store_path.strip()}: no such object in the model store", field="store_path") from None
-    if obj.get("ContentLength", 0) > limit:
-        obj["Body"].close()
-        raise ServiceError(f"the archive is {obj['ContentLength']:,} bytes; the limit is {limit:,}", field="store_path")
+        raise model_repo.RepoError(f"{store_path.strip()}: no such object in the model store") from None
     fh = tempfile.TemporaryFile()
     digest, size = hashlib.sha256(), 0
     for chunk in obj["Body"].iter_chunks(1024 * 1024):
         size += len(chunk)
         if size > limit:  # a server that lied about the length
             fh.close()
-            raise ServiceError(f"the archive is over the limit of {limit:,} bytes", field="store_path")
+            raise model_repo.RepoError(f"the archive is over the limit of {limit:,} bytes")
         digest.update(chunk)
         fh.write(chunk)
     fh.seek(0)
@@ -147,62 +236,165 @@ def _s3_object(store_path: str) -> tuple[BinaryIO, int, str]:
 
 def import_from_store(principal: Principal, tenant, name: str, store_path: str) -> ModelRepository:
     """An object of the MSP's model store: a repository folder or an archive under TESSERA_MODEL_STORE_ROOT, or,
-    with TESSERA_MODEL_STORE_S3_BUCKET set, an archive object under the S3 store's prefix (validated like an
-    upload)."""
+    with TESSERA_MODEL_STORE_S3_BUCKET set, an archive object under the S3 store's prefix. Checked for existence
+    and size here (an archive file of the local store is pre-scanned like an upload); a control worker fetches,
+    unpacks and validates it like an upload."""
+    raw = (store_path or "").strip()
     if settings.TESSERA_MODEL_STORE_S3_BUCKET:
-        if not principal.can("deploy", tenant.pk):  # before any fetch
-            raise Forbidden("Your role or API-key scopes do not allow adding model repositories.")
-        fh, size, sha = _s3_object(store_path)
-        with fh:
-            return _store(principal, tenant, name, fh, kind=Source.STORE,
-                          filename=store_path.strip().rsplit("/", 1)[-1], store_path=store_path.strip(), size=size,
-                          sha=sha)
+        _may_add(principal, tenant, name, ModelRepository, "model repositories")  # before any request
+        size = _s3_head(store_path)
+        return _record("repository", tenant, name, {
+            "source": Source.STORE, "store_path": raw, "filename": raw.rsplit("/", 1)[-1][:255],
+            "archive_bytes": size, "path": _new_rel(tenant), "created_by": principal.user})
+    _may_add(principal, tenant, name, ModelRepository, "model repositories")
     path = _store_object(store_path)
-    raw = store_path.strip()
-    return _store(principal, tenant, name, path, kind=Source.STORE, filename=path.name, store_path=raw,
-                  size=path.stat().st_size if path.is_file() else 0)
+    if path.is_file():
+        _prescan(path, filename=path.name, field="store_path")
+    return _record("repository", tenant, name, {
+        "source": Source.STORE, "store_path": raw, "filename": path.name[:255],
+        "archive_bytes": path.stat().st_size if path.is_file() else 0, "path": _new_rel(tenant),
+        "created_by": principal.user})
 
 
-def _store_adapter(principal: Principal, tenant, name: str, base: LibraryModel, source: BinaryIO | Path, *,
-                   kind: str, filename: str = "", store_path: str = "", sha: str = "") -> LoraAdapter:
-    if not principal.can("deploy", tenant.pk):
-        raise Forbidden("Your role or API-key scopes do not allow adding LoRA adapters.")
-    if not triton.MODEL_NAME_RE.match(name or ""):
-        raise ServiceError("1 to 64 characters from a-z A-Z 0-9 _ -", field="name")
+def _check_base(base: LibraryModel) -> None:
     if base.backend != "vllm":
         raise ServiceError(f"LoRA adapters are served by vLLM; {base.name} runs on {base.backend}", field="base")
-    if LoraAdapter.objects.filter(tenant=tenant, name=name).exists():
-        raise ServiceError(f"an adapter named {name} exists; choose another name", field="name")
-    rel = f"{tenant.slug}/lora-{uuid.uuid4().hex}"
-    dest = upload_root() / rel
-    try:
-        ad = model_repo.import_repository(source, dest, limits(), filename=filename,
-                                          validate=model_repo.validate_adapter)
-    except model_repo.RepoError as exc:
-        raise ServiceError(str(exc), field="archive" if kind == Source.UPLOAD else "store_path") from None
-    try:
-        with transaction.atomic():
-            return LoraAdapter.objects.create(
-                tenant=tenant, name=name, base=base, source=kind, store_path=store_path, filename=filename[:255],
-                archive_sha256=sha, rank=ad.rank, target_modules=ad.target_modules, size_bytes=ad.size_bytes,
-                file_count=ad.file_count, path=rel, created_by=principal.user)
-    except BaseException:
-        shutil.rmtree(dest, ignore_errors=True)
-        raise
 
 
 def upload_adapter(principal: Principal, tenant, name: str, base: LibraryModel, upload) -> LoraAdapter:
-    """A LoRA adapter archive (PEFT's adapter_config.json + adapter_model.safetensors), validated like a
-    repository (paths, links, devices, file count, expanded size)."""
-    fh, _size, sha = _checked_upload(upload)
-    return _store_adapter(principal, tenant, name, base, fh, kind=Source.UPLOAD,
-                          filename=getattr(upload, "name", "") or "", sha=sha)
+    """A LoRA adapter archive (PEFT's adapter_config.json + adapter_model.safetensors): stored, pre-scanned and
+    recorded "validating" like a repository (paths, links, devices, file count, expanded size)."""
+    _may_add(principal, tenant, name, LoraAdapter, "LoRA adapters")
+    _check_base(base)
+    rel = _new_rel(tenant, "lora-")
+    archive, _size, sha, filename = _stored_upload(upload, rel)
+    return _record("adapter", tenant, name, {
+        "base": base, "source": Source.UPLOAD, "filename": filename, "archive_sha256": sha, "path": rel,
+        "created_by": principal.user}, archive=archive)
 
 
 def adapter_from_store(principal: Principal, tenant, name: str, base: LibraryModel, store_path: str) -> LoraAdapter:
+    _may_add(principal, tenant, name, LoraAdapter, "LoRA adapters")
+    _check_base(base)
     path = _store_object(store_path)
-    return _store_adapter(principal, tenant, name, base, path, kind=Source.STORE, filename=path.name,
-                          store_path=store_path)
+    if path.is_file():
+        _prescan(path, filename=path.name, field="store_path")
+    return _record("adapter", tenant, name, {
+        "base": base, "source": Source.STORE, "store_path": (store_path or "").strip(), "filename": path.name[:255],
+        "path": _new_rel(tenant, "lora-"), "created_by": principal.user})
+
+
+# --- the control worker's side ---------------------------------------------------------------------
+
+INTERNAL_FAILURE = ("it could not be stored on the server (an internal error, not a problem of the archive); "
+                    "upload it again, or ask your provider if it happens again")
+
+
+class _Source:
+    """What a validation unpacks: the stored upload, a model-store folder or archive, or an S3 object."""
+
+    def __init__(self, obj: ModelRepository | LoraAdapter) -> None:
+        self.obj = obj
+        self.fh: BinaryIO | None = None
+
+    def __enter__(self) -> tuple[BinaryIO | Path, str]:
+        obj = self.obj
+        if obj.source == Source.UPLOAD:
+            archive = archive_path(obj)
+            if not archive.is_file():
+                raise model_repo.RepoError("the uploaded archive is no longer on the server; upload it again")
+            return archive, obj.filename
+        if settings.TESSERA_MODEL_STORE_S3_BUCKET and isinstance(obj, ModelRepository):
+            fh, _size, sha = _s3_download(obj.store_path)
+            self.fh = fh
+            if not obj.archive_sha256:
+                ModelRepository.objects.filter(pk=obj.pk).update(archive_sha256=sha)
+            return fh, obj.filename
+        try:
+            return _store_object(obj.store_path), obj.filename
+        except ServiceError as exc:
+            raise model_repo.RepoError(exc.message) from None
+
+    def __exit__(self, *exc) -> None:
+        if self.fh is not None:
+            self.fh.close()
+
+
+def _finish(kind: str, pk: int, **fields) -> bool:
+    """Record the outcome unless the object was deleted (or finished) meanwhile."""
+    fields.setdefault("validated_at", timezone.now())
+    return KINDS[kind].objects.filter(pk=pk, state=UploadState.VALIDATING).update(**fields) == 1
+
+
+def fail_validation(kind: str, pk: int, reason: str) -> None:
+    """Mark a validation failed with ``reason`` (a refusal's words: the node's own folders made relative, should
+    one ever appear), its files removed."""
+    obj = KINDS[kind].objects.filter(pk=pk).first()
+    if obj is None:
+        return
+    shutil.rmtree(upload_root() / obj.path, ignore_errors=True)
+    archive_path(obj).unlink(missing_ok=True)
+    _finish(kind, pk, state=UploadState.FAILED,
+            failure_reason=model_repo.scrub_paths(reason, node_roots(), any_path=False)[:2000])
+
+
+def validate(kind: str, pk: int, *, final_attempt: bool = True) -> str:
+    """The control worker's part (tessera.validate_repository / tessera.validate_adapter): unpack the stored
+    archive (or the model-store object) within the limits, validate it, then "ready" with what it holds, or
+    "failed" with a reason that names files inside the archive only. Idempotent: a repeated or late run does
+    nothing; the leftovers of a run that died are removed first. A failure of the server itself (disk, NFS)
+    raises ``model_repo.StorageError`` to be retried, and fails the object on the final attempt."""
+    model = KINDS[kind]
+    obj = model.objects.filter(pk=pk).first()
+    if obj is None:
+        return "gone"
+    if obj.state != UploadState.VALIDATING:
+        return f"nothing to do ({obj.state})"
+    dest = upload_root() / obj.path
+    shutil.rmtree(dest, ignore_errors=True)  # a run that died between its rename and its update
+    for leftover in dest.parent.glob(f".{dest.name}.staging-*"):  # a run that died while unpacking
+        shutil.rmtree(leftover, ignore_errors=True)
+    check: model_repo.Validate[object] = model_repo.validate_adapter if kind == "adapter" else model_repo.validate_tree
+    try:
+        with _Source(obj) as (source, filename):
+            result = model_repo.import_repository(source, dest, limits(), filename=filename, validate=check)
+    except model_repo.RepoError as exc:
+        fail_validation(kind, pk, str(exc))
+        log.info("upload refused", extra={"kind": kind, "id": pk, "tenant": obj.tenant_id})
+        return "failed"
+    except (model_repo.StorageError, OSError) as exc:
+        log.warning("upload could not be stored", extra={"kind": kind, "id": pk, "err": str(exc)})
+        if not final_attempt:
+            raise model_repo.StorageError(str(exc)) from None
+        fail_validation(kind, pk, INTERNAL_FAILURE)
+        return "failed"
+    fields: dict[str, object]
+    if isinstance(result, model_repo.Adapter):
+        fields = {"rank": result.rank, "target_modules": result.target_modules, "size_bytes": result.size_bytes,
+                  "file_count": result.file_count}
+    elif isinstance(result, model_repo.Repo):
+        fields = {"manifest": result.as_json(), "size_bytes": result.size_bytes, "file_count": result.file_count}
+    else:  # never: validate_tree and validate_adapter return these
+        raise TypeError(type(result))
+    if not _finish(kind, pk, state=UploadState.READY, failure_reason="", **fields):
+        shutil.rmtree(dest, ignore_errors=True)  # deleted (or failed by a time limit) meanwhile
+        return "gone"
+    archive_path(obj).unlink(missing_ok=True)
+    return "ready"
+
+
+def _remove_files(obj: ModelRepository | LoraAdapter) -> None:
+    shutil.rmtree(upload_root() / obj.path, ignore_errors=True)
+    archive_path(obj).unlink(missing_ok=True)
+
+
+def require_ready(obj: ModelRepository | LoraAdapter, field: str) -> None:
+    """Deploying (or sizing) a repository or adapter needs it validated: a clear 409 while it is not."""
+    what = "adapter" if isinstance(obj, LoraAdapter) else "repository"
+    if obj.state == UploadState.VALIDATING:
+        raise Conflict(f"{what} {obj.name} is still being validated; deploy it when it is ready", field=field)
+    if obj.state == UploadState.FAILED:
+        raise Conflict(f"{what} {obj.name} failed validation ({obj.failure_reason}); upload it again", field=field)
 
 
 def delete_adapter(principal: Principal, adapter: LoraAdapter) -> None:
@@ -210,9 +402,8 @@ def delete_adapter(principal: Principal, adapter: LoraAdapter) -> None:
         raise Forbidden("Your role or API-key scopes do not allow removing LoRA adapters.")
     if adapter.deployments.exclude(state=ModelDeployment.State.REMOVED).exists():
         raise ServiceError("this adapter is deployed; remove its deployment first", field="adapter")
-    path = upload_root() / adapter.path
     adapter.delete()
-    shutil.rmtree(path, ignore_errors=True)
+    _remove_files(adapter)
 
 
 def delete_repository(principal: Principal, repo: ModelRepository) -> None:
@@ -220,9 +411,8 @@ def delete_repository(principal: Principal, repo: ModelRepository) -> None:
         raise Forbidden("Your role or API-key scopes do not allow removing model repositories.")
     if repo.deployments.exclude(state=ModelDeployment.State.REMOVED).exists():
         raise ServiceError("models of this repository are deployed; remove them first", field="repository")
-    path = repository_path(repo)
     repo.delete()
-    shutil.rmtree(path, ignore_errors=True)
+    _remove_files(repo)
 
 
 def pick_model(repo: ModelRepository, model: str | None) -> tuple[dict, list[str]]:

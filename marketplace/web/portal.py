@@ -20,7 +20,7 @@ from django.urls import reverse
 from django.utils import timezone
 from django.views.decorators.http import require_POST
 
-from marketplace.models import Allocation, ModelDeployment, PricePlan
+from marketplace.models import Allocation, ModelDeployment, PricePlan, UploadState
 from marketplace.models.orders import LIVE_STATES
 from marketplace.selectors import billing as billing_sel
 from marketplace.selectors import models as model_sel
@@ -285,8 +285,9 @@ def _deployment_list(request, form=None, status=200):
     active = order_sel.allocations(p).filter(tenant=t, state=Allocation.State.ACTIVE).order_by("pk")
     return render(request, "portal/deployments.html", ctx(
         request, table=tbl, active_slices=list(active), templates=list(deployments.TEMPLATES),
-        repositories=list(model_sel.repositories(p).filter(tenant=t).order_by("name")),
-        library=list(model_sel.library()), adapters=list(model_sel.adapters(p).filter(tenant=t).order_by("name")),
+        repositories=list(model_sel.repositories(p).filter(tenant=t, state=UploadState.READY).order_by("name")),
+        library=list(model_sel.library()),
+        adapters=list(model_sel.adapters(p).filter(tenant=t, state=UploadState.READY).order_by("name")),
         form=form or DeploymentForm(principal=p, tenant=t, initial={
             "allocation": request.GET.get("slice", ""), "template": "tiny-gen",
             "library_model": request.GET.get("library_model", ""), "concurrency": 1})),
@@ -582,19 +583,33 @@ def invitation_revoke(request, pk):
 
 # --- a tenant's own model repositories, and "find a tier" ------------------------------------------
 
+def _uploads(request) -> dict:
+    """The tenant's repositories and adapters, and whether any is still validating (the tables refresh then)."""
+    repos = list(model_sel.repositories(request.principal).filter(tenant=request.tenant).order_by("-created_at"))
+    adapters = list(model_sel.adapters(request.principal).filter(tenant=request.tenant).order_by("-created_at"))
+    moving = UploadState.VALIDATING
+    return {"repositories": repos, "adapters": adapters,
+            "repositories_validating": any(r.state == moving for r in repos),
+            "adapters_validating": any(a.state == moving for a in adapters)}
+
+
 def _repositories(request, form=None, status=200, adapter_form=None):
-    repos = model_sel.repositories(request.principal).filter(tenant=request.tenant).order_by("-created_at")
-    adapters = model_sel.adapters(request.principal).filter(tenant=request.tenant).order_by("-created_at")
     return render(request, "portal/repositories.html", ctx(
-        request, repositories=list(repos), form=form or RepositoryForm(),
-        adapter_form=adapter_form or AdapterForm(), adapters=list(adapters),
+        request, form=form or RepositoryForm(), adapter_form=adapter_form or AdapterForm(),
         bases=list(model_sel.library().filter(backend="vllm")),
-        max_mb=settings.TESSERA_UPLOAD_MAX_BYTES // (1024 * 1024)), status=status)
+        max_mb=settings.TESSERA_UPLOAD_MAX_BYTES // (1024 * 1024), **_uploads(request)), status=status)
 
 
 @portal_view
 def repositories(request):
     return _repositories(request)
+
+
+@portal_view
+def uploads_status(request):
+    """htmx: the repositories (or adapters) table again, while one of them is validating."""
+    which = "adapters" if request.GET.get("which") == "adapters" else "repositories"
+    return render(request, "portal/_uploads.html", {"which": which, **_uploads(request)})
 
 
 @require_POST
@@ -613,8 +628,8 @@ def repository_upload(request):
     if not form.is_valid():
         messages.error(request, "The repository was not stored: " + error_summary(form))
         return _repositories(request, form=form, status=400)
-    names = ", ".join(f"{m['name']} ({m['backend']})" for m in repo.manifest)
-    messages.success(request, f"Repository {repo.name} stored: {names}.")
+    messages.success(request, f"Repository {repo.name} stored; it is being unpacked and checked (this page shows "
+                              "when it is ready).")
     return redirect("portal:repositories")
 
 
@@ -631,7 +646,8 @@ def adapter_upload(request):
     if not form.is_valid():
         messages.error(request, "The adapter was not stored: " + error_summary(form))
         return _repositories(request, adapter_form=form, status=400)
-    messages.success(request, f"LoRA adapter {ad.name} (rank {ad.rank}) stored for {ad.base.name}.")
+    messages.success(request, f"LoRA adapter {ad.name} stored for {ad.base.name}; it is being unpacked and checked "
+                              "(this page shows when it is ready).")
     return redirect("portal:repositories")
 
 
@@ -664,5 +680,5 @@ def find_tier(request):
             o["tier_id"] = tiers_by_key[o["tier"]].pk
     return render(request, "portal/find_tier.html", ctx(
         request, form=form, options=options, errors=errors, shown=shown, library=list(model_sel.library()),
-        repositories=list(model_sel.repositories(p).filter(tenant=t).order_by("name")),
+        repositories=list(model_sel.repositories(p).filter(tenant=t, state=UploadState.READY).order_by("name")),
         backends=list(model_svc.model_repo.KNOWN_BACKENDS)), status=400 if errors else 200)

@@ -14,7 +14,7 @@ from typing import cast
 from django import forms
 from django.utils import timezone
 
-from marketplace.models import Allocation, LoraAdapter, ModelRepository, PricePlan
+from marketplace.models import Allocation, LoraAdapter, ModelRepository, PricePlan, UploadState
 from marketplace.selectors import models as model_sel
 from marketplace.selectors import orders as order_sel
 from tenants.errors import Forbidden, ServiceError
@@ -117,8 +117,10 @@ class DeploymentForm(forms.Form):
         choices = {name: cast(forms.ModelChoiceField, self.fields[name]) for name in ("allocation", "repository",
                                                                                      "adapters")}
         choices["allocation"].queryset = order_sel.allocations(principal).filter(tenant=tenant)
-        choices["repository"].queryset = model_sel.repositories(principal).filter(tenant=tenant)
-        choices["adapters"].queryset = model_sel.adapters(principal).filter(tenant=tenant)
+        # only ready ones are offered (the service refuses the others with a 409 anyway)
+        choices["repository"].queryset = model_sel.repositories(principal).filter(tenant=tenant,
+                                                                                  state=UploadState.READY)
+        choices["adapters"].queryset = model_sel.adapters(principal).filter(tenant=tenant, state=UploadState.READY)
 
     def clean(self):
         data = super().clean()

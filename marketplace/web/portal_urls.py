@@ -17,6 +17,7 @@ urlpatterns = [
     path("models/repositories/", portal.repositories, name="repositories"),
     path("models/repositories/upload/", portal.repository_upload, name="repository_upload"),
     path("models/adapters/upload/", portal.adapter_upload, name="adapter_upload"),
+    path("models/uploads/status/", portal.uploads_status, name="uploads_status"),
     path("find-tier/", portal.find_tier, name="find_tier"),
     path("models/<int:pk>/", portal.deployment_detail, name="deployment"),
     path("models/<int:pk>/status/", portal.deployment_status, name="deployment_status"),

@@ -1,7 +1,7 @@
 """The models journey in a real browser (live server + a real node worker): upload a Triton repository (a bad
-one is refused naming the file), find a tier for a library model, order it from there, deploy the uploaded
-model and a library model and see them ready. Screenshots: portal-repositories, portal-find-tier,
-portal-models-library."""
+one is refused naming the file; one the worker refuses shows why; a good one turns ready), find a tier for a
+library model, order it from there, deploy the uploaded model and a library model and see them ready.
+Screenshots: portal-repositories, portal-find-tier, portal-models-library."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from marketplace.models import ModelDeployment
 from tenants.roles import Role
 from tests.factories import MembershipFactory, TenantFactory, UserFactory
 from tests.fleet_fixtures import make_tier
-from tests.unit.test_model_repo import GOOD
+from tests.unit.test_model_repo import CONFIG, GOOD, WARMUP
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -31,7 +31,10 @@ def world(node_worker, tmp_path):
     good.write_bytes(model_repo.archive_bytes(GOOD, "zip"))
     bad = tmp_path / "evil.tar.gz"
     bad.write_bytes(model_repo.archive_bytes({**GOOD, "echo/../../../etc/cron.d/x": "x"}))
-    return {"tiers": tiers, "good": good, "bad": bad}
+    warmup_escape = tmp_path / "warm.tar.gz"
+    warmup_escape.write_bytes(model_repo.archive_bytes({**GOOD, "echo/config.pbtxt": CONFIG + WARMUP.format(
+        "../../../../etc/passwd")}))
+    return {"tiers": tiers, "good": good, "bad": bad, "warmup_escape": warmup_escape}
 
 
 def test_upload_find_a_tier_order_and_deploy(page, shot, login, live_server, world):
@@ -47,7 +50,17 @@ def test_upload_find_a_tier_order_and_deploy(page, shot, login, live_server, wor
     page.set_input_files("#upload-form input[name=archive]", str(world["good"]))
     page.click("#upload-form button[type=submit]")
     page.wait_for_url(re.compile(r"/portal/models/repositories/$"))
-    assert "echo · python" in page.locator("table.data").first.inner_text()
+    # stored at once; the worker (control queue) validates it and the table refreshes itself until it is ready
+    row = page.locator("#repositories tr", has_text="echo-repo")
+    expect(row.locator(".badge").first).to_have_text("ready", timeout=60_000)
+    assert "echo · python" in row.inner_text()
+    page.fill("#upload-form input[name=name]", "warm-repo")
+    page.set_input_files("#upload-form input[name=archive]", str(world["warmup_escape"]))
+    page.click("#upload-form button[type=submit]")
+    page.wait_for_url(re.compile(r"/portal/models/repositories/$"))
+    row = page.locator("#repositories tr", has_text="warm-repo")
+    expect(row.locator(".badge").first).to_have_text("failed", timeout=60_000)
+    expect(row.locator(".failure-reason")).to_contain_text("must name a file in the model's warmup/ folder")
     shot(page, "portal-repositories")
 
     page.goto(f"{base}/portal/find-tier/")

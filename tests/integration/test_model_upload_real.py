@@ -15,7 +15,7 @@ from marketplace.services import deployments, orders, provisioning
 from marketplace.services import models as model_svc
 from tenants.roles import Role
 from tenants.scoping import principal_for_user
-from tests.factories import MembershipFactory, TenantFactory
+from tests.factories import MembershipFactory, TenantFactory, validated
 from tests.triton_server import tritonserver_available
 
 AVAILABLE, REASON = tritonserver_available()
@@ -116,7 +116,8 @@ def _slice(owner, tier) -> Allocation:
 def _upload_and_deploy(owner, a, name, files, kind):
     tenant, p = owner
     f = SimpleUploadedFile(f"{name}.{'zip' if kind == 'zip' else 'tar.gz'}", model_repo.archive_bytes(files, kind))
-    repo = model_svc.upload_repository(p, tenant, name, f)
+    repo = validated(model_svc.upload_repository(p, tenant, name, f))  # the control worker's part, in-line
+    assert repo.state == "ready", repo.failure_reason
     dep = deployments.deploy(p, a, "", repository=repo)
     assert deployments.load(dep.pk) == "ready", ModelDeployment.objects.get(pk=dep.pk).failure_reason
     return dep
@@ -152,3 +153,37 @@ def test_uploaded_python_and_onnx_models_deploy_and_infer(venv_python_serving, o
         deployments.remove(owner[1], dep)
         assert deployments.unload(dep.pk) == "removed"
     assert not (deployments.repo_dir(a) / "affine").exists()
+
+
+BROKEN_PY = '''class TritonPythonModel:
+    def initialize(self, args):
+        raise RuntimeError("cannot start: " + __file__)
+'''
+WARM_CONFIG = ECHO_CONFIG.replace('name: "shout"', 'name: "warm"') + '''model_warmup [ { name: "hello"
+  batch_size: 1 inputs { key: "prompt" value: { data_type: TYPE_STRING dims: [ 1 ] input_data_file: "prompt.bin" } } } ]
+'''
+
+
+def test_a_warmup_file_in_the_warmup_folder_loads_and_a_load_failure_names_no_node_path(venv_python_serving, owner,
+                                                                                        tiers, settings):
+    """Triton reads input_data_file relative to the model's warmup/ folder (model_config.proto): the file the
+    validation keeps inside the model is the one the real server warms up with. A model Triton refuses fails with
+    a reason naming model-relative files only."""
+    a = _slice(owner, tiers["1g"])
+    prompt = len(b"warm up").to_bytes(4, "little") + b"warm up"  # TYPE_STRING: 4-byte length, then the bytes
+    warm = _upload_and_deploy(owner, a, "warm-repo", {"warm/config.pbtxt": WARM_CONFIG, "warm/1/model.py": ECHO_PY,
+                                                      "warm/warmup/prompt.bin": prompt}, "tar")
+    out = _infer(a, "warm", [("prompt", np.array([b"ok"], dtype=np.object_), "BYTES")])
+    assert out.as_numpy("text").reshape(-1)[0] == b"OK" and warm.name == "warm"  # loaded: warmed up with it
+
+    tenant, p = owner
+    broken = {"broken/config.pbtxt": ECHO_CONFIG.replace('name: "shout"', 'name: "broken"'),
+              "broken/1/model.py": BROKEN_PY}
+    f = SimpleUploadedFile("broken.tar.gz", model_repo.archive_bytes(broken))
+    repo = validated(model_svc.upload_repository(p, tenant, "broken-repo", f))
+    dep = deployments.deploy(p, a, "", repository=repo)
+    assert deployments.load(dep.pk) == "failed"
+    reason = ModelDeployment.objects.get(pk=dep.pk).failure_reason
+    assert "cannot start: broken/1/model.py" in reason  # Triton's message named its absolute path
+    for folder in (venv_python_serving, settings.TESSERA_TRITON_REPO_ROOT, settings.TESSERA_UPLOAD_ROOT, "/tmp/"):
+        assert str(folder) not in reason

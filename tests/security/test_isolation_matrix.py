@@ -132,6 +132,7 @@ CLASSIFICATION: dict[str, str] = {
     "api:modelrepository-list": LIST, "api:find-tier": LIST, "api:loraadapter-list": LIST,
     "portal:home": LIST, "portal:slices": LIST, "portal:deployments": LIST, "portal:usage": LIST,
     "portal:invoices": LIST, "portal:keys": LIST, "portal:members": LIST, "portal:repositories": LIST,
+    "portal:uploads_status": LIST,
     "portal:find_tier": LIST,
     # creates for the caller's tenant (a payload naming tenant B must not land there)
     "api:usage-events": CREATE, "portal:order": CREATE, "portal:deployment_create": CREATE,

@@ -20,7 +20,7 @@ from marketplace.models import LibraryModel, ModelDeployment
 from marketplace.services import billing, deployments
 from marketplace.services import models as model_svc
 from telemetry.models import UsageEvent, UsageHourly
-from tests.factories import make_key
+from tests.factories import make_key, validated
 from tests.gateway_fixtures import gateway_slice, gateway_tenant
 from tests.unit.test_gateway import _raw
 from tests.unit.test_lora import ADAPTER
@@ -32,8 +32,8 @@ pytestmark = pytest.mark.django_db(transaction=True)
 def lora_fleet(sim_http_on, h100_node, tiers):
     alpha, bravo = gateway_tenant("alpha"), gateway_tenant("bravo")
     base = LibraryModel.objects.get(key="llama-3.1-8b-instruct")
-    adapters = [model_svc.upload_adapter(alpha[1], alpha[0], name, base,
-                                         SimpleUploadedFile("a.tar.gz", mr.archive_bytes(ADAPTER)))
+    adapters = [validated(model_svc.upload_adapter(alpha[1], alpha[0], name, base,
+                                                   SimpleUploadedFile("a.tar.gz", mr.archive_bytes(ADAPTER))))
                 for name in ("sql", "chat")]
     a = gateway_slice(alpha, tiers["7g"])
     dep = deployments.deploy(alpha[1], a, "tuned", library_model=base, context=4096, adapters=adapters)

@@ -15,6 +15,7 @@ from marketplace.models import LibraryModel, LoraAdapter
 from marketplace.services import deployments
 from marketplace.services import models as model_svc
 from tenants.errors import ServiceError
+from tests.factories import validated
 from tests.unit.test_model_deploy import owner, slice_of  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.django_db
@@ -25,9 +26,10 @@ ADAPTER = {"sql-lora/adapter_config.json": json.dumps({"r": 16, "base_model_name
 
 
 def upload(owner, name="sql", files=ADAPTER, base="llama-3.1-8b-instruct"):  # noqa: F811
+    """Uploaded (the web request) and validated (the control worker's task, in-line)."""
     tenant, p = owner
     f = SimpleUploadedFile("a.tar.gz", mr.archive_bytes(files))
-    return model_svc.upload_adapter(p, tenant, name, LibraryModel.objects.get(key=base), f)
+    return validated(model_svc.upload_adapter(p, tenant, name, LibraryModel.objects.get(key=base), f))
 
 
 @pytest.mark.parametrize("files,needle", [
@@ -90,9 +92,14 @@ def test_adapter_api_upload_and_deploy(api, world, h100_node, tiers):
     r = c.post("/api/v1/lora-adapters/", {"name": "sql", "base": "llama-3.1-8b-instruct",
                                           "archive": SimpleUploadedFile("a.zip", mr.archive_bytes(ADAPTER, "zip"))},
                format="multipart")
-    assert r.status_code == 201, r.content
-    assert r.json()["rank"] == 16
+    assert r.status_code == 202, r.content
+    assert r.json()["state"] == "validating" and r["Location"] == r.json()["url"]
+    validated(LoraAdapter.objects.get(pk=r.json()["id"]))
+    assert c.get(r.json()["url"]).json()["rank"] == 16
     r = c.post("/api/v1/lora-adapters/", {"name": "bad", "base": "llama-3.1-8b-instruct",
                                           "archive": SimpleUploadedFile("a.zip", mr.archive_bytes(
                                               {"adapter_config.json": "{}"}, "zip"))}, format="multipart")
-    assert r.status_code == 400 and "adapter_config.json" in r.json()["archive"][0]
+    assert r.status_code == 202
+    validated(LoraAdapter.objects.get(pk=r.json()["id"]))
+    body = c.get(r.json()["url"]).json()
+    assert body["state"] == "failed" and "adapter_config.json" in body["failure_reason"]

@@ -11,7 +11,7 @@ from marketplace.models import Allocation, LibraryModel, LoraAdapter, ModelDeplo
 from marketplace.services import orders, provisioning
 from tenants.roles import Role
 from tenants.scoping import principal_for_user
-from tests.factories import MembershipFactory, make_key
+from tests.factories import MembershipFactory, make_key, validated
 from tests.unit.test_model_repo import GOOD
 
 pytestmark = pytest.mark.django_db
@@ -30,26 +30,46 @@ def test_upload_multipart_then_list_and_detail(api, as_key, key_a, h100_node, wo
     c = as_key(key_a)
     r = c.post("/api/v1/model-repositories/", {"name": "echo-repo", "archive": archive(kind="zip")},
                format="multipart")
-    assert r.status_code == 201, r.content
+    assert r.status_code == 202, r.content  # stored; a control worker unpacks and validates it
     body = r.json()
+    assert body["state"] == "validating" and body["manifest"] == [] and body["failure_reason"] == ""
+    assert r["Location"] == body["url"] and body["url"].endswith(f"/api/v1/model-repositories/{body['id']}/")
+    assert type(r.headers["Location"]) is str  # exactly: wsgiref (runserver, the demo) refuses a str subclass
+    validated(ModelRepository.objects.get(pk=body["id"]))
+    body = c.get(body["url"]).json()
+    assert body["state"] == "ready" and body["validated_at"]
     assert body["manifest"][0]["name"] == "echo" and body["source"] == "upload" and body["file_count"] == 2
     assert c.get("/api/v1/model-repositories/").json()["count"] == 1
+    assert c.get("/api/v1/model-repositories/?state=validating").json()["count"] == 0
     _k, secret_b = make_key(world["b"], ["read", "deployments:write"])
     other = as_key(secret_b)
     assert other.get(f"/api/v1/model-repositories/{body['id']}/").status_code == 404
     assert other.get("/api/v1/model-repositories/").json()["count"] == 0
 
 
-@pytest.mark.parametrize("files,needle", [
-    ({**GOOD, "../x": "x"}, "../x: path traversal"),
-    ({**GOOD, "echo/config.pbtxt": "nonsense: 1"}, "echo/config.pbtxt: not a valid Triton model configuration"),
-])
-def test_refused_upload_names_the_file_and_stores_nothing(as_key, key_a, h100_node, files, needle):
-    r = as_key(key_a).post("/api/v1/model-repositories/", {"name": "bad", "archive": archive(files)},
+def test_refused_upload_names_the_file_and_stores_nothing(as_key, key_a, h100_node, settings):
+    needle = "../x: path traversal"  # the archive's headers show it: refused by the request itself
+    r = as_key(key_a).post("/api/v1/model-repositories/", {"name": "bad", "archive": archive({**GOOD, "../x": "x"})},
                            format="multipart")
     assert r.status_code == 400 and needle in r.content.decode()
     assert needle in r.json()["archive"][0]  # the field error names the file
     assert not ModelRepository.objects.exists()
+    assert not any(p.is_file() for p in settings.TESSERA_UPLOAD_ROOT.rglob("*"))
+
+
+def test_a_repository_failing_validation_says_why_and_keeps_nothing(as_key, key_a, h100_node, settings):
+    needle = "echo/config.pbtxt: not a valid Triton model configuration"  # found by the worker
+    c = as_key(key_a)
+    r = c.post("/api/v1/model-repositories/", {"name": "bad", "archive": archive(
+        {**GOOD, "echo/config.pbtxt": "nonsense: 1"})}, format="multipart")
+    assert r.status_code == 202
+    validated(ModelRepository.objects.get(pk=r.json()["id"]))
+    body = c.get(r.json()["url"]).json()
+    assert body["state"] == "failed" and body["failure_reason"].startswith(needle) and body["manifest"] == []
+    assert not any(p.is_file() for p in settings.TESSERA_UPLOAD_ROOT.rglob("*"))  # nor the archive
+    r = c.post("/api/v1/model-repositories/", {"name": "bad", "archive": archive()}, format="multipart")
+    assert r.status_code == 202  # the failed one's name is free again: it is replaced
+    assert list(ModelRepository.objects.values_list("state", flat=True)) == ["validating"]
 
 
 def test_upload_needs_the_deploy_capability(as_user, members_a, h100_node):
@@ -96,6 +116,11 @@ def test_deploy_repository_and_library_model_through_the_api(as_key, key_a, worl
     c = as_key(key_a)
     repo = c.post("/api/v1/model-repositories/", {"name": "echo-repo", "archive": archive()},
                   format="multipart").json()
+    r = c.post("/api/v1/deployments/", {"allocation": a.pk, "repository": repo["id"]}, format="json")
+    assert r.status_code == 409 and "still being validated" in r.json()["repository"][0]
+    r = c.post("/api/v1/find-tier/", {"repository": repo["id"]}, format="json")
+    assert r.status_code == 409 and "still being validated" in r.json()["repository"][0]
+    validated(ModelRepository.objects.get(pk=repo["id"]))
     r = c.post("/api/v1/deployments/", {"allocation": a.pk, "repository": repo["id"]}, format="json")
     assert r.status_code == 201, r.content
     assert r.json()["name"] == "echo" and "path" not in r.json()["spec"]

@@ -17,7 +17,7 @@ from marketplace.services import models as model_svc
 from tenants.errors import ServiceError
 from tenants.roles import Role
 from tenants.scoping import principal_for_user
-from tests.factories import MembershipFactory, TenantFactory
+from tests.factories import MembershipFactory, TenantFactory, validated
 from tests.unit.test_model_repo import CONFIG, GOOD
 
 pytestmark = pytest.mark.django_db
@@ -38,9 +38,10 @@ def slice_of(owner, tier):
 
 
 def upload(owner, files=GOOD, name="echo-repo", kind="tar"):
+    """Uploaded (the web request) and validated (the control worker's task, in-line)."""
     tenant, p = owner
     f = SimpleUploadedFile(f"repo.{'zip' if kind == 'zip' else 'tar.gz'}", model_repo.archive_bytes(files, kind))
-    return model_svc.upload_repository(p, tenant, name, f)
+    return validated(model_svc.upload_repository(p, tenant, name, f))
 
 
 def test_uploaded_repository_deploys_loads_and_is_removed(owner, tiers, settings):
@@ -77,8 +78,8 @@ def test_import_from_the_model_store(owner, settings):
         (src / k).parent.mkdir(parents=True, exist_ok=True)
         (src / k).write_text(v)
     tenant, p = owner
-    repo = model_svc.import_from_store(p, tenant, "from-store", "tenants-shared/echo")
-    assert repo.source == "store" and repo.manifest[0]["name"] == "echo"
+    repo = validated(model_svc.import_from_store(p, tenant, "from-store", "tenants-shared/echo"))
+    assert repo.source == "store" and repo.state == "ready" and repo.manifest[0]["name"] == "echo"
     for bad in ("../etc", "/etc", "nope/x", "a\x00b"):
         with pytest.raises(ServiceError) as exc:
             model_svc.import_from_store(p, tenant, "bad", bad)

@@ -4,6 +4,8 @@ an upload. Against moto's server mode on a free local port (no network)."""
 
 from __future__ import annotations
 
+import hashlib
+
 import boto3
 import pytest
 from moto.server import ThreadedMotoServer
@@ -12,6 +14,7 @@ from marketplace.hardware import model_repo
 from marketplace.models import ModelRepository
 from marketplace.services import models as model_svc
 from tenants.errors import ServiceError
+from tests.factories import validated
 from tests.gateway_fixtures import free_port
 from tests.unit.test_model_deploy import owner  # noqa: F401 - fixture
 from tests.unit.test_model_repo import GOOD
@@ -41,9 +44,12 @@ def test_a_store_object_is_fetched_and_validated_like_an_upload(owner, s3_store)
     data = model_repo.archive_bytes(GOOD)
     s3_store.put_object(Bucket="msp-models", Key="shared/echo.tar.gz", Body=data)
     s3_store.put_object(Bucket="msp-models", Key="outside.tar.gz", Body=data)
-    repo = model_svc.import_from_store(p, tenant, "from-s3", "echo.tar.gz")
-    assert (repo.source, repo.store_path, repo.archive_bytes, repo.manifest[0]["name"]) == (
-        "store", "echo.tar.gz", len(data), "echo")
+    repo = model_svc.import_from_store(p, tenant, "from-s3", "echo.tar.gz")  # the request only HEADs it
+    assert (repo.state, repo.archive_bytes, repo.archive_sha256) == ("validating", len(data), "")
+    repo = validated(repo)  # the control worker downloads, unpacks and validates it
+    assert (repo.source, repo.store_path, repo.archive_bytes, repo.manifest[0]["name"], repo.state) == (
+        "store", "echo.tar.gz", len(data), "echo", "ready")
+    assert repo.archive_sha256 == hashlib.sha256(data).hexdigest()
     assert (model_svc.repository_path(repo) / "echo" / "1" / "model.py").read_text() == GOOD["echo/1/model.py"]
     for bad, needle in (("../outside.tar.gz", "without '..'"), ("/echo.tar.gz", "without '..'"),
                         ("http://169.254.169.254/latest", "not a URL"), ("outside.tar.gz", "no such object"),
@@ -58,8 +64,9 @@ def test_size_limit_and_archive_validation(owner, s3_store, settings):  # noqa: 
     tenant, p = owner
     s3_store.put_object(Bucket="msp-models", Key="shared/evil.tar.gz",
                         Body=model_repo.archive_bytes({**GOOD, "../../etc/x": "x"}))
-    with pytest.raises(ServiceError, match="path traversal"):
-        model_svc.import_from_store(p, tenant, "evil", "evil.tar.gz")
+    evil = validated(model_svc.import_from_store(p, tenant, "evil", "evil.tar.gz"))
+    assert evil.state == "failed" and "../../etc/x: path traversal" in evil.failure_reason
+    evil.delete()
     data = model_repo.archive_bytes(GOOD)
     s3_store.put_object(Bucket="msp-models", Key="shared/big.tar.gz", Body=data)
     settings.TESSERA_UPLOAD_MAX_BYTES = len(data) - 1

@@ -10,6 +10,7 @@ from marketplace.hardware import model_repo
 from marketplace.models import Allocation, ModelDeployment, ModelRepository
 from marketplace.services import provisioning
 from tenants.roles import Role
+from tests.factories import validated
 from tests.unit.test_model_repo import GOOD
 
 pytestmark = pytest.mark.django_db
@@ -31,7 +32,16 @@ def test_upload_repository_in_the_portal(owner_client, h100_node, world):
     r = owner_client.post(url, {"name": "echo-repo", "archive": good})
     assert r.status_code == 302
     page = owner_client.get(reverse("portal:repositories")).content.decode()
-    assert "echo-repo" in page and "echo · python" in page
+    repo = ModelRepository.objects.get(name="echo-repo")
+    assert "echo-repo" in page and f'id="repository-state-{repo.pk}">validating' in page
+    status_url = reverse("portal:uploads_status") + "?which=repositories"
+    assert f'hx-get="{status_url}" hx-trigger="every 1s"' in page  # refreshes while validating
+    r = owner_client.get(reverse("portal:deployments"))
+    assert "echo-repo" not in r.content.decode()  # not offered for deploying yet
+    validated(repo)
+    part = owner_client.get(status_url).content.decode()
+    assert f'id="repository-state-{repo.pk}">ready' in part and "echo · python" in part and "hx-get" not in part
+    assert "echo-repo" in owner_client.get(reverse("portal:deployments")).content.decode()
 
 
 def test_viewer_cannot_upload(client, members_a, h100_node):
@@ -84,12 +94,15 @@ def test_upload_an_adapter_and_deploy_it_with_its_base(owner_client, h100_node, 
         "name": "sql", "base": "llama-3.1-8b-instruct",
         "archive": SimpleUploadedFile("a.zip", model_repo.archive_bytes(files, "zip"))})
     assert r.status_code == 302
-    ad = LoraAdapter.objects.get(name="sql")
+    ad = validated(LoraAdapter.objects.get(name="sql"))
     assert "sql" in owner_client.get(reverse("portal:repositories")).content.decode()
     r = owner_client.post(reverse("portal:adapter_upload"), {
         "name": "bad", "base": "llama-3.1-8b-instruct",
         "archive": SimpleUploadedFile("a.zip", model_repo.archive_bytes({"x.txt": "x"}, "zip"))})
-    assert r.status_code == 400 and "adapter_config.json" in r.content.decode()
+    assert r.status_code == 302
+    bad = validated(LoraAdapter.objects.get(name="bad"))
+    page = owner_client.get(reverse("portal:repositories")).content.decode()
+    assert f'id="adapter-state-{bad.pk}">failed' in page and "no adapter_config.json" in page
     owner_client.post(reverse("portal:order", args=[tiers["7g"].pk]), {"quantity": "1"})
     a = Allocation.objects.get(tenant=world["a"])
     provisioning.provision(a.pk)
