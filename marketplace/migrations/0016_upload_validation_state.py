@@ -17,7 +17,7 @@ def existing_are_ready(apps, schema_editor):
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('marketplace', '0013_server_platform_specs'),
+        ('marketplace', '0015_sandbox'),
     ]
 
     operations = [

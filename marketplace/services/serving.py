@@ -153,7 +153,7 @@ def _device_nodes(allocation: Allocation) -> tuple[str, ...]:
     from marketplace.hardware.nvml import NvmlClient
 
     inst = allocation.instance
-    if inst is None:
+    if inst is None or settings.TESSERA_NVML_BACKEND != "pynvml":  # simulated GPUs have no device nodes
         return ()
     with NvmlClient() as client:
         return tuple(client.device_nodes(inst.gpu.index, inst.gi_id, inst.ci_id))

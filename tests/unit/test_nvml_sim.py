@@ -588,3 +588,20 @@ def test_random_create_destroy_matches_geometry_rules(model, seq):
             slots.extend(range(s, s + sz))
         assert len(slots) == len(set(slots)), "overlapping GPU instances"
         assert sorted((g, p, s) for g, (p, s) in model_gis.items()) == [(g, p, s) for g, p, s, _ in live_gis(nv, 0)]
+
+
+def test_device_nodes_of_a_gpu_and_of_a_mig_slice(nv, tmp_path):
+    """/dev/nvidia<minor> (minor from nvmlDeviceGetMinorNumber), the control and UVM nodes and, for a slice,
+    the capability nodes whose minors the driver gives in its access files (NVIDIA MIG User Guide, "Device
+    Nodes and Capabilities")."""
+    client = NvmlClient(nv)
+    assert nv.nvmlDeviceGetMinorNumber(nv.nvmlDeviceGetHandleByIndex(2)) == 2
+    whole = client.device_nodes(2, proc=str(tmp_path))
+    assert whole == ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia2"]
+    gi = tmp_path / "gpu1" / "mig" / "gi5"
+    (gi / "ci0").mkdir(parents=True)
+    (gi / "access").write_text("DeviceFileMinor: 48\nDeviceFileMode: 292\nDeviceFileModify: 1\n")
+    (gi / "ci0" / "access").write_text("DeviceFileMinor: 49\nDeviceFileMode: 292\nDeviceFileModify: 1\n")
+    nodes = client.device_nodes(1, gi_id=5, ci_id=0, proc=str(tmp_path))
+    assert nodes[3:] == ["/dev/nvidia1", "/dev/nvidia-caps/nvidia-cap48", "/dev/nvidia-caps/nvidia-cap49"]
+    assert client.device_nodes(1, gi_id=6, ci_id=0, proc=str(tmp_path))[3:] == ["/dev/nvidia1"]  # unreadable
