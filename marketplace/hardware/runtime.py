@@ -215,6 +215,18 @@ def python_info(python: str) -> tuple[str, str]:
     return _python_version_of(python)
 
 
+@functools.cache
+def python_prefixes(python: str) -> tuple[str, ...]:
+    """``sys.prefix`` and ``sys.base_prefix`` of a Python interpreter (once per process)."""
+    code = "import sys; print(sys.prefix); print(sys.base_prefix)"
+    try:
+        out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=30,
+                             check=True).stdout.split()
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise RuntimeFault(f"the python backend's Python {python} does not run: {exc}") from None
+    return tuple(dict.fromkeys(out))
+
+
 def locate_triton(binary: str = "", python: str = "") -> TritonInstall:
     """The configured binary, else the one the nvidia-pytriton wheel ships (CPU machines, tests).
 
@@ -345,22 +357,36 @@ class ProcessRuntime(ServingRuntime):
     def _ensure_user(self, spec: ServerSpec) -> tuple[int, int]:
         """The server's own user: made here, or the one made here for it before; any other account of that
         name is never reused."""
+        return self._user_made(spec, self._begin_user(spec))
+
+    def _begin_user(self, spec: ServerSpec) -> subprocess.Popen | None:
+        """Start ``useradd`` for the server's user unless Tessera made it before (it syncs the account files:
+        tens of ms, spent while the sandbox's network is made); refuses an account that is not Tessera's."""
         name = spec.unix_user
         with contextlib.suppress(KeyError):
             entry = pwd.getpwnam(name)
             if entry.pw_gecos != self._marker(spec):
                 raise RuntimeFault(f"a Unix account named {name} exists and was not made by Tessera for this server "
                                    f"(its comment is {entry.pw_gecos!r}): refusing to run a slice as it")
-            return entry.pw_uid, entry.pw_gid
+            return None
         cmd = ["useradd", "--system", "--no-create-home", "--home-dir", "/nonexistent",
                "--shell", "/usr/sbin/nologin", "--user-group", "--comment", self._marker(spec), name]
         try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=False)
-        except (OSError, subprocess.SubprocessError) as exc:
+            return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        except OSError as exc:
             raise RuntimeFault(f"could not create the server's Unix user {name}: {exc}") from None
-        if done.returncode != 0:
-            raise RuntimeFault(f"could not create the server's Unix user {name}: useradd exited "
-                               f"{done.returncode}: {(done.stderr or done.stdout).strip()[:300]}")
+
+    def _user_made(self, spec: ServerSpec, proc: subprocess.Popen | None) -> tuple[int, int]:
+        name = spec.unix_user
+        if proc is not None:
+            try:
+                out, _ = proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                raise RuntimeFault(f"could not create the server's Unix user {name}: useradd hung") from None
+            if proc.returncode != 0:
+                raise RuntimeFault(f"could not create the server's Unix user {name}: useradd exited "
+                                   f"{proc.returncode}: {(out or '').strip()[:300]}")
         entry = pwd.getpwnam(name)
         return entry.pw_uid, entry.pw_gid
 
@@ -423,13 +449,7 @@ class ProcessRuntime(ServingRuntime):
 
     def _python_binds(self) -> list[Path]:
         """The python backend's Python outside /usr (its prefix), read-only in the sandbox."""
-        code = "import sys; print(sys.prefix); print(sys.base_prefix)"
-        try:
-            out = subprocess.run([self.python, "-c", code], capture_output=True, text=True, timeout=30,
-                                 check=True).stdout.split()
-        except (OSError, subprocess.SubprocessError) as exc:
-            raise RuntimeFault(f"the python backend's Python {self.python} does not run: {exc}") from None
-        return [Path(p) for p in dict.fromkeys(out) if not p.startswith("/usr")]
+        return [Path(p) for p in python_prefixes(self.python) if not p.startswith("/usr")]
 
     def _check_sandbox(self, install: TritonInstall) -> None:
         why = self.sandbox.unavailable()
@@ -502,12 +522,7 @@ class ProcessRuntime(ServingRuntime):
         """Make the server's sandbox (user, cgroups, network) and the command that starts it there."""
         if spec.limits is None:
             raise RuntimeFault(f"no sandbox limits for {spec.name}")
-        uid, gid = self._ensure_user(spec)
-        _chown_tree(spec.repo_dir, uid, gid)
-        spec.repo_dir.chmod(0o700)
-        etc = sb.passwd_files(spec.work_dir / "etc", spec.unix_user, uid, gid)
-        spec.work_dir.chmod(0o755)  # etc/ must be readable where bwrap binds it; the log stays 0600
-        binds = [*self._python_binds(), *(Path(b) for b in spec.binds)]
+        making = self._begin_user(spec)
         try:
             self.sandbox.make_cgroups(spec.name, spec.limits)
             net = self.sandbox.make_network(spec.name, (spec.http_port, spec.grpc_port, spec.metrics_port),
@@ -515,7 +530,20 @@ class ProcessRuntime(ServingRuntime):
         except sb.SandboxFault as exc:
             with contextlib.suppress(sb.SandboxFault):
                 self.sandbox.remove(spec.name)
+            if making is not None:
+                making.wait(timeout=30)
             raise RuntimeFault(f"the slice's sandbox could not be made: {exc}") from None
+        try:
+            uid, gid = self._user_made(spec, making)
+        except RuntimeFault:
+            with contextlib.suppress(sb.SandboxFault):
+                self.sandbox.remove(spec.name)
+            raise
+        _chown_tree(spec.repo_dir, uid, gid)
+        spec.repo_dir.chmod(0o700)
+        etc = sb.passwd_files(spec.work_dir / "etc", spec.unix_user, uid, gid)
+        spec.work_dir.chmod(0o755)  # etc/ must be readable where bwrap binds it; the log stays 0600
+        binds = [*self._python_binds(), *(Path(b) for b in spec.binds)]
         _, libdir = python_info(self.python)
         inner = sb.INNER_TRITON
         env = {

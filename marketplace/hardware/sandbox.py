@@ -303,6 +303,12 @@ table ip {table} {{
     return rules
 
 
+def _drop_tables(table: str) -> str:
+    """nft commands that remove the slice's tables whether they exist or not ("add" of an existing table is a
+    no-op, so the "delete" never fails)."""
+    return "".join(f"add table {family} {table}\ndelete table {family} {table}\n" for family in ("inet", "ip"))
+
+
 NFT_INNER = """
 table inet sandbox {
   chain output {
@@ -414,21 +420,19 @@ class Sandbox:
         if remote is not None and ipaddress.ip_address(remote).version != 4:
             raise SandboxFault(f"a sandboxed server is reached through an IPv4 serving address, not {remote}")
         with self._locked():
-            self.remove_network(server)
+            if self._netns_exists(n) or Path("/sys/class/net", n.host_if).exists():
+                self.remove_network(server)  # left by a crash
             taken = self._taken()
             block = next((b for b in self.subnet.subnets(new_prefix=30) if b not in taken), None)
             if block is None:
                 raise SandboxFault(f"no free /30 left in the sandbox subnet {self.subnet}")
             host_ip, inner_ip = (str(h) for h in list(block.hosts())[:2])
-            try:
-                _run(["ip", "netns", "add", n.netns])
-                _run(["ip", "link", "add", n.host_if, "type", "veth", "peer", "name", n.peer_if])
-                _run(["ip", "link", "set", n.peer_if, "netns", n.netns])
-                _run(["ip", "addr", "add", f"{host_ip}/30", "dev", n.host_if])
-                _run(["ip", "link", "set", n.host_if, "up"])
-                _run(["ip", "-n", n.netns, "addr", "add", f"{inner_ip}/30", "dev", n.peer_if])
-                _run(["ip", "-n", n.netns, "link", "set", n.peer_if, "up"])
-                _run(["ip", "-n", n.netns, "link", "set", "lo", "up"])
+            try:  # five commands in all (each one costs a process start, nft's the most)
+                _run(["ip", "-batch", "-"], stdin=f"netns add {n.netns}\n"
+                     f"link add {n.host_if} type veth peer name {n.peer_if} netns {n.netns}\n"
+                     f"addr add {host_ip}/30 dev {n.host_if}\nlink set {n.host_if} up\n")
+                _run(["ip", "-n", n.netns, "-batch", "-"], stdin=f"addr add {inner_ip}/30 dev {n.peer_if}\n"
+                     f"link set {n.peer_if} up\nlink set lo up\n")
                 self.apply_firewall(server, n.host_if, node_address=remote, inner=inner_ip, ports=ports)
                 _run(["ip", "netns", "exec", n.netns, "nft", "-f", "-"], stdin=NFT_INNER)
             except SandboxFault:
@@ -452,14 +456,13 @@ class Sandbox:
 
     def apply_firewall(self, server: str, host_if: str, *, node_address: str | None = None, inner: str = "",
                        ports: Iterable[int] = ()) -> None:
-        """The node's rules for the slice's interface (``host_rules``), replacing any earlier ones."""
-        self.remove_firewall(server)
-        _run(["nft", "-f", "-"], stdin=host_rules(self.names(server).table, host_if, node_address, inner, ports))
+        """The node's rules for the slice's interface (``host_rules``), replacing any earlier ones in the same
+        transaction (nft applies a file atomically)."""
+        table = self.names(server).table
+        _run(["nft", "-f", "-"], stdin=_drop_tables(table) + host_rules(table, host_if, node_address, inner, ports))
 
     def remove_firewall(self, server: str) -> None:
-        table = self.names(server).table
-        for family in ("inet", "ip"):
-            _run(["nft", "delete", "table", family, table], check=False)
+        _run(["nft", "-f", "-"], stdin=_drop_tables(self.names(server).table))
 
     def remove_network(self, server: str) -> None:
         n = self.names(server)

@@ -28,6 +28,7 @@ from marketplace.selectors.catalog import modelled_tokens_per_s
 
 log = logging.getLogger("tessera.serving")
 LOG_TAIL_CHARS = 4000
+READY_POLL_S = 0.02  # a server answers ready ~0.1 s after its start here: a coarser poll adds most of a tick
 _runtimes: dict[tuple, rt.ServingRuntime] = {}
 _runtimes_lock = threading.Lock()
 
@@ -291,7 +292,7 @@ def _wait_ready(server, allocation, run, spec, timeout) -> TritonServer:
                 why = f"not ready within {timeout:.0f} s; stopped"
                 _fail(server, why, tail)
                 raise ServingError("the slice's inference server did not become ready", f"{why}; log tail:\n{tail}")
-            time.sleep(0.1)
+            time.sleep(READY_POLL_S)
 
 
 def _mark_running(server, allocation, run, spec, status) -> None:
