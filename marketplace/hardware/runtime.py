@@ -573,7 +573,11 @@ class ProcessRuntime(ServingRuntime):
     def status(self, spec: ServerSpec) -> ServerStatus:
         lines = _pid_file(spec.work_dir)
         pid = _read_pid(spec.work_dir)
-        if pid is not None and _alive(pid, spec.repo_dir.resolve()):
+        with self._lock:
+            child = self._children.get(spec.name)
+        # our own child that has not exited runs (its command line reads empty while it execs: sh -> ip -> bwrap)
+        if pid is not None and (_alive(pid, spec.repo_dir.resolve())
+                                or (child is not None and child.pid == pid and child.poll() is None)):
             return ServerStatus(running=True, pid=pid, address=lines[3] if len(lines) > 3 else "")
         # reaped only once seen dead: polled before the check, a child exiting in between lost its code
         return ServerStatus(running=False, pid=pid, exit_code=self._reap(spec))

@@ -310,16 +310,20 @@ LIMITS = sb.Limits(memory_mib=512, pids=256, cpu_weight=100)
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or sb.missing_tools() != [], reason="needs root and the sandbox's tools")
-def test_a_user_that_cannot_be_created_is_a_clear_error():
+def test_a_user_that_cannot_be_created_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(rt, "USER_MARKER", "a comment useradd refuses:")  # ':' separates passwd's fields
     root = Path(tempfile.mkdtemp(prefix="tessera-user-test-", dir="/tmp"))
+    box = sb.Sandbox(installation="zz9", lock_dir=root)
     try:
         root.chmod(0o755)
         run = rt.ProcessRuntime(binary=str(_fake_binary(root, "exit 0\n")), python="/usr/bin/python3"
-                                if os.path.exists("/usr/bin/python3") else "", runtime_dir=root / "rt",
-                                sandbox=sb.Sandbox(installation="Not A Valid Name!", lock_dir=root))
-        with pytest.raises(rt.RuntimeFault, match="could not create the server's Unix user"):
+                                if os.path.exists("/usr/bin/python3") else "", runtime_dir=root / "rt", sandbox=box)
+        with pytest.raises(rt.RuntimeFault, match="could not create the server's Unix user tessera-zz9-7: useradd"):
             run.start(spec(root, repo_dir=root / "repo", work_dir=root / "work", address="127.0.0.1",
-                           installation="Not A Valid Name!", limits=LIMITS))
+                           installation="zz9", limits=LIMITS))
+        names = sb.names("zz9", "allocation-7")  # and nothing of the sandbox is left
+        assert not Path("/run/netns", names.netns).exists() and not any(d.exists() for d in box.cgroups(
+            "allocation-7").dirs())
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
