@@ -7,7 +7,7 @@ import logging
 from functools import partial
 
 from django.db import transaction
-from django.db.models import Sum
+from django.db.models import Count, Q, Sum
 from django.utils import timezone
 
 from marketplace import enqueue
@@ -41,18 +41,20 @@ def plan_in_force(tier: Tier, currency: str, kind: str, at=None) -> PricePlan | 
 
 
 def check_quota(tenant: Tenant, tier: Tier, quantity: int) -> None:
-    live = Allocation.objects.filter(tenant=tenant, state__in=LIVE_STATES)
-    total = live.count()
+    """One query (the order runs it under the tenant's lock): slices in use, of this tier, and their memory."""
+    live = Allocation.objects.filter(tenant=tenant, state__in=LIVE_STATES).aggregate(
+        total=Count("pk"), same_tier=Count("pk", filter=Q(tier=tier)),
+        mem_profile=Sum("tier__profile__memory_gb", filter=Q(tier__profile__isnull=False)),
+        mem_whole=Sum("tier__gpu_model__memory_gb", filter=Q(tier__profile__isnull=True)))
+    total = live["total"]
     if total + quantity > tenant.max_slices:
         raise QuotaExceeded(f"quota: {total} of {tenant.max_slices} slices in use; {quantity} more would exceed it",
                             field="quantity", code="quota")
-    same_tier = live.filter(tier=tier).count()
+    same_tier = live["same_tier"]
     if same_tier + quantity > tenant.max_slices_per_tier:
         raise QuotaExceeded(f"quota: {same_tier} of {tenant.max_slices_per_tier} slices of {tier.name} in use",
                             field="quantity", code="quota")
-    mem_profile = live.filter(tier__profile__isnull=False).aggregate(m=Sum("tier__profile__memory_gb"))["m"] or 0
-    mem_whole = live.filter(tier__profile__isnull=True).aggregate(m=Sum("tier__gpu_model__memory_gb"))["m"] or 0
-    used = mem_profile + mem_whole
+    used = (live["mem_profile"] or 0) + (live["mem_whole"] or 0)
     wanted = tier.memory_gb * quantity
     if used + wanted > tenant.max_memory_gb:
         raise QuotaExceeded(f"quota: {used} GB of {tenant.max_memory_gb} GB GPU memory in use; "

@@ -108,6 +108,27 @@ def test_quota_refusal_reserves_nothing(h100_node, tiers, owner, p, field, value
     assert not Order.objects.exists() and not Allocation.objects.exists() and not GpuInstance.objects.exists()
 
 
+def test_the_memory_quota_counts_slices_and_whole_gpus_in_one_query(h100_node, tiers, owner, p,
+                                                                    django_assert_num_queries):
+    from tests.factories import AllocationFactory, OrderFactory
+    from tests.fleet_fixtures import make_tier
+
+    tenant = owner.memberships.get().tenant
+    tenant.max_slices, tenant.max_slices_per_tier, tenant.max_memory_gb = 10, 10, 100
+    tenant.save()
+    whole = make_tier("h100-whole", "h100-sxm-80gb", None)
+    for tier in (whole, tiers["1g"]):  # 80 GB + 10 GB in use; a released slice counts for nothing
+        AllocationFactory(order=OrderFactory(tenant=tenant, tier=tier))
+    AllocationFactory(order=OrderFactory(tenant=tenant, tier=tiers["3g"]), state=S.RELEASED)
+    with django_assert_num_queries(1):
+        orders.check_quota(tenant, tiers["1g"], 1)  # 100 GB: fits
+    with pytest.raises(orders.QuotaExceeded, match="90 GB of 100 GB"):
+        orders.check_quota(tenant, tiers["1g"], 2)
+    with pytest.raises(orders.QuotaExceeded, match="1 of 1 slices of h100-1g"):
+        tenant.max_slices_per_tier = 1
+        orders.check_quota(tenant, tiers["1g"], 1)
+
+
 def test_no_capacity_rolls_back_the_whole_order(h100_node, tiers, owner, p):
     tenant = owner.memberships.get().tenant
     tenant.max_slices, tenant.max_slices_per_tier, tenant.max_memory_gb = 64, 64, 10_000
