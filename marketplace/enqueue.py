@@ -13,12 +13,9 @@ UNDEPLOY_MODEL = "tessera.undeploy_model"
 DELIVER_WEBHOOK = "tessera.deliver_webhook"
 RATE_TENANT = "tessera.rate_tenant"
 
-#: Outbound webhooks' own queue (settings.CELERY_TASK_ROUTES): tenants' endpoints are slow at will, so their
-#: deliveries never share a worker with the control queue (usage, beat's jobs) or a node's.
-WEBHOOKS_QUEUE = "webhooks"
-
 
 def send(task_name: str, args: list, queue: str, countdown: float | None = None) -> None:
     """Queue `task_name` (a registered task's name) with positional `args` on `queue`, to run no sooner than
     `countdown` seconds from now when given."""
-    app.send_task(task_name, args=args, queue=queue, countdown=countdown)
+    options = {} if countdown is None else {"countdown": countdown}
+    app.send_task(task_name, args=args, queue=queue, **options)

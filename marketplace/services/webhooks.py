@@ -15,7 +15,7 @@ TESSERA_WEBHOOK_MAX_ENDPOINTS endpoints.
 
 Tenants' endpoints are slow at will, so:
 
-* deliveries run on the ``webhooks`` queue (enqueue.WEBHOOKS_QUEUE), consumed by workers of their own, never
+* deliveries run on the ``webhooks`` queue (``QUEUE``), consumed by workers of their own, never
   by the control worker that consumes usage and runs beat's jobs, nor by a node's;
 * an attempt has one deadline, TESSERA_WEBHOOK_TIMEOUT_S, for all of it: the name lookup, connecting, TLS,
   sending, the answer's status line and headers, and its body (read up to 64 KiB). Every socket operation
@@ -60,6 +60,9 @@ from tenants.models import Tenant
 from tenants.scoping import Principal
 
 log = logging.getLogger("tessera.webhooks")
+#: the deliveries' own queue (settings.CELERY_TASK_ROUTES): tenants' endpoints are slow at will, so a delivery
+#: never shares a worker with the control queue (usage, beat's jobs) or a node's
+QUEUE = "webhooks"
 READ_LIMIT = 65536  # of the answer's body; the rest is not read
 BACKOFF_MAX_S = 1800.0  # below the broker's visibility timeout (3600 s): a retry waiting in a worker is not redelivered
 SWEEP_GRACE_S = 60.0  # a retry this overdue lost its message (or its worker): the sweep queues it again
@@ -131,7 +134,7 @@ def emit(tenant: Tenant, event: str, key: str, data: dict) -> list[WebhookDelive
 
 
 def _enqueue(delivery_id: int, countdown: float | None = None) -> None:
-    enqueue.send(enqueue.DELIVER_WEBHOOK, [delivery_id], enqueue.WEBHOOKS_QUEUE, countdown=countdown)
+    enqueue.send(enqueue.DELIVER_WEBHOOK, [delivery_id], QUEUE, countdown=countdown)
 
 
 # --- one attempt: the HTTP exchange under one deadline ------------------------------------------------------------

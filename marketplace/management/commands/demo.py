@@ -145,10 +145,10 @@ class Command(BaseCommand):
         """Tenants' webhook endpoints are slow at will: their deliveries get a worker of their own (threads: each
         attempt mostly waits), so a slow endpoint never holds the embedded worker that consumes usage and runs
         beat's jobs and the nodes' tasks."""
-        from marketplace import enqueue
+        from marketplace.services import webhooks
 
         cmd = [sys.executable, "-m", "celery", "-A", "marketplace", "worker", "-P", "threads", "-c", "4",
-               "-Q", enqueue.WEBHOOKS_QUEUE, "--loglevel", "WARNING", "-n", "demo-webhooks@%h"]
+               "-Q", webhooks.QUEUE, "--loglevel", "WARNING", "-n", "demo-webhooks@%h"]
         self.stdout.write(f"webhooks worker: {' '.join(cmd[2:])}")
         return subprocess.Popen(cmd)
 
