@@ -244,7 +244,7 @@ class _PinnedHTTPSConnection(_PinnedHTTPConnection):
 
 #: what a tenant reads about a failed attempt (operators read `last_error`)
 REASONS = {
-    "refused": f"the endpoint's host does not resolve to public addresses only ({netguard.NOT_PUBLIC})",
+    "refused": f"the endpoint's address is not allowed: {netguard.NOT_PUBLIC}",
     "redirect": "the endpoint answered a redirect; redirects are not followed",
     "http": "the endpoint answered an error status",
     "unreachable": "the endpoint could not be reached",
