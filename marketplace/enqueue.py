@@ -16,6 +16,8 @@ VALIDATE_REPOSITORY = "tessera.validate_repository"
 VALIDATE_ADAPTER = "tessera.validate_adapter"
 
 
-def send(task_name: str, args: list, queue: str) -> None:
-    """Queue `task_name` (a registered task's name) with positional `args` on `queue`."""
-    app.send_task(task_name, args=args, queue=queue)
+def send(task_name: str, args: list, queue: str, countdown: float | None = None) -> None:
+    """Queue `task_name` (a registered task's name) with positional `args` on `queue`, to run no sooner than
+    `countdown` seconds from now when given."""
+    options = {} if countdown is None else {"countdown": countdown}
+    app.send_task(task_name, args=args, queue=queue, **options)

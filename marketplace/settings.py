@@ -355,6 +355,10 @@ CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_DEFAULT_QUEUE = "control"
+# Outbound webhooks run on their own queue and workers (docker/compose.yaml's `webhooks`), never on the control
+# queue that consumes usage and runs beat's jobs: a tenant's slow endpoint holds only a webhooks worker.
+CELERY_TASK_ROUTES = {"tessera.deliver_webhook": {"queue": "webhooks"},
+                      "tessera.sweep_webhooks": {"queue": "webhooks"}}
 CELERY_TASK_TIME_LIMIT = 300
 CELERY_TIMEZONE = "UTC"
 CELERY_BEAT_SCHEDULER = "django_celery_beat.schedulers:DatabaseScheduler"
@@ -365,6 +369,8 @@ TESSERA_RATING_INTERVAL_S = env_float("TESSERA_RATING_INTERVAL_S", 300.0, minimu
 TESSERA_RECONCILE_INTERVAL_S = env_float("TESSERA_RECONCILE_INTERVAL_S", 60.0, minimum=0.1)
 TESSERA_SCRAPE_INTERVAL_S = env_float("TESSERA_SCRAPE_INTERVAL_S", 60.0, minimum=0.1)
 TESSERA_USAGE_CONSUME_INTERVAL_S = env_float("TESSERA_USAGE_CONSUME_INTERVAL_S", 5.0, minimum=0.1)
+# Queues again the webhook deliveries whose retry is overdue (its message lost, its worker killed).
+TESSERA_WEBHOOK_SWEEP_INTERVAL_S = env_float("TESSERA_WEBHOOK_SWEEP_INTERVAL_S", 60.0, minimum=0.1)
 TESSERA_DEMO_TRAFFIC = env_bool("TESSERA_DEMO_TRAFFIC", False)  # set by `manage.py demo`
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_BEAT_SCHEDULE = {
@@ -397,6 +403,11 @@ CELERY_BEAT_SCHEDULE = {
         "task": "tessera.consume_usage",
         "schedule": TESSERA_USAGE_CONSUME_INTERVAL_S,
         "options": {"queue": "control", "expires": 30},
+    },
+    "sweep-webhooks": {  # beat only sends it: the webhooks workers run it
+        "task": "tessera.sweep_webhooks",
+        "schedule": TESSERA_WEBHOOK_SWEEP_INTERVAL_S,
+        "options": {"queue": "webhooks", "expires": TESSERA_WEBHOOK_SWEEP_INTERVAL_S},
     },
 }
 if TESSERA_DEMO_TRAFFIC:  # the demo's simulated inference gateway (its tasks live in the demo app)
@@ -551,6 +562,13 @@ TESSERA_TOKENS_PER_S_PER_TBPS = env_float("TESSERA_TOKENS_PER_S_PER_TBPS", 3000.
 
 # Webhook targets in these networks (CIDRs) are allowed although internal (loopback, private, ...).
 TESSERA_WEBHOOK_ALLOW_NETWORKS = env_list("TESSERA_WEBHOOK_ALLOW_NETWORKS", "")
+# One delivery attempt, whole (name lookup, connect, TLS, request, the answer's headers and body), within this many
+# seconds; at most MAX_ATTEMPTS attempts, the first retry after BACKOFF_S, doubling (at most 30 minutes); a tenant
+# registers at most MAX_ENDPOINTS endpoints.
+TESSERA_WEBHOOK_TIMEOUT_S = env_float("TESSERA_WEBHOOK_TIMEOUT_S", 10.0, minimum=0.1)
+TESSERA_WEBHOOK_MAX_ATTEMPTS = env_int("TESSERA_WEBHOOK_MAX_ATTEMPTS", 8, minimum=1)
+TESSERA_WEBHOOK_BACKOFF_S = env_float("TESSERA_WEBHOOK_BACKOFF_S", 5.0)
+TESSERA_WEBHOOK_MAX_ENDPOINTS = env_int("TESSERA_WEBHOOK_MAX_ENDPOINTS", 10, minimum=1)
 
 # --- Security --------------------------------------------------------------------------------
 # API throttling (DRF, counters in the Django cache: Redis in production). Per API key (prefix),

@@ -64,10 +64,26 @@ def undeploy_model(self, deployment_id: int) -> str:
     return deployments.unload(deployment_id)
 
 
-@shared_task(bind=True, name="tessera.deliver_webhook", autoretry_for=(webhooks.DeliveryFailed,), retry_backoff=5,
-             retry_backoff_max=3600, retry_jitter=True, max_retries=8, acks_late=True, time_limit=60)
-def deliver_webhook(self, delivery_id: int) -> str:
-    return webhooks.deliver(delivery_id, final_attempt=self.request.retries >= self.max_retries)
+# The webhooks queue's tasks (settings.CELERY_TASK_ROUTES): never on the control queue's workers. An attempt ends
+# by its own deadline (TESSERA_WEBHOOK_TIMEOUT_S); the time limits are a backstop, after which the sweep retries it.
+WEBHOOK_TASK = {
+    "acks_late": True,
+    "ignore_result": True,
+    "soft_time_limit": settings.TESSERA_WEBHOOK_TIMEOUT_S + 20,
+    "time_limit": settings.TESSERA_WEBHOOK_TIMEOUT_S + 30,
+}
+
+
+@shared_task(name="tessera.deliver_webhook", **WEBHOOK_TASK)
+def deliver_webhook(delivery_id: int) -> str:
+    """One attempt; the service queues the next one itself (backoff) and gives up after the last."""
+    return webhooks.deliver(delivery_id)
+
+
+@shared_task(name="tessera.sweep_webhooks", **WEBHOOK_TASK)
+def sweep_webhooks() -> int:
+    """Beat: queue again the deliveries whose next attempt is overdue (a lost message, a killed worker)."""
+    return webhooks.sweep()
 
 
 @shared_task(name="tessera.rate_and_check_spend", acks_late=True, time_limit=300)

@@ -30,9 +30,10 @@ class Worker:
         self.queue, self.sim_dir, self.log_path, self.env = queue, sim_dir, log_path, env
         self.proc: subprocess.Popen | None = None
 
-    def start(self, pool: str = "solo", **extra_env: str) -> Worker:
-        """``pool="solo"``: the task runs in the worker process itself; ``"prefork"``: in one pool child
-        (``-c 1``), which the main process replaces if it dies (see pool_pids)."""
+    def start(self, pool: str = "solo", concurrency: int = 1, **extra_env: str) -> Worker:
+        """``pool="solo"``: the task runs in the worker process itself; ``"prefork"``: in pool children
+        (``-c concurrency``), which the main process replaces if one dies (see pool_pids); ``"threads"``: in
+        ``concurrency`` threads of the worker process."""
         env = {**os.environ, "DATABASE_URL": test_database_url(), "TESSERA_SIM_DIR": str(self.sim_dir),
                "TESSERA_TRITON_REPO_ROOT": str(self.sim_dir.parent / "triton"),
                "TESSERA_UPLOAD_ROOT": str(self.sim_dir.parent / "uploads"),
@@ -42,7 +43,7 @@ class Worker:
         log = open(self.log_path, "ab")  # the process owns it
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "celery", "-A", "marketplace", "worker", "-P", pool,
-             *(["-c", "1"] if pool == "prefork" else []), "-Q", self.queue,
+             *(["-c", str(concurrency)] if pool != "solo" else []), "-Q", self.queue,
              "-n", f"{self.queue.split(',')[0]}@test", "--without-mingle", "--without-gossip", "-l", "INFO"],
             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )

@@ -142,6 +142,10 @@ class WebhookEndpoint(models.Model):
 
 
 class WebhookDelivery(models.Model):
+    """One event for one endpoint. Pending until delivered or given up (failed, with a reason): every pending
+    delivery has a time by which its next attempt is due (`next_attempt_at`), so one whose retry was lost or
+    whose worker was killed mid-attempt is queued again by the sweep (services.webhooks.sweep)."""
+
     class Status(models.TextChoices):
         PENDING = "pending", "Pending"
         DELIVERED = "delivered", "Delivered"
@@ -158,6 +162,9 @@ class WebhookDelivery(models.Model):
     last_reason = models.CharField(max_length=200, blank=True, help_text="a generic reason, for tenants")
     created_at = models.DateTimeField(default=timezone.now)
     delivered_at = models.DateTimeField(null=True, blank=True)
+    next_attempt_at = models.DateTimeField(
+        null=True, blank=True, default=timezone.now,
+        help_text="pending: when the next attempt is due (during an attempt: when it is overdue); else empty")
 
     objects = TenantScopedQuerySet.as_manager()
     tenant_path = "endpoint__tenant_id"
@@ -166,6 +173,7 @@ class WebhookDelivery(models.Model):
         ordering = ["-created_at"]
         constraints = [models.UniqueConstraint(fields=["endpoint", "event", "event_key"],
                                                name="one_delivery_per_event")]
+        indexes = [models.Index(fields=["status", "next_attempt_at"], name="webhook_delivery_due")]
 
     def __str__(self) -> str:
         return f"{self.event} -> {self.endpoint_id} ({self.status})"

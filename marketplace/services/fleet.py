@@ -1,9 +1,14 @@
 """Writes for the fleet: register nodes from what NVML reports, place and release GPU instances.
 
-Placement reads the candidate GPUs, asks the placement engine (marketplace.placement) for a GPU
-and start, then reserves the slots in one transaction with the GPU row locked. The per-slot
-unique constraint is the last line: if another writer got there first the insert fails, nothing
-is kept, and the engine is asked again with fresh state.
+Placement is serialized per GPU model: `place_instance` first locks the model's row (the placement
+lock), then reads the candidate GPUs, asks the placement engine (marketplace.placement) for a GPU and
+start, and reserves the slots with the GPU row locked. Concurrent orders therefore never plan on the
+same free slots (each plans on what the previous placement committed) instead of all choosing the
+same best GPU, queueing on its row and re-planning when they get it. The lock is held until the
+caller's transaction ends, so a caller places last (orders.create_order): nothing but placement
+and the commit runs under it. The per-slot unique constraint stays the last line: if another writer
+got there first (an operator's dedication, a writer that does not take the lock) the insert fails,
+nothing is kept, and the engine is asked again with fresh state.
 """
 
 from __future__ import annotations
@@ -104,22 +109,32 @@ def place_instance(tenant: Tenant, gpu_model: GpuModel, profile: MigProfile | No
         profile_id=profile.profile_id if profile else None, whole_gpu=profile is None, dedicated=dedicated,
     )
     last_reason = ""
-    for _attempt in range(PLACEMENT_ATTEMPTS):
-        fleet = engine.Fleet(gpu_states_of(candidate_gpus(gpu_model, profile is None)), policy=policy)
-        decision = fleet.choose(request)
-        if isinstance(decision, engine.NoCapacity):
-            raise NoCapacityError(decision.summary, field="profile", diagnostic=decision.reason)
-        try:
-            inst = _reserve(tenant, profile, decision)
-        except (IntegrityError, _StaleState) as exc:  # another writer took it first: re-plan
-            last_reason = str(exc)
-            log.info("placement raced, re-planning", extra={"gpu": decision.gpu_id, "why": last_reason})
-            continue
-        inst.summary = decision.summary
-        return inst
+    with transaction.atomic():
+        placement_lock(gpu_model)
+        for _attempt in range(PLACEMENT_ATTEMPTS):
+            fleet = engine.Fleet(gpu_states_of(candidate_gpus(gpu_model, profile is None)), policy=policy)
+            decision = fleet.choose(request)
+            if isinstance(decision, engine.NoCapacity):
+                raise NoCapacityError(decision.summary, field="profile", diagnostic=decision.reason)
+            try:
+                inst = _reserve(tenant, profile, decision)
+            except (IntegrityError, _StaleState) as exc:  # another writer took it first: re-plan
+                last_reason = str(exc)
+                log.info("placement raced, re-planning", extra={"gpu": decision.gpu_id, "why": last_reason})
+                continue
+            inst.summary = decision.summary
+            return inst
     raise NoCapacityError("capacity changed while placing this order; try again",
                           diagnostic=f"the fleet changed under {PLACEMENT_ATTEMPTS} attempts; try again "
                                      f"({last_reason})")
+
+
+def placement_lock(gpu_model: GpuModel) -> None:
+    """Take the placement lock of `gpu_model` (its row, FOR NO KEY UPDATE: rows that refer to the model are
+    still written meanwhile) until the current transaction ends. Re-taking it in the same transaction is free.
+    SQLite has no row locks: its transactions take the database's write lock when they begin
+    (``transaction_mode=IMMEDIATE``), which serializes placements already."""
+    GpuModel.objects.select_for_update(no_key=True).filter(pk=gpu_model.pk).values_list("pk", flat=True).first()
 
 
 class _StaleState(Exception):

@@ -6,12 +6,18 @@ cloud metadata service 169.254.169.254 included), multicast, reserved, unspecifi
 globally routable, IPv6 included (IPv4-mapped and NAT64 forms are checked as the IPv4 they carry).
 The caller then connects to exactly the checked address (no second lookup, so no DNS rebinding).
 `TESSERA_WEBHOOK_ALLOW_NETWORKS` (CIDRs) lists internal networks an MSP deliberately allows.
+
+What a refusal tells the requester (``AddressRefused.public``) never depends on DNS: a name that does not
+resolve, one that resolves to an internal address, one whose lookup times out and an internal literal address
+all read the same, so registering URLs cannot map the MSP's internal names. The detail (``str()``: which
+address, what kind) is for operators only.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import socket
+import threading
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -23,8 +29,17 @@ METADATA = {ipaddress.ip_address("169.254.169.254"), ipaddress.ip_address("fd00:
 NAT64 = ipaddress.ip_network("64:ff9b::/96")
 
 
+#: what a requester reads about every refusal that depends on the host's addresses
+NOT_PUBLIC = "its host must resolve to public internet addresses only"
+
+
 class AddressRefused(Exception):
-    """The URL is not one Tessera will send to; the message says why (operators' detail)."""
+    """The URL is not one Tessera will send to. ``str()`` says why (the operators' detail, which may name what
+    the host resolved to); ``public`` is what the requester may read."""
+
+    def __init__(self, detail: str, public: str = NOT_PUBLIC):
+        super().__init__(detail)
+        self.public = public
 
 
 @dataclass(frozen=True)
@@ -73,19 +88,22 @@ def parse(url: str) -> tuple[str, str, int, str]:
         parts = urlsplit(url)
         port = parts.port
     except ValueError as exc:
-        raise AddressRefused(f"not a valid URL: {exc}") from None
+        raise AddressRefused(f"not a valid URL: {exc}", public=f"not a valid URL: {exc}") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise AddressRefused("must be an http(s) URL with a host")
+        raise AddressRefused("must be an http(s) URL with a host", public="it must be an http(s) URL with a host")
     if parts.username or parts.password:
-        raise AddressRefused("credentials in the URL are not allowed")
+        raise AddressRefused("credentials in the URL are not allowed",
+                             public="credentials in the URL are not allowed")
     path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
     return parts.scheme, parts.hostname, port or (443 if parts.scheme == "https" else 80), path
 
 
-def resolve_public(url: str) -> Target:
+def resolve_public(url: str, timeout: float | None = None) -> Target:
+    """The URL's target with its checked addresses. ``timeout``: the most seconds the name lookup may take (a
+    tenant's name server may answer slowly on purpose); None: the resolver's own limits."""
     scheme, host, port, path = parse(url)
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        infos = _getaddrinfo(host, port, timeout)
     except (socket.gaierror, UnicodeError) as exc:
         raise AddressRefused(f"{host} does not resolve: {exc}") from None
     addresses = []
@@ -102,3 +120,27 @@ def resolve_public(url: str) -> Target:
     if not addresses:
         raise AddressRefused(f"{host} has no address")
     return Target(scheme, host, port, path, tuple(addresses))
+
+
+def _getaddrinfo(host: str, port: int, timeout: float | None) -> list:
+    """socket.getaddrinfo, given up after ``timeout`` seconds. The lookup cannot be interrupted: it goes on in a
+    daemon thread until the resolver's own timeout, and its answer is dropped."""
+    if timeout is None:
+        return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    infos: list = []
+    errors: list[BaseException] = []
+
+    def lookup() -> None:
+        try:
+            infos.extend(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM))
+        except BaseException as exc:  # handed to the caller's thread
+            errors.append(exc)
+
+    worker = threading.Thread(target=lookup, name=f"resolve {host}"[:60], daemon=True)
+    worker.start()
+    worker.join(max(timeout, 0.0))
+    if worker.is_alive():
+        raise AddressRefused(f"{host} did not resolve within {timeout:.1f} s")
+    if errors:
+        raise errors[0]
+    return infos

@@ -7,7 +7,7 @@ import logging
 from functools import partial
 
 from django.db import transaction
-from django.db.models import Sum
+from django.db.models import Count, Q, Sum
 from django.utils import timezone
 
 from marketplace import enqueue
@@ -41,18 +41,20 @@ def plan_in_force(tier: Tier, currency: str, kind: str, at=None) -> PricePlan | 
 
 
 def check_quota(tenant: Tenant, tier: Tier, quantity: int) -> None:
-    live = Allocation.objects.filter(tenant=tenant, state__in=LIVE_STATES)
-    total = live.count()
+    """One query (the order runs it under the tenant's lock): slices in use, of this tier, and their memory."""
+    live = Allocation.objects.filter(tenant=tenant, state__in=LIVE_STATES).aggregate(
+        total=Count("pk"), same_tier=Count("pk", filter=Q(tier=tier)),
+        mem_profile=Sum("tier__profile__memory_gb", filter=Q(tier__profile__isnull=False)),
+        mem_whole=Sum("tier__gpu_model__memory_gb", filter=Q(tier__profile__isnull=True)))
+    total = live["total"]
     if total + quantity > tenant.max_slices:
         raise QuotaExceeded(f"quota: {total} of {tenant.max_slices} slices in use; {quantity} more would exceed it",
                             field="quantity", code="quota")
-    same_tier = live.filter(tier=tier).count()
+    same_tier = live["same_tier"]
     if same_tier + quantity > tenant.max_slices_per_tier:
         raise QuotaExceeded(f"quota: {same_tier} of {tenant.max_slices_per_tier} slices of {tier.name} in use",
                             field="quantity", code="quota")
-    mem_profile = live.filter(tier__profile__isnull=False).aggregate(m=Sum("tier__profile__memory_gb"))["m"] or 0
-    mem_whole = live.filter(tier__profile__isnull=True).aggregate(m=Sum("tier__gpu_model__memory_gb"))["m"] or 0
-    used = mem_profile + mem_whole
+    used = (live["mem_profile"] or 0) + (live["mem_whole"] or 0)
     wanted = tier.memory_gb * quantity
     if used + wanted > tenant.max_memory_gb:
         raise QuotaExceeded(f"quota: {used} GB of {tenant.max_memory_gb} GB GPU memory in use; "
@@ -66,9 +68,7 @@ def create_order(principal: Principal, *, tenant: Tenant, tier: Tier, quantity: 
     if idempotency_key:
         existing = Order.objects.filter(tenant=tenant, idempotency_key=idempotency_key).first()
         if existing is not None:
-            if existing.tier_id != tier.pk or existing.quantity != quantity:
-                raise Conflict("this idempotency key was used for a different order", field="idempotency_key")
-            return existing
+            return _replayed(existing, tier, quantity)
     if not tier.active:
         raise ServiceError(f"{tier.name} is not on sale", field="tier")
     if quantity < 1 or quantity > 64:
@@ -77,26 +77,45 @@ def create_order(principal: Principal, *, tenant: Tenant, tier: Tier, quantity: 
     if plan_in_force(tier, currency, plan_kind) is None:
         raise ServiceError(f"{tier.name} has no {plan_kind} price in {currency}", field="plan_kind")
     actor = actor_of(principal)
+    # Before any lock: rating the month in memory is an order's slowest read (and needless without a limit), and
+    # ordering does not change the spend (a slice costs from when it is active).
+    if tenant.monthly_spend_limit:
+        billing.check_can_order(tenant)
     with transaction.atomic():
-        tenant = Tenant.objects.select_for_update().get(pk=tenant.pk)  # one order at a time per tenant
+        tenant = Tenant.objects.select_for_update().get(pk=tenant.pk)  # one order at a time per tenant: exact quotas
         if not tenant.is_active:
             raise Forbidden("the tenant is suspended", field="tenant")
+        if idempotency_key:  # the same key sent twice at once: the second waited for the first's lock
+            existing = Order.objects.filter(tenant=tenant, idempotency_key=idempotency_key).first()
+            if existing is not None:
+                return _replayed(existing, tier, quantity)
         check_quota(tenant, tier, quantity)
-        billing.check_can_order(tenant)
         order = Order.objects.create(
             tenant=tenant, tier=tier, quantity=quantity, plan_kind=plan_kind, idempotency_key=idempotency_key,
             created_by=principal.user, api_key=principal.api_key,
         )
-        placed = []
+        requested = []
         for _ in range(quantity):
             alloc = Allocation.objects.create(order=order, tenant=tenant, tier=tier)
             allocations.record_created(alloc, actor)
+            requested.append(alloc)
+        # Placement last: place_instance takes the GPU model's placement lock, held to this commit, so nothing
+        # but placement runs under it (concurrent orders of other tenants wait for placements, not for orders).
+        placed = []
+        for alloc in requested:
             instance = fleet.place_instance(tenant, tier.gpu_model, tier.profile, dedicated=tier.dedicated)
             placed.append(allocations.place(alloc, instance, "placement-engine"))
         for alloc in placed:
             transaction.on_commit(partial(enqueue_provision, alloc))
     log.info("order placed", extra={"order": order.pk, "tenant": tenant.slug, "tier": tier.key, "n": quantity})
     return order
+
+
+def _replayed(existing: Order, tier: Tier, quantity: int) -> Order:
+    """An order sent again with its idempotency key: the first one, if it asked for the same."""
+    if existing.tier_id != tier.pk or existing.quantity != quantity:
+        raise Conflict("this idempotency key was used for a different order", field="idempotency_key")
+    return existing
 
 
 def _node_queue(allocation: Allocation) -> str:

@@ -39,15 +39,15 @@ def provision(allocation_id: int, *, final_attempt: bool = False) -> str:
         return f"nothing to do ({a.state})"
     if a.state == Allocation.State.REQUESTED:
         return "not placed yet"
+    inst, node = a.instance, a.node  # as _load read them: a transition re-reads the row and drops them
     if a.state in (Allocation.State.PLACED, Allocation.State.FAILED):
-        if a.instance_id is None:
+        if inst is None:
             return "no reservation (failed before placement)"
         allocations.begin_provisioning(a, ACTOR)
-    inst = a.instance
     if inst is None:  # never: a placed slice keeps its reservation until it is released
         raise ValueError(f"allocation {a.pk} has no reserved GPU instance to provision")
     try:
-        mig_uuid = _create_on_gpu(a, inst)
+        mig_uuid = _create_on_gpu(a, inst, node)
     except (NVMLError_InsufficientResources, NVMLError_InUse) as exc:
         if final_attempt:
             _fail_and_return_slots(a, f"GPU refused the slice: {exc.__class__.__name__}")
@@ -63,20 +63,20 @@ def provision(allocation_id: int, *, final_attempt: bool = False) -> str:
     except serving.ServingError as exc:
         _fail_and_clean(a, exc.reason, exc.detail)
         return "failed"
-    allocations.mark_ready(a, ACTOR, mig_uuid, "slice created; its Triton server answers ready",
-                           detail=f"{server.name} on {server.address}:{server.http_port} (isolation: "
-                                  f"{server.isolation})")
-    allocations.activate(_load(a.pk), ACTOR)
+    a = allocations.mark_ready(a, ACTOR, mig_uuid, "slice created; its Triton server answers ready",
+                               detail=f"{server.name} on {server.address}:{server.http_port} (isolation: "
+                                      f"{server.isolation})")
+    allocations.activate(a, ACTOR)  # mark_ready left `a` as it committed it (the transition re-reads it locked)
     return "activated"
 
 
-def _create_on_gpu(a: Allocation, inst: GpuInstance) -> str:
+def _create_on_gpu(a: Allocation, inst: GpuInstance, node: Node | None = None) -> str:
     gpu = inst.gpu
     placement = inst.placement
     if placement is None:  # a whole GPU: MIG is off, nothing to carve
         GpuInstance.objects.filter(pk=inst.pk).update(state=GpuInstance.State.CREATED, mig_uuid=gpu.uuid)
         return gpu.uuid
-    with nodes.nvml_client(_node(a)) as client:
+    with nodes.nvml_client(node or _node(a)) as client:
         # create_slice adopts a GPU instance already at this placement with this profile, so a
         # replayed or restarted task finds what the first run made instead of making another.
         s = client.create_slice(gpu.index, placement.profile.profile_id, inst.start)

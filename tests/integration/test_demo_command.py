@@ -55,7 +55,7 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc and ps --ppid")
-def test_sigterm_stops_the_demo_with_its_worker_and_gateway(tmp_path):
+def test_sigterm_stops_the_demo_with_its_workers_and_gateway(tmp_path):
     web, gw = free_port(), free_port()
     proc = subprocess.Popen([sys.executable, "manage.py", "demo", "--addr", f"127.0.0.1:{web}", "--gateway-addr",
                              f"127.0.0.1:{gw}"], cwd=ROOT, env=_env(tmp_path / "var"), stdout=subprocess.PIPE,
@@ -63,10 +63,10 @@ def test_sigterm_stops_the_demo_with_its_worker_and_gateway(tmp_path):
     try:
         deadline = time.monotonic() + 240
         children: set[int] = set()
-        while time.monotonic() < deadline and len(children) < 2:
+        while time.monotonic() < deadline and len(children) < 3:
             children = _children(proc.pid)
             time.sleep(0.5)
-        assert len(children) >= 2, "the demo did not start its worker and gateway"
+        assert len(children) >= 3, "the demo did not start its workers (embedded, webhooks) and gateway"
         time.sleep(3)
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
@@ -74,7 +74,7 @@ def test_sigterm_stops_the_demo_with_its_worker_and_gateway(tmp_path):
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and any(_alive(c) for c in children):
             time.sleep(0.2)
-        assert not [c for c in children if _alive(c)], "the demo's worker or gateway outlived it"
+        assert not [c for c in children if _alive(c)], "the demo's workers or gateway outlived it"
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -11,6 +11,7 @@ from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
 
 import pytest
+from django.utils import timezone
 
 from marketplace.models import (
     Allocation,
@@ -190,10 +191,11 @@ def test_webhook_signed_retried_and_logged(setup, receiver, operator, django_cap
     d = WebhookDelivery.objects.get(endpoint=ep)
     assert d.event == "invoice.finalized" and d.payload["data"]["number"] == inv.number
     rx.responses = [500]
-    with pytest.raises(webhooks.DeliveryFailed):
-        webhooks.deliver(d.pk)
+    assert webhooks.deliver(d.pk) == "pending"
     d.refresh_from_db()
     assert d.status == "pending" and d.attempts == 1 and d.last_status_code == 500
+    assert d.next_attempt_at > timezone.now() and webhooks.deliver(d.pk) == "not due"  # the retry is not due yet
+    WebhookDelivery.objects.filter(pk=d.pk).update(next_attempt_at=timezone.now())  # ... now it is
     assert webhooks.deliver(d.pk) == "delivered"
     d.refresh_from_db()
     assert d.attempts == 2 and d.delivered_at
@@ -205,12 +207,13 @@ def test_webhook_signed_retried_and_logged(setup, receiver, operator, django_cap
     assert webhooks.emit(tenant, "invoice.finalized", f"invoice:{inv.pk}", {}) == []
 
 
-def test_webhook_gives_up_after_final_attempt(setup, operator):
+def test_webhook_gives_up_after_final_attempt(setup, operator, settings):
+    settings.TESSERA_WEBHOOK_MAX_ATTEMPTS = 1
     tenant, *_ = setup
     ep = WebhookEndpoint.objects.create(tenant=None, url="http://127.0.0.1:9/none", secret="s",
                                         events=["spend_limit.reached"])
     d = WebhookDelivery.objects.create(endpoint=ep, event="spend_limit.reached", event_key="k", payload={})
-    assert webhooks.deliver(d.pk, final_attempt=True) == "failed"
+    assert webhooks.deliver(d.pk) == "failed"
     d.refresh_from_db()
     assert d.status == "failed" and d.last_error
 

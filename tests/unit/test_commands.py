@@ -46,6 +46,23 @@ def test_demo_no_run_seeds_the_fleet_and_logins(tmp_path, settings, sim_dir):
     assert Node.objects.count() == 4
 
 
+def test_demo_runs_webhooks_on_a_worker_of_their_own(h100_node):
+    """The embedded worker (control queue, beat, every node) never consumes the webhooks queue: a tenant's slow
+    endpoint would hold the only process that consumes usage. A second worker, with threads, does."""
+    from unittest import mock
+
+    from marketplace.management.commands import demo
+
+    command = demo.Command(stdout=StringIO())
+    with mock.patch.object(demo.subprocess, "Popen") as popen:
+        command._start_worker()
+        command._start_webhooks_worker()
+    embedded, hooks = (c.args[0] for c in popen.call_args_list)
+    assert "-B" in embedded and embedded[embedded.index("-Q") + 1].split(",") == ["control", h100_node.queue]
+    assert "-B" not in hooks and hooks[hooks.index("-Q") + 1] == "webhooks"
+    assert hooks[hooks.index("-P") + 1] == "threads"
+
+
 def test_factories_build_a_consistent_billable_month(tiers):
     dep = DeploymentFactory(allocation=AllocationFactory(order=OrderFactory(tier=tiers["1g"])))
     alloc = dep.allocation

@@ -79,7 +79,7 @@ def test_docker_compose_config_where_the_plugin_exists():
 
 
 def test_the_services_are_there(services):
-    for name in ("postgres", "redis", "migrate", "web", "control", "demo", "gateway", "usage-consumer"):
+    for name in ("postgres", "redis", "migrate", "web", "control", "webhooks", "demo", "gateway", "usage-consumer"):
         assert name in services, name
     assert len(node_workers(services)) >= 2
     assert services["demo"]["profiles"] == ["demo"]
@@ -108,6 +108,21 @@ def test_exactly_one_beat_on_the_control_queue(services):
     readme = (ROOT / "README.md").read_text()
     assert "celery -A marketplace worker -Q control -B" in readme
     assert cmd[:7] == ["celery", "-A", "marketplace", "worker", "-Q", "control", "-B"]
+
+
+def queues_of(service: dict) -> list[str]:
+    cmd = service.get("command")
+    return cmd[cmd.index("-Q") + 1].split(",") if isinstance(cmd, list) and "-Q" in cmd else []
+
+
+def test_webhooks_have_workers_of_their_own_never_the_control_queue_s(services):
+    """A tenant's endpoint is slow at will: the worker that consumes usage and runs beat must never deliver."""
+    assert {name for name, s in services.items() if "webhooks" in queues_of(s)} == {"webhooks"}
+    cmd = services["webhooks"]["command"]
+    assert cmd[:6] == ["celery", "-A", "marketplace", "worker", "-Q", "webhooks"] and "-B" not in cmd
+    assert queues_of(services["webhooks"]) == ["webhooks"]
+    assert services["webhooks"]["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
+    assert "celery -A marketplace worker -Q webhooks" in (DOCKER / "README.md").read_text()
 
 
 def test_each_node_worker_consumes_its_own_queue(services):

@@ -108,6 +108,27 @@ def test_quota_refusal_reserves_nothing(h100_node, tiers, owner, p, field, value
     assert not Order.objects.exists() and not Allocation.objects.exists() and not GpuInstance.objects.exists()
 
 
+def test_the_memory_quota_counts_slices_and_whole_gpus_in_one_query(h100_node, tiers, owner, p,
+                                                                    django_assert_num_queries):
+    from tests.factories import AllocationFactory, OrderFactory
+    from tests.fleet_fixtures import make_tier
+
+    tenant = owner.memberships.get().tenant
+    tenant.max_slices, tenant.max_slices_per_tier, tenant.max_memory_gb = 10, 10, 100
+    tenant.save()
+    whole = make_tier("h100-whole", "h100-sxm-80gb", None)
+    for tier in (whole, tiers["1g"]):  # 80 GB + 10 GB in use; a released slice counts for nothing
+        AllocationFactory(order=OrderFactory(tenant=tenant, tier=tier))
+    AllocationFactory(order=OrderFactory(tenant=tenant, tier=tiers["3g"]), state=S.RELEASED)
+    with django_assert_num_queries(1):
+        orders.check_quota(tenant, tiers["1g"], 1)  # 100 GB: fits
+    with pytest.raises(orders.QuotaExceeded, match="90 GB of 100 GB"):
+        orders.check_quota(tenant, tiers["1g"], 2)
+    with pytest.raises(orders.QuotaExceeded, match="1 of 1 slices of h100-1g"):
+        tenant.max_slices_per_tier = 1
+        orders.check_quota(tenant, tiers["1g"], 1)
+
+
 def test_no_capacity_rolls_back_the_whole_order(h100_node, tiers, owner, p):
     tenant = owner.memberships.get().tenant
     tenant.max_slices, tenant.max_slices_per_tier, tenant.max_memory_gb = 64, 64, 10_000
@@ -265,3 +286,84 @@ def test_two_concurrent_orders_for_the_last_placement_one_wins(h100_node, tiers,
     loser = next(r for r in results if isinstance(r, str))
     assert "3g.40gb" in loser  # a clear reason: which profile had no free placement
     assert Order.objects.count() == 2 and Allocation.objects.count() == 2 and GpuInstance.objects.count() == 2
+
+
+def _order_at_once(calls, timeout=60):
+    """Run each (principal, tenant, tier) order in its own thread, all released at once; returns each one's
+    order id or the refusal (its message)."""
+    import threading
+
+    barrier = threading.Barrier(len(calls))
+    results: list = [None] * len(calls)
+
+    def order(i, p, t, tier):
+        try:
+            barrier.wait(timeout=10)
+            results[i] = orders.create_order(p, tenant=t, tier=tier).pk
+        except (NoCapacityError, orders.QuotaExceeded) as exc:
+            results[i] = exc.message
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=order, args=(i, *c)) for i, c in enumerate(calls)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout)
+    return results
+
+
+@pytest.mark.skipif("connection.vendor != 'postgresql'", reason="concurrent writers need PostgreSQL")
+@pytest.mark.django_db(transaction=True)
+def test_concurrent_orders_of_many_tenants_all_placed_when_the_fleet_has_room(h100_node, tiers, monkeypatch):
+    """Every order plans on the same best GPU; the placement lock makes each plan on what the previous one
+    committed, so none is refused with "capacity changed" (before: 5 re-plans, then a refusal) and no slot
+    is taken twice."""
+    monkeypatch.setattr(orders, "enqueue_provision", lambda a: None)
+    tenants = [TenantFactory(max_slices=8, max_slices_per_tier=8) for _ in range(4)]
+    principals = [principal_for_user(MembershipFactory(tenant=t, role=Role.OWNER).user) for t in tenants]
+    calls = [(principals[i % 4], tenants[i % 4], tiers["1g"]) for i in range(16)]
+    results = _order_at_once(calls)
+    assert all(isinstance(r, int) for r in results), results
+    assert Allocation.objects.filter(state=S.PLACED).count() == 16
+    assert GpuSlot.objects.count() == 16 == GpuInstance.objects.count()
+    # best fit still packs: 16 1g slices on 3 GPUs (7 + 7 + 2), not one per GPU
+    assert GpuInstance.objects.values("gpu").distinct().count() == 3
+
+
+@pytest.mark.skipif("connection.vendor != 'postgresql'", reason="concurrent writers need PostgreSQL")
+@pytest.mark.django_db(transaction=True)
+def test_concurrent_orders_of_one_tenant_never_exceed_its_quota(h100_node, tiers, monkeypatch):
+    monkeypatch.setattr(orders, "enqueue_provision", lambda a: None)
+    tenant = TenantFactory(max_slices=3, max_slices_per_tier=3)
+    p = principal_for_user(MembershipFactory(tenant=tenant, role=Role.OWNER).user)
+    results = _order_at_once([(p, tenant, tiers["1g"])] * 8)
+    assert sum(isinstance(r, int) for r in results) == 3, results
+    assert all("quota" in r for r in results if isinstance(r, str))
+    assert Allocation.objects.filter(tenant=tenant).count() == 3 == GpuSlot.objects.count()
+
+
+@pytest.mark.skipif("connection.vendor != 'postgresql'", reason="concurrent writers need PostgreSQL")
+@pytest.mark.django_db(transaction=True)
+def test_the_same_idempotency_key_sent_twice_at_once_makes_one_order(h100_node, tiers, monkeypatch):
+    import threading
+
+    monkeypatch.setattr(orders, "enqueue_provision", lambda a: None)
+    tenant = TenantFactory(max_slices=8, max_slices_per_tier=8)
+    p = principal_for_user(MembershipFactory(tenant=tenant, role=Role.OWNER).user)
+    barrier, results = threading.Barrier(2), []
+
+    def order():
+        try:
+            barrier.wait(timeout=10)
+            results.append(orders.create_order(p, tenant=tenant, tier=tiers["1g"], idempotency_key="same").pk)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=order) for _ in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+    assert len(results) == 2 and results[0] == results[1]
+    assert Order.objects.count() == 1 and Allocation.objects.count() == 1

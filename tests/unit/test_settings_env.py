@@ -22,7 +22,12 @@ from marketplace.services import netguard
 from telemetry.services.energy import price_per_kwh
 import ipaddress
 gpu = GpuModel(key="x", name="x", bandwidth_tbps="3.35", compute_slices=7)
+from django.conf import settings
+from marketplace import tasks
 print(json.dumps({
+    "webhooks": [tasks.deliver_webhook.time_limit, settings.TESSERA_WEBHOOK_MAX_ATTEMPTS,
+                 settings.TESSERA_WEBHOOK_BACKOFF_S, settings.TESSERA_WEBHOOK_MAX_ENDPOINTS,
+                 settings.CELERY_BEAT_SCHEDULE["sweep-webhooks"]["schedule"]],
     "kwh": str(price_per_kwh()),
     "tps": modelled_tokens_per_s(gpu, MigProfile(compute_slices=7)),
     "loopback_refused": netguard.refusal(ipaddress.ip_address("127.0.0.1")) is not None,
@@ -56,6 +61,13 @@ def test_tokens_per_s_per_tbps_is_read(default):
 def test_webhook_allow_networks_is_read(default):
     assert default["loopback_refused"] is True
     assert probe(TESSERA_WEBHOOK_ALLOW_NETWORKS="127.0.0.0/8")["loopback_refused"] is False
+
+
+def test_webhook_limits_are_read(default):
+    assert default["webhooks"] == [40.0, 8, 5.0, 10, 60.0]
+    assert probe(TESSERA_WEBHOOK_TIMEOUT_S="3", TESSERA_WEBHOOK_MAX_ATTEMPTS="2", TESSERA_WEBHOOK_BACKOFF_S="0.5",
+                 TESSERA_WEBHOOK_MAX_ENDPOINTS="1", TESSERA_WEBHOOK_SWEEP_INTERVAL_S="7")["webhooks"] == [
+        33.0, 2, 0.5, 1, 7.0]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ class Command(BaseCommand):
         parser.add_argument("--gateway-addr", default="127.0.0.1:8001",
                             help="address:port for the inference gateway (where tenants call their models)")
         parser.add_argument("--no-run", action="store_true", help="migrate and seed only")
-        parser.add_argument("--no-worker", action="store_true", help="do not start the embedded worker")
+        parser.add_argument("--no-worker", action="store_true", help="do not start the embedded workers")
         parser.add_argument("--exit-after", type=float, default=0,
                             help="stop after this many seconds (smoke tests)")
 
@@ -54,6 +54,7 @@ class Command(BaseCommand):
         os.environ["TESSERA_SIM_TRITON_HTTP"] = "1"
         gateway = self._start_gateway(opts["gateway_addr"])
         worker = None if opts["no_worker"] else self._start_worker()
+        webhooks = None if opts["no_worker"] else self._start_webhooks_worker()
         if worker is not None:
             threading.Thread(target=self._deploy_and_backfill, args=(result, opts["addr"]), daemon=True).start()
         # A service manager stops the demo with SIGTERM: leave through the same path as Ctrl-C, so the
@@ -69,7 +70,7 @@ class Command(BaseCommand):
         except KeyboardInterrupt:
             pass
         finally:
-            for proc in (worker, gateway):
+            for proc in (worker, webhooks, gateway):
                 if proc is None:
                     continue
                 proc.terminate()
@@ -139,6 +140,17 @@ class Command(BaseCommand):
                "-Q", queues, "--loglevel", "WARNING", "-n", "demo@%h"]
         self.stdout.write(f"embedded worker: {' '.join(cmd[2:])}")
         return subprocess.Popen(cmd)  # inherits the environment set above
+
+    def _start_webhooks_worker(self):
+        """Tenants' webhook endpoints are slow at will: their deliveries get a worker of their own (threads: each
+        attempt mostly waits), so a slow endpoint never holds the embedded worker that consumes usage and runs
+        beat's jobs and the nodes' tasks."""
+        from marketplace.services import webhooks
+
+        cmd = [sys.executable, "-m", "celery", "-A", "marketplace", "worker", "-P", "threads", "-c", "4",
+               "-Q", webhooks.QUEUE, "--loglevel", "WARNING", "-n", "demo-webhooks@%h"]
+        self.stdout.write(f"webhooks worker: {' '.join(cmd[2:])}")
+        return subprocess.Popen(cmd)
 
     def _print_logins(self, result, addr, title="Tessera demo"):
         w = self.stdout.write
