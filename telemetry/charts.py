@@ -29,7 +29,7 @@ from django.utils.dateparse import parse_datetime
 
 from marketplace.formatting import plotly_unit_price_format
 from marketplace.models import Allocation, Gpu, GpuSlot, InvoiceLine, Node, Tier
-from marketplace.services.billing import COMMITMENT, SLICES, TOKENS, spread_amounts
+from marketplace.services.billing.spread import COMMITMENT, SLICES, TOKENS, spread_amounts
 from telemetry import figures
 from telemetry.models import GpuSample, Resolution, UsageHourly
 from telemetry.services import energy

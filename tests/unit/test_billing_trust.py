@@ -15,6 +15,7 @@ from marketplace.models import Allocation, BillingAlert, Invoice, InvoiceLine, M
 from marketplace.services import billing, dbretry
 from telemetry.models import UsageHourly
 from tenants.roles import Role
+from tests.billing_reference import rate_all
 from tests.factories import MembershipFactory, TenantFactory, make_key
 
 pytestmark = pytest.mark.django_db
@@ -152,8 +153,8 @@ def test_beat_goes_on_after_a_tenant_fails_and_records_it(acme, tiers):
             raise RuntimeError("boom")
         return real(t, now)
 
-    with mock.patch.object(billing, "evaluate_spend", boom):
-        out = billing.rate_all()
+    with mock.patch.object(billing.spend, "evaluate_spend", boom):
+        out = rate_all()
     assert out["failed"] == ["acme"]
     assert BillingAlert.objects.get(tenant=tenant, kind="rating_failed").message.endswith("boom")
     o_inv = Invoice.objects.get(tenant=other, period_start=billing.month_of(datetime.now(UTC)))
@@ -231,7 +232,7 @@ def test_finalize_retries_a_deadlock(acme):
             raise _db_error("40P01")
         return real(*a, **kw)
 
-    with mock.patch.object(billing, "rate", flaky), mock.patch.object(dbretry.time, "sleep"):
+    with mock.patch.object(billing.invoices, "rate", flaky), mock.patch.object(dbretry.time, "sleep"):
         inv = billing.finalize(billing.draft_for(tenant, OCT), now=NOV5)
     assert inv.status == "finalized" and len(calls) == 2 and inv.number.endswith("000001")
 
@@ -240,7 +241,7 @@ def test_finalize_retries_a_deadlock(acme):
 def test_deadlock_is_never_answered_as_database_unavailable(acme, as_user, operator):
     tenant, *_ = acme
     inv = billing.draft_for(tenant, OCT)
-    with mock.patch.object(billing, "rate", side_effect=_db_error("40001")), \
+    with mock.patch.object(billing.invoices, "rate", side_effect=_db_error("40001")), \
             mock.patch.object(dbretry.time, "sleep"):
         r = as_user(operator).post(f"/api/v1/invoices/{inv.pk}/finalize/")
     assert r.status_code == 409, r.content

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from marketplace.models import Allocation, ModelDeployment, Order, PricePlan
 from marketplace.services import billing
 from telemetry.models import UsageHourly
+from tests.billing_reference import rated_lines_many
 from tests.factories import TenantFactory
 
 pytestmark = pytest.mark.django_db
@@ -94,7 +95,7 @@ def test_spread_amounts_equal_the_invoices_lines(fleet, plans, usage, spans, sta
         now = b + timedelta(minutes=now_after)
         people = [t for t, _, _ in tenants]
         for step in (None, 3600, 86400):
-            exact = billing.rated_lines_many(people, a, b, now, step=step or 10**9)
+            exact = rated_lines_many(people, a, b, now, step=step or 10**9)
             want: dict[tuple, Decimal] = defaultdict(Decimal)
             for tid, lines in exact.items():
                 for d, cur in lines:
@@ -108,7 +109,7 @@ def test_spread_amounts_equal_the_invoices_lines(fleet, plans, usage, spans, sta
             if now >= b:  # the tokens and requests charted: the rollups' hours in [a, b), by bucket
                 used: dict[tuple, list[int]] = defaultdict(lambda: [0, 0])
                 for r in UsageHourly.objects.filter(hour__gte=a, hour__lt=b):
-                    u = used[(r.tenant_id, r.tenant.currency, tier.pk, billing._bucket_start(r.hour, step)
+                    u = used[(r.tenant_id, r.tenant.currency, tier.pk, billing.spread._bucket_start(r.hour, step)
                               if step else None)]
                     u[0] += r.input_tokens + r.output_tokens
                     u[1] += r.requests
@@ -145,7 +146,7 @@ def test_allocations_held_over_the_same_span_count_each(fleet):
     start, end, now = T0 + timedelta(minutes=30), T0 + timedelta(days=2, minutes=45), T0 + timedelta(days=3)
     for step in (None, 3600, 86400):
         want: dict[tuple, Decimal] = defaultdict(Decimal)
-        for d, cur in billing.rated_lines_many([t], start, end, now, step=step or 10**9)[t.pk]:
+        for d, cur in rated_lines_many([t], start, end, now, step=step or 10**9)[t.pk]:
             if d.kind == billing.L.SLICE_HOURS:
                 if step is None:
                     want[(t.pk, cur, None, billing.SLICES, None)] += billing.amount_between(d, start, end)
