@@ -21,6 +21,7 @@ from marketplace.models import CreditNote, CreditNoteLine, Invoice, InvoiceLine,
 from marketplace.selectors import billing as selectors
 from marketplace.selectors.exports import credit_note_csv, invoice_csv
 from marketplace.services import billing, webhooks
+from marketplace.services.billing.spend import Spend
 from telemetry.selectors import usage_summary
 from tenants.api.serializers import ScopedTenantField
 from tenants.models import Tenant
@@ -167,17 +168,26 @@ class InvoiceExportSerializer(serializers.Serializer):
 
 
 class SpendRowSerializer(serializers.Serializer):
+    """One tenant's spend figure against its limit (billing.spend: the same figure and rule orders, the gateway,
+    the console and the portal use)."""
+
     tenant = serializers.CharField()
-    spend = serializers.DecimalField(max_digits=14, decimal_places=2)
+    spend = serializers.DecimalField(max_digits=14, decimal_places=2,
+                                     help_text="the month's invoice as last rated (see rated_at); 0: no invoice")
     currency = serializers.CharField()
-    limit = serializers.DecimalField(max_digits=14, decimal_places=2, allow_null=True)
-    ratio = serializers.FloatField(allow_null=True, help_text="spend / limit; null without a limit")
-    warn = serializers.BooleanField()
-    blocked = serializers.BooleanField()
+    limit = serializers.DecimalField(max_digits=14, decimal_places=2, allow_null=True,
+                                     help_text="null: no limit; 0: nothing may be spent (blocked from the start)")
+    ratio = serializers.FloatField(allow_null=True, help_text="spend / limit; null without a limit or with a limit "
+                                                              "of 0")
+    warn = serializers.BooleanField(help_text="spend >= limit x the warning ratio (never without a limit)")
+    blocked = serializers.BooleanField(help_text="spend >= limit x the block ratio (never without a limit; always "
+                                                 "with a limit of 0): new orders and inference are refused")
     period_start = serializers.DateField()
     status = serializers.ChoiceField(choices=Invoice.Status.choices, allow_null=True,
                                      help_text="the month's invoice; null: no usage this month")
-    rated_at = serializers.DateTimeField(allow_null=True, help_text="when the spend was rated (a draft's last rating)")
+    rated_at = serializers.DateTimeField(
+        allow_null=True, help_text="how fresh the figure is: when the month's invoice was last rated (the rating beat "
+                                   "re-rates drafts every TESSERA_RATING_INTERVAL_S); null: no invoice this month")
 
 
 class UsageRowSerializer(serializers.Serializer):
@@ -423,16 +433,15 @@ class SpendView(GenericAPIView):
         period = billing.month_of(timezone.now())
         rows = selectors.spend(principal_for(request), period, tenant=q.get("tenant"), warning=q.get("warning"),
                                blocked=q.get("over_limit"))
-        page = self.paginate_queryset(rows)
         out = []
-        for t in page:
-            limit, amount = t["monthly_spend_limit"], billing.money(Decimal(t["spend"]))
-            ratio = (amount / limit) if limit else None
-            out.append({"tenant": t["slug"], "spend": str(amount), "currency": t["invoice_currency"] or t["currency"],
-                        "limit": None if limit is None else str(limit),
+        for row in self.paginate_queryset(rows):
+            s = Spend.from_row(row, period)
+            ratio = s.ratio
+            out.append({"tenant": s.slug, "spend": str(s.spend), "currency": s.currency,
+                        "limit": None if s.limit is None else str(s.limit),
                         "ratio": None if ratio is None else float(round(ratio, 4)),
-                        "warn": t["warn"], "blocked": t["is_blocked"], "period_start": period,
-                        "status": t["invoice_status"], "rated_at": t["rated_at"]})
+                        "warn": s.warn, "blocked": s.blocked, "period_start": period, "status": s.status,
+                        "rated_at": s.rated_at})
         return self.get_paginated_response(out)
 
 

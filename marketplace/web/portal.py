@@ -129,11 +129,7 @@ def act(request, call, success: str) -> bool:
 @portal_view
 def home(request):
     p, t = request.principal, request.tenant
-    spend = billing.spend_status(t) if p.can("billing", t.pk) else None
-    if spend and spend["limit"]:
-        spend["percent"] = min(100, int(spend["ratio"] * 100))
-        spend["warn_at"] = t.spend_warn_ratio * spend["limit"]
-        spend["block_at"] = t.spend_block_ratio * spend["limit"]
+    spend = billing.spend.of(t) if p.can("billing", t.pk) else None  # the figure orders and the gateway judge
     slices = order_sel.allocations(p).filter(tenant=t)
     live = slices.filter(state__in=LIVE_STATES)
     models = order_sel.deployments(p).filter(tenant=t).exclude(state=ModelDeployment.State.REMOVED)

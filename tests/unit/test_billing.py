@@ -138,22 +138,26 @@ def test_earlier_drafts_are_finalized_first(setup):
 
 
 def test_spend_limit_warns_then_blocks_orders(setup, h100_node, tiers):
+    """Orders judge the one spend figure (the month's invoice as last rated), not a rating of their own: the
+    beat's rating moves it, and the refusal says how fresh it is."""
     tenant, owner, tier, allocation, deployment = setup
     tenant.monthly_spend_limit = D("100.00")
     tenant.save()
     month_start = datetime.now(UTC).replace(day=1, hour=0, minute=0, second=0, microsecond=0)
     dep = deployment(allocation(None))  # no slice-hours: the spend is the tokens alone
     row = usage(tenant, dep, month_start, 164_000_000, 0)  # 164 M x 0.50 = 82.00: past 80%
-    assert billing.evaluate_spend(tenant) == ["warn"]
-    assert billing.evaluate_spend(tenant) == []  # once per month
+    billing.ensure_invoices(tenant=tenant)
+    assert billing.rate_tenant(tenant) == ["warn"]  # the rating beat: re-rate the draft, then judge it
+    assert billing.rate_tenant(tenant) == []  # once per month
     p = principal_for_user(owner)
     orders.create_order(p, tenant=tenant, tier=tiers["1g"])  # still allowed
-    UsageHourly.objects.filter(pk=row.pk).update(input_tokens=204_000_000)  # 102.00
-    with pytest.raises(billing.SpendLimitReached, match="spend limit reached"):
+    UsageHourly.objects.filter(pk=row.pk).update(input_tokens=204_000_000)  # 102.00, not rated yet
+    orders.create_order(p, tenant=tenant, tier=tiers["1g"])  # the figure is still 82.00 (as rated)
+    assert billing.rate_tenant(tenant) == ["block"]
+    with pytest.raises(billing.SpendLimitReached, match=r"spend limit is reached \(102.00 of 100.00 USD, as rated at "):
         orders.create_order(p, tenant=tenant, tier=tiers["1g"])
-    assert billing.evaluate_spend(tenant) == ["block"]
     assert set(SpendNotice.objects.values_list("level", flat=True)) == {"warn", "block"}
-    assert Allocation.objects.filter(tier=tiers["1g"]).count() == 1
+    assert Allocation.objects.filter(tier=tiers["1g"]).count() == 2
 
 
 class _Receiver(http.server.BaseHTTPRequestHandler):

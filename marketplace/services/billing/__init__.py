@@ -43,7 +43,7 @@ from .rating import (
     rate_months_many,
 )
 from .runs import finish_rating_run, rate_run_tenant, rate_tenant, start_rating_run
-from .spend import SpendLimitReached, check_can_order, evaluate_spend, spend_status
+from .spend import SpendLimitReached, check_can_order, evaluate_spend
 from .spread import COMMITMENT, SLICES, TOKENS, Spread, amount_between, amount_by_bucket, spread_amounts
 from .units import CENT, MILLION, bounds, money, month_of, months, next_month, seconds
 
@@ -54,5 +54,5 @@ __all__ = [
     "ensure_invoices", "evaluate_spend", "finalize", "finalize_due", "finalize_tenant_due", "finish_rating_run",
     "invoice_payload", "issue_credit_note", "list_price_per_hour", "money", "month_of", "months", "next_month",
     "period_currency", "periods_used", "rate", "rate_month", "rate_months_many", "rate_run_tenant", "rate_tenant",
-    "rating_failed", "refresh", "resolve_alerts", "seconds", "spend_status", "spread_amounts", "start_rating_run",
+    "rating_failed", "refresh", "resolve_alerts", "seconds", "spread_amounts", "start_rating_run",
 ]
