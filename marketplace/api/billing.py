@@ -218,6 +218,9 @@ class UsageSummarySerializer(serializers.Serializer):
 
 
 class CreditNoteLineSerializer(serializers.ModelSerializer):
+    amount = serializers.DecimalField(max_digits=14, decimal_places=2, read_only=True,
+                                      help_text="what is credited on the invoice line: positive")
+
     class Meta:
         model = CreditNoteLine
         fields = ["id", "invoice_line", "description", "amount"]
@@ -257,11 +260,14 @@ class CreditNoteRequestSerializer(serializers.Serializer):
 
 
 class CreditNoteExportSerializer(serializers.Serializer):
+    """The JSON export (the same body the credit_note.issued webhook carries). Amounts are what is credited,
+    positive, as in the CSV export and the credit note itself (billing.credit_notes: one sign convention)."""
+
     number = serializers.CharField()
     invoice = serializers.CharField()
     tenant = serializers.CharField()
     currency = serializers.CharField()
-    total = serializers.DecimalField(max_digits=14, decimal_places=2)
+    total = serializers.DecimalField(max_digits=14, decimal_places=2, help_text="what is credited in all: positive")
     reason = serializers.CharField()
     issued_at = serializers.DateTimeField()
     lines = CreditNoteLineSerializer(many=True)
@@ -279,17 +285,40 @@ class CsvRenderer(renderers.BaseRenderer):
     def render(self, data, accepted_media_type=None, renderer_context=None):
         if isinstance(data, str | bytes):
             return data
-        return "\n".join(f"{k},{v}" for k, v in (data or {}).items())  # errors, e.g. {"detail": ...}
+        return "\n".join(f"{k},{v}" for k, v in (data or {}).items())  # (errors are rendered as JSON: below)
 
 
 class JsonErrorsMixin:
-    """Errors are JSON whatever format was asked (an integrator's client parses them as JSON, CSV export included)."""
+    """Errors are JSON whatever format was asked (an integrator's client parses them as JSON, CSV export included),
+    a 406 too (the request named no media type the operation renders, so none was chosen)."""
 
     def finalize_response(self, request, response, *args, **kwargs):
-        if response.status_code >= 400 and getattr(getattr(request, "accepted_renderer", None), "format", "") == "csv":
+        if response.status_code >= 400 and getattr(getattr(request, "accepted_renderer", None), "format",
+                                                   "csv") == "csv":
             request.accepted_renderer = renderers.JSONRenderer()
             request.accepted_media_type = "application/json"
         return super().finalize_response(request, response, *args, **kwargs)
+
+
+def csv_answer(text: str, filename: str) -> Response:
+    resp = Response(text, content_type="text/csv; charset=utf-8")
+    resp["Content-Disposition"] = f'attachment; filename="{filename}.csv"'
+    return resp
+
+
+#: The exports' CSV, documented as what it is (text/csv, a string): a generated client returns it as text.
+INVOICE_CSV = OpenApiResponse(response=OpenApiTypes.STR, description=(
+    "The invoice as CSV (UTF-8): a header row (invoice, its number or `draft`, tenant, period, currency, status), "
+    "a column row (kind, tier, deployment, description, quantity, unit, unit_price, amount, usage_from, usage_to), "
+    "one row per line (usage first, then commitment top-ups), a `total` row, then one `credit_note` row per credit "
+    "note correcting it (number, reason, the amount credited: positive, issued_at)."))
+CREDIT_NOTE_CSV = OpenApiResponse(response=OpenApiTypes.STR, description=(
+    "The credit note as CSV (UTF-8): a header row (credit_note, number, invoice, tenant, currency), a column row "
+    "(invoice_line, description, amount), one row per line (the amount credited: positive), a `total` row, then "
+    "one `recharge` row per corrected charge the next invoice carries."))
+LEGACY_CSV = ("`?format=csv` is still answered with the CSV of `export/csv/` for links made before it existed; "
+              "it is not part of this operation's documented answer (a generated client calls `export/csv/`).")
+LEGACY_FORMAT = OpenApiParameter("format", exclude=True)  # (drf-spectacular would offer format=csv here)
 
 
 class InvoiceViewSet(JsonErrorsMixin, ScopedViewSetMixin, viewsets.ReadOnlyModelViewSet):
@@ -302,8 +331,8 @@ class InvoiceViewSet(JsonErrorsMixin, ScopedViewSetMixin, viewsets.ReadOnlyModel
     filterset_class = InvoiceFilter
     ordering_fields = ["period_start", "total", "number"]
     ordering = ["-period_start", "tenant__slug"]
-    capabilities = {"list": "billing", "retrieve": "billing", "export": "billing", "refresh": "refresh_billing",
-                    "finalize": "operate", "credit_note": "operate"}
+    capabilities = {"list": "billing", "retrieve": "billing", "export": "billing", "export_csv": "billing",
+                    "refresh": "refresh_billing", "finalize": "operate", "credit_note": "operate"}
 
     def get_serializer_class(self):
         return InvoiceListSerializer if self.action == "list" else InvoiceSerializer
@@ -336,20 +365,21 @@ class InvoiceViewSet(JsonErrorsMixin, ScopedViewSetMixin, viewsets.ReadOnlyModel
             return queryset
         return super().filter_queryset(queryset)
 
-    @extend_schema(parameters=[OpenApiParameter("format", str, enum=["csv", "json"])],
-                   responses={(200, "application/json"): InvoiceExportSerializer,
-                              (200, "text/csv"): OpenApiResponse(
-                                  response=OpenApiTypes.STR,
-                                  description="the invoice as CSV: a header row, the lines (usage first, then "
-                                              "commitment top-ups), a total row")})
+    @extend_schema(description=f"The invoice as JSON (the body of the invoice.finalized webhook). {LEGACY_CSV}",
+                   parameters=[LEGACY_FORMAT], responses={(200, "application/json"): InvoiceExportSerializer})
     @action(detail=True, methods=["get"], renderer_classes=[renderers.JSONRenderer, CsvRenderer])
     def export(self, request, pk=None):
         invoice = self.get_object()
         if request.accepted_renderer.format == "csv":
-            resp = Response(invoice_csv(invoice), content_type="text/csv; charset=utf-8")
-            resp["Content-Disposition"] = f'attachment; filename="{invoice.number or f"draft-{invoice.pk}"}.csv"'
-            return resp
+            return csv_answer(invoice_csv(invoice), invoice.number or f"draft-{invoice.pk}")
         return Response(billing.invoice_payload(invoice))
+
+    @extend_schema(summary="The invoice as CSV", responses={(200, "text/csv"): INVOICE_CSV})
+    @action(detail=True, methods=["get"], url_path="export/csv", url_name="export-csv",
+            renderer_classes=[CsvRenderer])
+    def export_csv(self, request, pk=None):
+        invoice = self.get_object()
+        return csv_answer(invoice_csv(invoice), invoice.number or f"draft-{invoice.pk}")
 
     @extend_schema(request=None, responses=InvoiceSerializer)
     @action(detail=True, methods=["post"])
@@ -390,20 +420,24 @@ class CreditNoteViewSet(JsonErrorsMixin, ScopedViewSetMixin, viewsets.ReadOnlyMo
     filterset_fields = ["invoice", "currency"]
     ordering_fields = ["issued_at", "number", "total"]
     ordering = ["-issued_at"]
-    capabilities = {"list": "billing", "retrieve": "billing", "export": "billing"}
+    capabilities = {"list": "billing", "retrieve": "billing", "export": "billing", "export_csv": "billing"}
 
-    @extend_schema(parameters=[OpenApiParameter("format", str, enum=["csv", "json"])],
-                   responses={(200, "application/json"): CreditNoteExportSerializer,
-                              (200, "text/csv"): OpenApiResponse(response=OpenApiTypes.STR,
-                                                                 description="the credit note as CSV")})
+    @extend_schema(description=f"The credit note as JSON (the body of the credit_note.issued webhook). "
+                               f"{LEGACY_CSV}",
+                   parameters=[LEGACY_FORMAT], responses={(200, "application/json"): CreditNoteExportSerializer})
     @action(detail=True, methods=["get"], renderer_classes=[renderers.JSONRenderer, CsvRenderer])
     def export(self, request, pk=None):
         cn = self.get_object()
         if request.accepted_renderer.format == "csv":
-            resp = Response(credit_note_csv(cn), content_type="text/csv; charset=utf-8")
-            resp["Content-Disposition"] = f'attachment; filename="{cn.number}.csv"'
-            return resp
+            return csv_answer(credit_note_csv(cn), cn.number)
         return Response(billing.credit_note_payload(cn))
+
+    @extend_schema(summary="The credit note as CSV", responses={(200, "text/csv"): CREDIT_NOTE_CSV})
+    @action(detail=True, methods=["get"], url_path="export/csv", url_name="export-csv",
+            renderer_classes=[CsvRenderer])
+    def export_csv(self, request, pk=None):
+        cn = self.get_object()
+        return csv_answer(credit_note_csv(cn), cn.number)
 
 
 class SpendQuery(serializers.Serializer):

@@ -102,8 +102,8 @@ def credit_note_payload(cn) -> dict:
     return {
         "number": cn.number, "invoice": cn.invoice.number, "tenant": cn.tenant.slug, "currency": cn.currency,
         "total": str(cn.total), "reason": cn.reason, "issued_at": cn.issued_at.isoformat(),
-        "lines": [{"invoice_line": li.invoice_line_id, "description": li.description, "amount": str(li.amount)}
-                  for li in cn.lines.order_by("pk")],
+        "lines": [{"id": li.pk, "invoice_line": li.invoice_line_id, "description": li.description,
+                   "amount": str(li.amount)} for li in cn.lines.order_by("pk")],
         "recharge": cn.recharge,
         "recharged_on": cn.recharged_on.number if cn.recharged_on_id else None,
     }
