@@ -47,6 +47,10 @@ class CreditNoteBriefSerializer(serializers.ModelSerializer):
 
 
 class InvoiceSerializer(serializers.ModelSerializer):
+    """An invoice with its lines and credit notes: the schema of the invoice reads. The reads themselves answer
+    through its SECOND COPY kept for speed, `InvoiceRows` (below), held equal to this serializer and
+    InvoiceListSerializer by the property test tests/unit/test_invoice_rows.py."""
+
     tenant: serializers.SlugRelatedField[Tenant] = serializers.SlugRelatedField(slug_field="slug", read_only=True)
     lines = InvoiceLineSerializer(many=True, read_only=True)
     credit_notes = CreditNoteBriefSerializer(many=True, read_only=True, help_text="credit notes correcting it")
@@ -62,9 +66,10 @@ class InvoiceListSerializer(InvoiceSerializer):
         fields = [f for f in InvoiceSerializer.Meta.fields if f != "lines"]
 
 
-# The invoice reads (list, detail) answer from rows (selectors' .values()) through these: what the serializers
-# above would write for the same rows (their fields' own to_representation; tests compare the two), without
-# building model instances and walking the serializer's fields for each. The serializers stay the schema.
+# The invoice reads (list, detail) answer from rows (selectors' .values()) through these: a SECOND COPY, kept for
+# speed, of what the serializers above write for the same rows (their fields' own to_representation), without
+# building model instances and walking the serializer's fields for each. The serializers stay the schema;
+# tests/unit/test_invoice_rows.py holds the two equal (a property test).
 _DATE = serializers.DateField()
 _DATETIME = serializers.DateTimeField()
 _MONEY = serializers.DecimalField(max_digits=14, decimal_places=2)

@@ -52,6 +52,7 @@ from marketplace.selectors import orders as orders_sel
 from marketplace.selectors.exports import invoice_csv
 from marketplace.services import billing, fleet, offers, orders
 from marketplace.services.billing import spend
+from marketplace.services.billing.plans import in_force
 from marketplace.services.billing.spend import Spend
 from marketplace.services.fleet import DiscoveredGpu
 from marketplace.web.tables import Column, Filtered, Table, filtered, table
@@ -433,20 +434,12 @@ def tenant_activate(request, pk: int):
 # --- tiers and prices ---------------------------------------------------------------------------
 
 def plan_rows(plans, now) -> list[dict]:
-    """Plans (newest first) with their status: scheduled, in force (one per kind and currency), past."""
-    seen = set()
-    out = []
-    for p in plans:
-        key = (p.kind, p.currency)
-        if p.effective_from > now:
-            status = "scheduled"
-        elif key not in seen:
-            status = "in force"
-            seen.add(key)
-        else:
-            status = "past"
-        out.append({"plan": p, "status": status})
-    return out
+    """Plans (in their order) with their status: scheduled, in force (one per kind and currency, `in_force`),
+    past."""
+    plans = list(plans)
+    current = {p.pk for p in in_force(plans, now).values()}
+    return [{"plan": p, "status": "scheduled" if p.effective_from > now else "in force" if p.pk in current
+             else "past"} for p in plans]
 
 
 @require_GET

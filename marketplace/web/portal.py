@@ -29,6 +29,7 @@ from marketplace.selectors.catalog import AVAILABILITY_CAP, availability
 from marketplace.selectors.exports import invoice_csv
 from marketplace.services import billing, deployments, inference, orders
 from marketplace.services import models as model_svc
+from marketplace.services.billing.plans import in_force
 from marketplace.web.tables import Column, table
 from telemetry import charts
 from telemetry.selectors import deployment_latency, deployment_served, usage_summary
@@ -142,11 +143,7 @@ def home(request):
 # --- catalog and orders -------------------------------------------------------------------------
 
 def price_of(tier, currency: str, kind: str = PricePlan.Kind.ON_DEMAND):
-    now = timezone.now()
-    for plan in tier.plans.all():  # prefetched, newest first
-        if plan.currency == currency and plan.kind == kind and plan.effective_from <= now:
-            return plan
-    return None
+    return in_force(tier.plans.all(), timezone.now()).get((kind, currency))  # (prefetched)
 
 
 @portal_view

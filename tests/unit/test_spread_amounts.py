@@ -180,3 +180,33 @@ def test_spread_amounts_for_a_tenant_billed_in_a_currency_without_plans(catalog,
     out = billing.spread_amounts([t], T0, T0 + timedelta(days=1), T0 + timedelta(days=2), step=3600)
     assert not any(out.money.values())
     assert sum(u[0] for u in out.used.values()) == 1500
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(usage=usage, step=st.sampled_from([3600, 86400, 10**9]), by_tier=st.booleans(),
+       edges=st.tuples(st.integers(0, 60), st.integers(1, 100)))
+def test_raw_rows_are_the_querysets_own_rows(fleet, usage, step, by_tier, edges):
+    """spread._raw_rows reads the token sums (spread.token_sums) without Django's per-value converters: a second
+    copy of Django's row reading, for that query shape only; its rows are the queryset's own, number for number."""
+    from marketplace.services.billing.plans import PlanBook
+    from marketplace.services.billing.spread import _raw_rows, token_sums
+
+    tier, tenants = fleet
+    with transaction.atomic():
+        first = T0 - timedelta(hours=1)
+        for who, dep, h, adapter, ins, outs in usage:
+            t, _, deps = tenants[who]
+            row, _ = UsageHourly.objects.get_or_create(tenant=t, deployment=deps[dep], adapter=adapter,
+                                                       hour=first + timedelta(hours=h))
+            UsageHourly.objects.filter(pk=row.pk).update(input_tokens=row.input_tokens + ins,
+                                                         output_tokens=row.output_tokens + outs, requests=2)
+        lo = T0 + timedelta(hours=edges[0])
+        pieces = (step, lo, lo + timedelta(hours=edges[1]))
+        for currency in ("USD", "EUR"):
+            qs, _ = token_sums(UsageHourly.objects.all(), PlanBook(currency), pieces, by_tier)
+            assert _numbers(_raw_rows(qs)) == _numbers(qs)
+        transaction.set_rollback(True)
+
+
+def _numbers(rows) -> list[tuple]:
+    return sorted(tuple(None if v is None else Decimal(str(v)) for v in r) for r in rows)

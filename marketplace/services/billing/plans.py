@@ -1,10 +1,21 @@
 """Prices in force: a plan is in force for its tier, plan kind and currency from its `effective_from` until the
-next plan of the same tier, kind and currency starts (marketplace.models.offers)."""
+next plan of the same tier, kind and currency starts (marketplace.models.offers).
+
+The rule is `in_force` (Python). Its copies, each held equal to it by the property test
+tests/unit/test_price_in_force.py:
+
+* `PlanBook.at` and `PlanBook.spans`: the rule over a book sorted once per rating run, at an instant and over an
+  interval (slice-hours are split where the plan in force changes);
+* `PlanBook.case` and `PlanBook.token_money`: a SECOND COPY in SQL (conditions from `PlanBook._in_force`), kept for
+  speed: the database groups and prices the hourly rollups by the plan in force instead of returning every hour;
+* `marketplace.services.orders.plan_in_force`: the ORM's (latest `effective_from` at or before the time), for one
+  tier, kind and currency when an order is placed.
+"""
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from datetime import datetime
 from decimal import Decimal
 
@@ -16,11 +27,25 @@ from marketplace.models import PricePlan
 from .units import MILLION
 
 
+def in_force(plans: Iterable[PricePlan], at: datetime) -> dict[tuple[str, str], PricePlan]:
+    """THE rule: among `plans` (one tier's, in any order, e.g. prefetched newest first), the plan in force at `at`
+    per (kind, currency): the one with the latest `effective_from` at or before `at`. A (kind, currency) without
+    one is absent: no price in force there (the rating alerts; never a silent 0)."""
+    out: dict[tuple[str, str], PricePlan] = {}
+    for p in plans:
+        if p.effective_from <= at:
+            best = out.get((p.kind, p.currency))
+            if best is None or p.effective_from > best.effective_from:
+                out[(p.kind, p.currency)] = p
+    return out
+
+
 class PlanBook:
-    """The plans of one currency, loaded once per rating run; answers 'which plan at time t' and
-    'which plans over [a, b)'."""
+    """The plans of one currency, loaded once per rating run; answers 'which plan at time t' (`at`, `case`) and
+    'which plans over [a, b)' (`spans`), each by `in_force`'s rule."""
 
     def __init__(self, currency: str, plans: list[PricePlan] | None = None):
+        self.currency = currency
         self.by_key: dict[tuple[int, str], list[PricePlan]] = defaultdict(list)
         self.by_pk: dict[int, PricePlan] = {}
         if plans is None:
@@ -42,12 +67,14 @@ class PlanBook:
 
     def case(self, tier: str, kind: str, at: str) -> Case:
         """A SQL expression: the pk of the plan in force for the row's tier and plan kind at its time `at`
-        (null: no price in force). The same rule as `at`, for the database to group by."""
+        (null: no price in force). A SECOND COPY of `in_force` in SQL (see the module docstring), for the database
+        to group by."""
         whens = [When(cond, then=Value(p.pk)) for p, cond in self._in_force(tier, kind, at)]
         return Case(*whens, default=Value(None), output_field=IntegerField())
 
     def _in_force(self, tier: str, kind: str, at: str) -> Iterator[tuple[PricePlan, Q]]:
-        """Each plan and the condition on a row's tier, plan kind and time `at` under which it is in force."""
+        """Each plan and the condition on a row's tier, plan kind and time `at` under which it is in force: from
+        its start until the next plan of its tier and kind in this book starts (`in_force`'s rule, in SQL)."""
         for (tier_id, plan_kind), plans in self.by_key.items():
             for i, p in enumerate(plans):
                 span = {f"{at}__gte": p.effective_from}
@@ -73,15 +100,12 @@ class PlanBook:
         return Case(*whens, default=nothing, output_field=DecimalField()), scale * MILLION
 
     def at(self, tier_id: int, kind: str, t: datetime) -> PricePlan | None:
-        found = None
-        for p in self.by_key.get((tier_id, kind), ()):
-            if p.effective_from <= t:
-                found = p
-            else:
-                break
-        return found
+        """The plan in force for a tier and plan kind at `t` (`in_force`)."""
+        return in_force(self.by_key.get((tier_id, kind), ()), t).get((kind, self.currency))
 
     def spans(self, tier_id: int, kind: str, a: datetime, b: datetime) -> list[tuple[PricePlan, datetime, datetime]]:
+        """[a, b) cut where the plan in force changes: (plan, from, to) for each part with a plan in force (`at` of
+        every instant of the part is its plan); the parts before the first plan starts are left out."""
         plans = self.by_key.get((tier_id, kind), [])
         out = []
         for i, p in enumerate(plans):

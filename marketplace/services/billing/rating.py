@@ -4,7 +4,8 @@ Rating turns what a tenant used in a calendar month into priced lines, with the 
 force at the time of each use: slice-hours of its allocations while active (per second, split at
 every price change) and input/output tokens of its deployments per hour, each LoRA adapter on its own
 line (from the hourly rollups, never the raw events). `rate_month` is the rule (no queries); `rate` loads one
-tenant-month for it, `rate_months_many` many tenants at once. Usage that arrives later for a finalized month goes
+tenant-month for it, `rate_months_many` many tenants at once; the charts' money is its second copy, kept for speed
+(billing.spread, named there and held equal by a property test). Usage that arrives later for a finalized month goes
 onto the next invoice as adjustment lines.
 
 Reserved plans carry a monthly commitment (`PricePlan.monthly_commit`, a minimum billed per month).
@@ -267,7 +268,11 @@ def rate_month(inp: MonthInputs, start: datetime, end: datetime, now: datetime
     """The rating rule itself (no queries): slice-hours of every allocation while active, per second,
     each plan span at its own price; tokens at the plan in force at their hour (late usage of finalized
     months as adjustments); reserved commitments topped up. Returns the month's drafts, what had no
-    price, and late usage at reserved plans per (month, plan) for the commitment credits."""
+    price, and late usage at reserved plans per (month, plan) for the commitment credits.
+
+    Its linear part has a SECOND COPY kept for speed, the charts' money (billing.spread.spread_amounts: the same
+    prices over a range and its buckets without a line per deployment), held equal to this rule's lines by the
+    property test tests/unit/test_spread_amounts.py."""
     book, currency = inp.book, inp.currency
     unpriced: dict[str, None] = {}
     drafts: dict[tuple, Draft] = {}

@@ -28,11 +28,13 @@ from marketplace.models import Allocation, PricePlan
 from telemetry.models import UsageHourly
 from tenants.models import Tenant
 
+from .plans import PlanBook
 from .rating import (
     PLAN_KIND,
     TIER,
     Draft,
     L,
+    Pieces,
     active_allocations,
     books_of_month,
     piece_case,
@@ -141,13 +143,7 @@ def spread_amounts(tenants: list[Tenant], start: datetime, end: datetime, now: d
         for cur, book in books.items():
             rows = UsageHourly.objects.filter(tenant_id__in=[t for t in ids if currency_of[t] == cur],
                                               hour__gte=max(m_start, lo - hour), hour__lt=min(m_end, hi + hour))
-            # the database prices the tokens (the plan in force at each hour) and sums them per tenant[, tier]
-            # and piece: one row per bucket, whatever the plans, deployments and hours
-            priced, divisor = book.token_money(TIER, PLAN_KIND, "hour")
-            keys = ["tenant_id", TIER] if by_tier else ["tenant_id"]
-            qs = (rows.annotate(piece=piece_case((piece_step, lo, hi))).values_list(*keys, "piece")
-                  .annotate(i=Sum("input_tokens"), o=Sum("output_tokens"), r=Sum("requests"), m=Sum(priced))
-                  .order_by())
+            qs, divisor = token_sums(rows, book, (piece_step, lo, hi), by_tier)
             acc, used = out.money, out.used
             of_piece: dict[int, tuple[datetime | None, bool, Decimal | None]] = {}
             for row in _raw_rows(qs):
@@ -176,6 +172,18 @@ def spread_amounts(tenants: list[Tenant], start: datetime, end: datetime, now: d
                     amount = amount * edge_s / 3600
                 acc[(tid, cur, tier_key, TOKENS, bucket)] += amount
     return out
+
+
+def token_sums(rows: QuerySet, book: PlanBook, pieces: Pieces, by_tier: bool) -> tuple[QuerySet, Decimal]:
+    """The database prices the tokens of the hourly `rows` (the plan in force at each hour) and sums them per
+    tenant[, tier] and piece: one row per bucket, whatever the plans, deployments and hours. Rows (read with
+    `_raw_rows`): tenant id[, tier id], piece, input tokens, output tokens, requests, money x the divisor returned
+    (null: no price in force)."""
+    priced, divisor = book.token_money(TIER, PLAN_KIND, "hour")
+    keys = ["tenant_id", TIER] if by_tier else ["tenant_id"]
+    qs = (rows.annotate(piece=piece_case(pieces)).values_list(*keys, "piece")
+          .annotate(i=Sum("input_tokens"), o=Sum("output_tokens"), r=Sum("requests"), m=Sum(priced)).order_by())
+    return qs, divisor
 
 
 def _raw_rows(qs: QuerySet) -> list[tuple]:
