@@ -135,7 +135,7 @@ class UsageHourlyFactory(factory.django.DjangoModelFactory):
     tenant = factory.SelfAttribute("deployment.tenant")
     input_tokens = 0
     output_tokens = 0
-    requests = 1
+    requests = 0
 
 
 class InvoiceLineFactory(factory.django.DjangoModelFactory):

@@ -16,11 +16,18 @@ from pathlib import Path
 
 import pytest
 
-from marketplace.models import Allocation, ModelDeployment, Order, PricePlan
+from marketplace.models import PricePlan
 from marketplace.services import billing
-from telemetry.models import UsageHourly
 from tenants.scoping import principal_for_user
-from tests.factories import OperatorFactory, TenantFactory, make_key
+from tests.factories import (
+    AllocationFactory,
+    DeploymentFactory,
+    OperatorFactory,
+    OrderFactory,
+    TenantFactory,
+    UsageHourlyFactory,
+    make_key,
+)
 
 GENERATOR = shutil.which("openapi-python-client") or str(Path(sys.executable).with_name("openapi-python-client"))
 pytestmark = [
@@ -54,13 +61,13 @@ def test_generated_client_calls_the_billing_endpoints(generated_client, live_ser
     tenant = TenantFactory(slug="integrator")
     tier = tiers["3g"]
     PricePlan.objects.filter(tier=tier).update(effective_from=T0 - timedelta(days=30))
-    order = Order.objects.create(tenant=tenant, tier=tier)
-    alloc = Allocation.objects.create(order=order, tenant=tenant, tier=tier, state="active", activated_at=T0,
-                                      released_at=T0 + timedelta(hours=3))
-    dep = ModelDeployment.objects.create(allocation=alloc, tenant=tenant, name="llm", backend="python", spec={},
-                                         memory_mb=10, state="ready", created_at=T0)
-    UsageHourly.objects.create(tenant=tenant, deployment=dep, hour=T0 + timedelta(hours=1), input_tokens=1_000_000,
-                               output_tokens=500_000, requests=3)
+    order = OrderFactory(tenant=tenant, tier=tier)
+    alloc = AllocationFactory(order=order, tenant=tenant, tier=tier, state="active", activated_at=T0,
+                              released_at=T0 + timedelta(hours=3))
+    dep = DeploymentFactory(allocation=alloc, tenant=tenant, name="llm", backend="python", spec={},
+                            memory_mb=10, state="ready", created_at=T0)
+    UsageHourlyFactory(tenant=tenant, deployment=dep, hour=T0 + timedelta(hours=1), input_tokens=1_000_000,
+                       output_tokens=500_000, requests=3)
     inv = billing.finalize(billing.draft_for(tenant, T0.date()), now=datetime(2026, 11, 2, tzinfo=UTC))
     line = inv.lines.order_by("pk").first()
     cn = billing.issue_credit_note(principal_for_user(OperatorFactory()), inv, reason="goodwill",

@@ -14,8 +14,6 @@ import pytest
 
 from marketplace.models import (
     Allocation,
-    ModelDeployment,
-    Order,
     PricePlan,
     SpendNotice,
     WebhookDelivery,
@@ -26,7 +24,16 @@ from telemetry.models import UsageHourly
 from tenants.errors import Conflict, ServiceError
 from tenants.roles import Role
 from tenants.scoping import principal_for_user
-from tests.factories import MembershipFactory, TenantFactory, make_key
+from tests.factories import (
+    AllocationFactory,
+    DeploymentFactory,
+    MembershipFactory,
+    OrderFactory,
+    PricePlanFactory,
+    TenantFactory,
+    UsageHourlyFactory,
+    make_key,
+)
 
 pytestmark = pytest.mark.django_db
 OCT = date(2026, 10, 1)
@@ -44,22 +51,22 @@ def setup(catalog, tiers):
                                                price_per_slice_hour=D("2.0000"),
                                                price_per_1m_input_tokens=D("0.5000"),
                                                price_per_1m_output_tokens=D("1.5000"))
-    order = Order.objects.create(tenant=tenant, tier=tier)
+    order = OrderFactory(tenant=tenant, tier=tier)
 
     def allocation(active_from, released=None):
-        return Allocation.objects.create(order=order, tenant=tenant, tier=tier, state="active",
-                                         activated_at=active_from, released_at=released)
+        return AllocationFactory(order=order, tenant=tenant, tier=tier, state="active",
+                                 activated_at=active_from, released_at=released)
 
     def deployment(alloc, name="llm"):
-        return ModelDeployment.objects.create(allocation=alloc, tenant=tenant, name=name, backend="python",
-                                              spec={}, memory_mb=10, state="ready")
+        return DeploymentFactory(allocation=alloc, tenant=tenant, name=name, backend="python",
+                                 spec={}, memory_mb=10, state="ready")
 
     return tenant, owner, tier, allocation, deployment
 
 
 def usage(tenant, dep, hour, i, o, req=1):
-    return UsageHourly.objects.create(tenant=tenant, deployment=dep, hour=hour, input_tokens=i, output_tokens=o,
-                                      requests=req)
+    return UsageHourlyFactory(tenant=tenant, deployment=dep, hour=hour, input_tokens=i, output_tokens=o,
+                              requests=req)
 
 
 def test_total_is_sum_of_lines_and_of_rated_usage(setup):
@@ -82,8 +89,8 @@ def test_total_is_sum_of_lines_and_of_rated_usage(setup):
 def test_mid_month_price_change_rates_each_hour_with_its_own_price(setup):
     tenant, _, tier, allocation, deployment = setup
     change = T0 + timedelta(days=15, hours=12)
-    PricePlan.objects.create(tier=tier, currency="USD", effective_from=change, price_per_slice_hour=D("3.0000"),
-                             price_per_1m_input_tokens=D("0.2500"), price_per_1m_output_tokens=D("1.0000"))
+    PricePlanFactory(tier=tier, currency="USD", effective_from=change, price_per_slice_hour=D("3.0000"),
+                     price_per_1m_input_tokens=D("0.2500"), price_per_1m_output_tokens=D("1.0000"))
     a = allocation(change - timedelta(hours=10), change + timedelta(hours=6))
     dep = deployment(a)
     usage(tenant, dep, change - timedelta(hours=1), 2_000_000, 1_000_000)  # old price

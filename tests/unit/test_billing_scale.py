@@ -32,7 +32,7 @@ from tenants.errors import ServiceError
 from tenants.models import AuditEvent
 from tenants.scoping import principal_for_user
 from tests.billing_reference import rate_all
-from tests.factories import AllocationFactory, DeploymentFactory, OrderFactory, TenantFactory
+from tests.factories import AllocationFactory, DeploymentFactory, OrderFactory, TenantFactory, UsageHourlyFactory
 from tests.fleet_fixtures import make_node
 
 pytestmark = pytest.mark.django_db
@@ -46,8 +46,8 @@ def _tenant_with_usage(slug, tier, tokens=1_000_000, limit=None, hours=1):
     dep = DeploymentFactory(name="llm", allocation=AllocationFactory(
         order=OrderFactory(tenant=tenant, tier=tier), activated_at=start, released_at=start + timedelta(hours=1)))
     for h in range(hours):
-        UsageHourly.objects.create(tenant=tenant, deployment=dep, hour=start + timedelta(hours=h),
-                                   input_tokens=tokens, output_tokens=0, requests=1)
+        UsageHourlyFactory(tenant=tenant, deployment=dep, hour=start + timedelta(hours=h),
+                           input_tokens=tokens, output_tokens=0, requests=1)
     return tenant
 
 
@@ -126,8 +126,8 @@ def _last_month_usage(slug, tier, tokens=1_000_000):
     hour = timezone.now().replace(day=1, hour=0, minute=0, second=0, microsecond=0) - timedelta(hours=1)
     dep = DeploymentFactory(name="llm", allocation=AllocationFactory(
         order=OrderFactory(tenant=tenant, tier=tier), activated_at=hour, released_at=hour + timedelta(hours=1)))
-    UsageHourly.objects.create(tenant=tenant, deployment=dep, hour=hour, input_tokens=tokens, output_tokens=0,
-                               requests=1)
+    UsageHourlyFactory(tenant=tenant, deployment=dep, hour=hour, input_tokens=tokens, output_tokens=0,
+                       requests=1)
     return tenant
 
 
@@ -204,8 +204,8 @@ def test_a_tenants_month_end_task_makes_the_same_queries_for_more_tenants(priced
 def _tenant_usage_now(tenant, tier):
     start = timezone.now().replace(day=1, hour=0, minute=0, second=0, microsecond=0)
     dep = tenant.deployments.first()
-    UsageHourly.objects.create(tenant=tenant, deployment=dep, hour=start, input_tokens=1_000_000, output_tokens=0,
-                               requests=1)
+    UsageHourlyFactory(tenant=tenant, deployment=dep, hour=start, input_tokens=1_000_000, output_tokens=0,
+                       requests=1)
 
 
 def test_spend_list_is_paginated_filtered_and_does_not_rate(priced, as_user, operator):

@@ -11,11 +11,8 @@ from decimal import Decimal
 import pytest
 
 from marketplace.models import (
-    Allocation,
     CreditNote,
     InvoiceLine,
-    ModelDeployment,
-    Order,
     PricePlan,
     WebhookDelivery,
     WebhookEndpoint,
@@ -25,7 +22,16 @@ from telemetry.models import UsageHourly
 from tenants.errors import Conflict, Forbidden
 from tenants.roles import Role
 from tenants.scoping import principal_for_user
-from tests.factories import MembershipFactory, TenantFactory, make_key
+from tests.factories import (
+    AllocationFactory,
+    DeploymentFactory,
+    MembershipFactory,
+    OrderFactory,
+    PricePlanFactory,
+    TenantFactory,
+    UsageHourlyFactory,
+    make_key,
+)
 
 pytestmark = pytest.mark.django_db
 D = Decimal
@@ -41,9 +47,9 @@ def billed(catalog, tiers):
     tier = tiers["3g"]
     PricePlan.objects.filter(tier=tier).update(effective_from=T0 - timedelta(days=30),
                                                price_per_slice_hour=D("2.0000"))
-    order = Order.objects.create(tenant=tenant, tier=tier)
-    Allocation.objects.create(order=order, tenant=tenant, tier=tier, state="active", activated_at=T0,
-                              released_at=T0 + timedelta(hours=10))
+    order = OrderFactory(tenant=tenant, tier=tier)
+    AllocationFactory(order=order, tenant=tenant, tier=tier, state="active", activated_at=T0,
+                      released_at=T0 + timedelta(hours=10))
     inv = billing.finalize(billing.draft_for(tenant, OCT), now=NOV2)
     return tenant, owner, inv
 
@@ -121,17 +127,17 @@ def test_console_issues_a_credit_note(billed, operator, as_user):
 def test_late_usage_that_would_lower_a_finalized_top_up_is_credited(catalog, tiers):
     tier = tiers["3g"]
     since = T0 - timedelta(days=30)
-    PricePlan.objects.create(tier=tier, kind="reserved", currency="USD", effective_from=since,
-                             price_per_slice_hour=D("0"), price_per_1m_input_tokens=D("1.0000"),
-                             price_per_1m_output_tokens=D("1.0000"), monthly_commit=D("100.00"))
+    PricePlanFactory(tier=tier, kind="reserved", currency="USD", effective_from=since,
+                     price_per_slice_hour=D("0"), price_per_1m_input_tokens=D("1.0000"),
+                     price_per_1m_output_tokens=D("1.0000"), monthly_commit=D("100.00"))
     t = TenantFactory(slug="resv")
-    order = Order.objects.create(tenant=t, tier=tier, plan_kind="reserved")
-    a = Allocation.objects.create(order=order, tenant=t, tier=tier, state="active", activated_at=T0,
-                                  released_at=datetime(2026, 11, 1, tzinfo=UTC))  # all October
-    dep = ModelDeployment.objects.create(allocation=a, tenant=t, name="llm", backend="python", spec={},
-                                         memory_mb=10, state="ready")
-    row = UsageHourly.objects.create(tenant=t, deployment=dep, hour=T0 + timedelta(hours=3),
-                                     input_tokens=30_000_000, output_tokens=0, requests=1)  # 30.00 at the plan
+    order = OrderFactory(tenant=t, tier=tier, plan_kind="reserved")
+    a = AllocationFactory(order=order, tenant=t, tier=tier, state="active", activated_at=T0,
+                          released_at=datetime(2026, 11, 1, tzinfo=UTC))  # all October
+    dep = DeploymentFactory(allocation=a, tenant=t, name="llm", backend="python", spec={},
+                            memory_mb=10, state="ready")
+    row = UsageHourlyFactory(tenant=t, deployment=dep, hour=T0 + timedelta(hours=3),
+                             input_tokens=30_000_000, output_tokens=0, requests=1)  # 30.00 at the plan
     oct_inv = billing.finalize(billing.draft_for(t, OCT), now=NOV2)
     assert oct_inv.lines.get(kind="commitment_topup").amount == D("70.00")
     UsageHourly.objects.filter(pk=row.pk).update(input_tokens=50_000_000)  # 20.00 more, late

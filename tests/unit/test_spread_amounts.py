@@ -14,11 +14,18 @@ from django.db import transaction
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from marketplace.models import Allocation, ModelDeployment, Order, PricePlan
+from marketplace.models import Allocation, Order, PricePlan
 from marketplace.services import billing
 from telemetry.models import UsageHourly
 from tests.billing_reference import rated_lines_many
-from tests.factories import TenantFactory
+from tests.factories import (
+    AllocationFactory,
+    DeploymentFactory,
+    OrderFactory,
+    PricePlanFactory,
+    TenantFactory,
+    UsageHourlyFactory,
+)
 
 pytestmark = pytest.mark.django_db
 D = Decimal
@@ -34,17 +41,17 @@ def fleet(catalog, tiers):
     tier = tiers["3g"]
     PricePlan.objects.filter(tier=tier).delete()
     for kind, currency in (("on_demand", "USD"), ("reserved", "USD"), ("on_demand", "EUR")):  # changed by examples
-        PricePlan.objects.create(tier=tier, kind=kind, currency=currency, effective_from=T0 - timedelta(days=60),
-                                 price_per_slice_hour=D("1.2345"), price_per_1m_input_tokens=D("0.3333"),
-                                 price_per_1m_output_tokens=D("0.7777"),
-                                 monthly_commit=D("900.00") if kind == "reserved" else None)
+        PricePlanFactory(tier=tier, kind=kind, currency=currency, effective_from=T0 - timedelta(days=60),
+                         price_per_slice_hour=D("1.2345"), price_per_1m_input_tokens=D("0.3333"),
+                         price_per_1m_output_tokens=D("0.7777"),
+                         monthly_commit=D("900.00") if kind == "reserved" else None)
     out = []
     for slug, currency, kind in (("od", "USD", "on_demand"), ("resv", "USD", "reserved"), ("eur", "EUR", "on_demand")):
         t = TenantFactory(slug=slug, currency=currency)
-        order = Order.objects.create(tenant=t, tier=tier, plan_kind=kind)
-        a = Allocation.objects.create(order=order, tenant=t, tier=tier, state="active", activated_at=T0)
-        deps = [ModelDeployment.objects.create(allocation=a, tenant=t, name=f"{slug}{i}", backend="python", spec={},
-                                               memory_mb=10, state="ready") for i in range(2)]
+        order = OrderFactory(tenant=t, tier=tier, plan_kind=kind)
+        a = AllocationFactory(order=order, tenant=t, tier=tier, state="active", activated_at=T0)
+        deps = [DeploymentFactory(allocation=a, tenant=t, name=f"{slug}{i}", backend="python", spec={},
+                                  memory_mb=10, state="ready") for i in range(2)]
         out.append((t, a, deps))
     return tier, out
 
@@ -137,12 +144,12 @@ def test_allocations_held_over_the_same_span_count_each(fleet):
     a.save()
     order = Order.objects.get(tenant=t)
     for state, released in (("active", a.released_at), ("failed", None), ("active", None)):
-        b = Allocation.objects.create(order=order, tenant=t, tier=tier, state=state, activated_at=a.activated_at,
-                                      released_at=released)
+        b = AllocationFactory(order=order, tenant=t, tier=tier, state=state, activated_at=a.activated_at,
+                              released_at=released)
         if state == "failed":  # stopped at its last change, the others' release
             Allocation.objects.filter(pk=b.pk).update(updated_at=a.released_at)
-    Allocation.objects.create(order=order, tenant=t, tier=tier, state="active", activated_at=T0,
-                              released_at=T0 + timedelta(minutes=20))  # this month's, released before the range
+    AllocationFactory(order=order, tenant=t, tier=tier, state="active", activated_at=T0,
+                      released_at=T0 + timedelta(minutes=20))  # this month's, released before the range
     start, end, now = T0 + timedelta(minutes=30), T0 + timedelta(days=2, minutes=45), T0 + timedelta(days=3)
     for step in (None, 3600, 86400):
         want: dict[tuple, Decimal] = defaultdict(Decimal)
@@ -171,12 +178,12 @@ def test_spread_amounts_for_a_tenant_billed_in_a_currency_without_plans(catalog,
     tier = tiers["3g"]
     assert not PricePlan.objects.filter(currency="CHF").exists()
     t = TenantFactory(slug="swiss", currency="CHF")
-    order = Order.objects.create(tenant=t, tier=tier, plan_kind="on_demand")
-    a = Allocation.objects.create(order=order, tenant=t, tier=tier, state="active", activated_at=T0)
-    dep = ModelDeployment.objects.create(allocation=a, tenant=t, name="d", backend="python", spec={}, memory_mb=10,
-                                         state="ready")
-    UsageHourly.objects.create(tenant=t, deployment=dep, hour=T0 + timedelta(hours=2), input_tokens=1000,
-                               output_tokens=500, requests=3)
+    order = OrderFactory(tenant=t, tier=tier, plan_kind="on_demand")
+    a = AllocationFactory(order=order, tenant=t, tier=tier, state="active", activated_at=T0)
+    dep = DeploymentFactory(allocation=a, tenant=t, name="d", backend="python", spec={}, memory_mb=10,
+                            state="ready")
+    UsageHourlyFactory(tenant=t, deployment=dep, hour=T0 + timedelta(hours=2), input_tokens=1000,
+                       output_tokens=500, requests=3)
     out = billing.spread_amounts([t], T0, T0 + timedelta(days=1), T0 + timedelta(days=2), step=3600)
     assert not any(out.money.values())
     assert sum(u[0] for u in out.used.values()) == 1500
