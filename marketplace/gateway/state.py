@@ -126,7 +126,7 @@ def load_snapshot() -> Snapshot:
     # the spend figure and rule every reader uses (billing.spend): the month's invoice as last rated
     month = month_of(timezone.now())
     for t in spend.figures(Tenant.objects.all(), month).values(
-            *spend.ROW, "status", "suspended_reason", "max_concurrent_requests"):
+            *spend.ROW, "pk", "status", "suspended_reason", "max_concurrent_requests"):
         s = spend.Spend.from_row(t, month)
         snap.tenants[t["pk"]] = TenantInfo(t["pk"], t["slug"], t["status"] == Tenant.Status.ACTIVE,
                                            t["suspended_reason"], s.blocked, s.message if s.blocked else "",

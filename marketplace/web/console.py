@@ -131,7 +131,7 @@ def spend_alerts(limit: int = 20) -> list[Spend]:
     """Tenants at or past their warning ratio (billing.spend's figure and rule: the month's invoice as last rated,
     not re-rated here; a limit of 0 is always past it), in name order. One query, however many tenants."""
     month = _month_start()
-    rows = spend.figures(Tenant.objects.all(), month, warn=True).order_by("name").values(*spend.ROW)
+    rows = spend.figures(Tenant.objects.all(), month, warn=True).order_by("name").values(*spend.FULL_ROW)
     return [Spend.from_row(r, month) for r in rows[:limit]]
 
 

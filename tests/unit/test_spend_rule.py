@@ -58,7 +58,7 @@ def test_the_sql_rule_is_the_rule_in_decimal_arithmetic(cases):
             want[t.pk] = (rule(total, limit, warn_ratio), rule(total, limit, block_ratio), total)
             assert i < 12
         got = {r["pk"]: (r["warn"], r["is_blocked"], spend.Spend.from_row(r, month).spend)
-               for r in spend.figures(Tenant.objects.filter(pk__in=want), month).values(*spend.ROW)}
+               for r in spend.figures(Tenant.objects.filter(pk__in=want), month).values(*spend.FULL_ROW)}
         assert got == want
         transaction.set_rollback(True)
 

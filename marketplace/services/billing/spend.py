@@ -35,6 +35,7 @@ from django.db.models import (
     ExpressionWrapper,
     F,
     FilteredRelation,
+    Func,
     Q,
     QuerySet,
     Value,
@@ -54,9 +55,11 @@ from .units import money, month_of
 
 MONEY = DecimalField(max_digits=14, decimal_places=2)
 
-#: the values of a `figures` row that a `Spend` is made of
-ROW = ("pk", "slug", "name", "currency", "monthly_spend_limit", "spend_warn_ratio", "spend_block_ratio", "spend",
-       "invoice_currency", "invoice_status", "rated_at", "warn", "is_blocked")
+#: the values of a `figures` row a list reads (the spend API: no more columns than it shows, they cost per row)
+ROW = ("slug", "currency", "monthly_spend_limit", "spend", "invoice_currency", "invoice_status", "rated_at", "warn",
+       "is_blocked")
+#: ... and all a `Spend` can say (the tenant's id and name, the warning and block amounts)
+FULL_ROW = (*ROW, "pk", "name", "spend_warn_ratio", "spend_block_ratio")
 
 
 class SpendLimitReached(ServiceError):
@@ -64,18 +67,38 @@ class SpendLimitReached(ServiceError):
 
 
 def _hundredths(expr: Combinable) -> Cast:
-    """expr x 100 as an exact integer (money and ratios have two decimal places): PostgreSQL's numeric is exact,
-    SQLite's REAL is rounded back to the integer it stands for."""
+    """expr x 100 as an exact integer (money and ratios have two decimal places): SQLite's REAL rounded back to the
+    integer it stands for."""
     return Cast(Round(ExpressionWrapper(expr * Value(100), output_field=DecimalField())), BigIntegerField())
+
+
+class AtLeast(Func):
+    """spend >= limit x ratio, exactly on each database: PostgreSQL compares numerics (exact as they are); SQLite,
+    whose decimals are floating point, compares integer hundredths (spend x 100 x 100 >= limit x 100 x ratio x
+    100). NULL when the limit is NULL."""
+
+    arity = 3
+    output_field = BooleanField()
+
+    def _compile(self, compiler, connection, lhs, rhs):
+        expr = GreaterThanOrEqual(lhs, rhs).resolve_expression(compiler.query, allow_joins=False)
+        return compiler.compile(expr)
+
+    def as_sql(self, compiler, connection, **extra_context):
+        spend, limit, ratio = self.get_source_expressions()
+        return self._compile(compiler, connection, spend, ExpressionWrapper(limit * ratio, output_field=MONEY))
+
+    def as_sqlite(self, compiler, connection, **extra_context):
+        spend, limit, ratio = self.get_source_expressions()
+        return self._compile(compiler, connection,
+                             ExpressionWrapper(_hundredths(spend) * Value(100), output_field=BigIntegerField()),
+                             ExpressionWrapper(_hundredths(limit) * _hundredths(ratio), output_field=BigIntegerField()))
 
 
 def reached(spend: Combinable, ratio: str) -> Case:
     """SQL, THE spend-limit rule: true when the tenant has a limit and spend >= limit x `ratio` (a Tenant field:
     spend_warn_ratio, spend_block_ratio); false without a limit (the NULL limit makes the comparison NULL)."""
-    lhs = ExpressionWrapper(_hundredths(spend) * Value(100), output_field=BigIntegerField())
-    rhs = ExpressionWrapper(_hundredths(F("monthly_spend_limit")) * _hundredths(F(ratio)),
-                            output_field=BigIntegerField())
-    return Case(When(GreaterThanOrEqual(lhs, rhs), then=Value(True)), default=Value(False),
+    return Case(When(AtLeast(spend, F("monthly_spend_limit"), F(ratio)), then=Value(True)), default=Value(False),
                 output_field=BooleanField())
 
 
@@ -100,28 +123,29 @@ def figures(tenants: QuerySet[Tenant], period_start: date, *, warn: bool | None 
 
 @dataclass(frozen=True)
 class Spend:
-    """One tenant's spend figure and the rule's answers, as `figures` gives them (a row of ROW)."""
+    """One tenant's spend figure and the rule's answers, as `figures` gives them (a row of ROW; of FULL_ROW for the
+    tenant's id and name and the warning and block amounts)."""
 
-    tenant_id: int
     slug: str
-    name: str
     period_start: date
     spend: Decimal
     currency: str
     limit: Decimal | None
-    warn_ratio: Decimal
-    block_ratio: Decimal
     warn: bool
     blocked: bool
     status: str | None  # the month's invoice's; None: no invoice, nothing used
     rated_at: datetime | None  # when the figure was rated; None: no invoice this month (spend 0)
+    tenant_id: int | None = None
+    name: str = ""
+    warn_ratio: Decimal | None = None
+    block_ratio: Decimal | None = None
 
     @classmethod
     def from_row(cls, row: dict, period_start: date) -> Spend:
-        return cls(row["pk"], row["slug"], row["name"], period_start, money(Decimal(row["spend"])),
-                   row["invoice_currency"] or row["currency"], row["monthly_spend_limit"], row["spend_warn_ratio"],
-                   row["spend_block_ratio"], bool(row["warn"]), bool(row["is_blocked"]), row["invoice_status"],
-                   row["rated_at"])
+        return cls(row["slug"], period_start, money(Decimal(row["spend"])), row["invoice_currency"] or row["currency"],
+                   row["monthly_spend_limit"], bool(row["warn"]), bool(row["is_blocked"]), row["invoice_status"],
+                   row["rated_at"], row.get("pk"), row.get("name", ""), row.get("spend_warn_ratio"),
+                   row.get("spend_block_ratio"))
 
     @property
     def ratio(self) -> Decimal | None:
@@ -137,11 +161,11 @@ class Spend:
 
     @property
     def warn_at(self) -> Decimal | None:
-        return None if self.limit is None else self.limit * self.warn_ratio
+        return None if self.limit is None or self.warn_ratio is None else self.limit * self.warn_ratio
 
     @property
     def block_at(self) -> Decimal | None:
-        return None if self.limit is None else self.limit * self.block_ratio
+        return None if self.limit is None or self.block_ratio is None else self.limit * self.block_ratio
 
     @property
     def as_of(self) -> str:
@@ -163,7 +187,7 @@ class Spend:
 def of(tenant: Tenant, now: datetime | None = None) -> Spend:
     """A tenant's spend figure this month (one query; nothing is rated or written)."""
     period = month_of(now or timezone.now())
-    row = figures(Tenant.objects.filter(pk=tenant.pk), period).values(*ROW).get()
+    row = figures(Tenant.objects.filter(pk=tenant.pk), period).values(*FULL_ROW).get()
     return Spend.from_row(row, period)
 
 
