@@ -14,8 +14,8 @@ The limit (`Tenant.monthly_spend_limit`, in the invoice's currency):
 * otherwise: warned when spend >= limit x spend_warn_ratio, blocked when spend >= limit x spend_block_ratio.
 
 The rule (`reached`) is written once, in SQL, because the spend list filters and pages by it in the database and
-the gateway reads every tenant's at once; one tenant's answer (`of`) is the same query for one row. It compares
-exact integers (hundredths) on both databases, so SQLite's floating point never decides a limit;
+the gateway reads every tenant's at once; one tenant's answer (`of`) is the same query for one row. It is exact
+on both databases (`AtLeast`: numerics on PostgreSQL, integer hundredths on SQLite, whose decimals are floats);
 tests/unit/test_spend_rule.py holds it to the rule in Decimal arithmetic (a property test) and checks that the five
 readers give the same answer for None, 0 and a limit.
 """
