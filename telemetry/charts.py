@@ -1,10 +1,12 @@
 """Plotly figures, built in Python from stored data only: GPU samples (GpuSample/MigSample, any
 resolution), slot occupancy (GpuSlot), the hourly usage rollups (UsageHourly; never raw usage
-events) and, for money, the invoices' own rating (``billing.spread_amounts``: one rating function for
-invoices, spend, charts and the planner). Every builder returns ``(figure, numbers)``: the plotly
-figure, written as the JSON dict plotly builds (telemetry.figures: no graph-object validation of a 1,000-row
-heatmap; a make_subplots grid built by plotly once per distinct grid) and the plain numbers it shows (what
-the JSON endpoint and the tests read).
+events) and, for money, the charts' copy of the invoices' rating (``billing.spread.spread_amounts``: a SECOND COPY
+of ``billing.rating.rate_month``'s linear part, kept for speed and held equal to the invoices' own lines by the
+property test tests/unit/test_spread_amounts.py). Every builder returns ``(figure, numbers)``: the plotly
+figure, written as the JSON dict plotly builds (``telemetry.figures``: a SECOND COPY of plotly's own figure JSON,
+kept for speed: no graph-object validation of a 1,000-row heatmap; a make_subplots grid built by plotly once per
+distinct grid; tests/unit/test_telemetry.py holds the charts to plotly's JSON) and the plain numbers it shows
+(what the JSON endpoint and the tests read).
 
 Access: the fleet figures are for MSP operators only; ``tenant_usage`` is scoped through
 ``visible_to`` (capability "billing"), so a tenant user sees its own usage and spend only.
@@ -29,7 +31,7 @@ from django.utils.dateparse import parse_datetime
 
 from marketplace.formatting import plotly_unit_price_format
 from marketplace.models import Allocation, Gpu, GpuSlot, InvoiceLine, Node, Tier
-from marketplace.services.billing import COMMITMENT, SLICES, TOKENS, spread_amounts
+from marketplace.services.billing.spread import COMMITMENT, SLICES, TOKENS, spread_amounts
 from telemetry import figures
 from telemetry.models import GpuSample, Resolution, UsageHourly
 from telemetry.services import energy
@@ -302,9 +304,10 @@ PART_KEY: dict[str, str] = {TOKENS: "token_amount", SLICES: "slice_amount", COMM
 
 def tier_spend(per: Period) -> dict[int, dict]:
     """tier id -> requests, tokens, token/slice-hour/commitment/total amounts over the period: the
-    invoices' own rating (billing.spread_amounts: the plan in force at each hour, slice-hours per second,
-    reserved commitments) of the tenants billed in `per.currency` (amounts in other currencies are not
-    added up); requests and tokens of the hours in the period of the tenants billed in it for that month."""
+    invoices' rating as the charts' copy prices it (spread_amounts: the plan in force at each hour,
+    slice-hours per second, reserved commitments) of the tenants billed in `per.currency` (amounts in other
+    currencies are not added up); requests and tokens of the hours in the period of the tenants billed in it for
+    that month."""
     out: dict[int, dict] = defaultdict(lambda: {"requests": 0, "tokens": 0, "token_amount": Decimal(0),
                                                  "slice_amount": Decimal(0), "commitment_amount": Decimal(0)})
     spread = spread_amounts(_tenants_used(per), per.start, per.end)

@@ -1,4 +1,7 @@
-"""Plotly figures as the plain dicts plotly.js reads, for charts whose traces are large (a 1,000-row heatmap):
+"""A SECOND COPY, kept for speed, of plotly's own figure JSON (its graph-object validation and ``to_json``), named
+as such in telemetry.charts, which uses it.
+
+Plotly figures as the plain dicts plotly.js reads, for charts whose traces are large (a 1,000-row heatmap):
 building a ``plotly.graph_objects.Figure`` validates and deep-copies every cell, and ``fig.to_json()`` then
 encodes it once more, which cost more than the chart's queries. These helpers write the figure in the form
 plotly's own validation gives it (a layout title as ``{"text": ...}``, a named colorscale spelt out, the

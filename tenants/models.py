@@ -83,6 +83,10 @@ CURRENCIES = [("USD", "US dollar"), ("EUR", "Euro"), ("GBP", "Pound sterling"), 
               ("JPY", "Japanese yen"), ("CAD", "Canadian dollar"), ("AUD", "Australian dollar")]
 
 
+#: the spend limit's two special values (marketplace.services.billing.spend holds the rule)
+SPEND_LIMIT_HELP = "empty (null) = no limit; 0 = nothing may be spent; in the invoice's currency"
+
+
 class Tenant(models.Model):
     class Status(models.TextChoices):
         ACTIVE = "active", "Active"
@@ -106,7 +110,7 @@ class Tenant(models.Model):
     max_memory_gb = models.PositiveIntegerField(default=640, help_text="max GPU memory across slices")
     monthly_spend_limit = models.DecimalField(
         max_digits=14, decimal_places=2, null=True, blank=True,
-        validators=[MinValueValidator(Decimal("0"))], help_text="empty = no limit",
+        validators=[MinValueValidator(Decimal("0"))], help_text=SPEND_LIMIT_HELP,
     )
     spend_warn_ratio = models.DecimalField(
         max_digits=4, decimal_places=2, default=Decimal("0.80"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from decimal import Decimal
 
 import factory
 from django.contrib.auth.models import Permission
@@ -117,3 +118,65 @@ def validated(obj):
     model_svc.validate("adapter" if isinstance(obj, LoraAdapter) else "repository", obj.pk)
     obj.refresh_from_db()
     return obj
+
+
+class PricePlanFactory(factory.django.DjangoModelFactory):
+    """A price plan of `tier` (pass one) in force from `effective_from` (default: a day ago); a reserved plan gets
+    a monthly commitment unless one is given."""
+
+    class Meta:
+        model = "marketplace.PricePlan"
+
+    kind = "on_demand"
+    currency = "USD"
+    price_per_slice_hour = Decimal("2.0000")
+    price_per_1m_input_tokens = Decimal("0.5000")
+    price_per_1m_output_tokens = Decimal("1.5000")
+    monthly_commit = factory.LazyAttribute(lambda o: Decimal("1000.00") if o.kind == "reserved" else None)
+    effective_from = factory.LazyFunction(lambda: timezone.now() - timedelta(days=1))
+
+
+class UsageHourlyFactory(factory.django.DjangoModelFactory):
+    """An hour of a deployment's usage, its tenant's (pass `hour`: the start of a UTC hour)."""
+
+    class Meta:
+        model = "telemetry.UsageHourly"
+
+    deployment = factory.SubFactory(DeploymentFactory)
+    tenant = factory.SelfAttribute("deployment.tenant")
+    input_tokens = 0
+    output_tokens = 0
+    requests = 0
+
+
+class InvoiceLineFactory(factory.django.DjangoModelFactory):
+    """A line of an invoice (pass `tier`; its plan is a plan of that tier unless given)."""
+
+    class Meta:
+        model = "marketplace.InvoiceLine"
+
+    invoice = factory.SubFactory(InvoiceFactory)
+    kind = "slice_hours"
+    plan = factory.SubFactory(PricePlanFactory, tier=factory.SelfAttribute("..tier"))
+    description = factory.Sequence(lambda n: f"line {n}")
+    quantity = Decimal("1.000000")
+    unit = "hour"
+    unit_price = Decimal("1.0000")
+    amount = Decimal("1.00")
+    usage_from = factory.LazyAttribute(lambda o: timezone.now() - timedelta(hours=1))
+    usage_to = factory.LazyFunction(timezone.now)
+
+
+class CreditNoteFactory(factory.django.DjangoModelFactory):
+    """A credit note of a (finalized) invoice, its tenant's and in its currency."""
+
+    class Meta:
+        model = "marketplace.CreditNote"
+
+    invoice = factory.SubFactory(InvoiceFactory)
+    tenant = factory.SelfAttribute("invoice.tenant")
+    currency = factory.SelfAttribute("invoice.currency")
+    number = factory.Sequence(lambda n: f"CN-2026-{n + 1:06d}")
+    total = Decimal("1.00")
+    reason = "correction"
+    issued_by = "user:op@msp.example"

@@ -21,6 +21,7 @@ from marketplace.models import CreditNote, CreditNoteLine, Invoice, InvoiceLine,
 from marketplace.selectors import billing as selectors
 from marketplace.selectors.exports import credit_note_csv, invoice_csv
 from marketplace.services import billing, webhooks
+from marketplace.services.billing.spend import Spend
 from telemetry.selectors import usage_summary
 from tenants.api.serializers import ScopedTenantField
 from tenants.models import Tenant
@@ -46,6 +47,10 @@ class CreditNoteBriefSerializer(serializers.ModelSerializer):
 
 
 class InvoiceSerializer(serializers.ModelSerializer):
+    """An invoice with its lines and credit notes: the schema of the invoice reads. The reads themselves answer
+    through its SECOND COPY kept for speed, `InvoiceRows` (below), held equal to this serializer and
+    InvoiceListSerializer by the property test tests/unit/test_invoice_rows.py."""
+
     tenant: serializers.SlugRelatedField[Tenant] = serializers.SlugRelatedField(slug_field="slug", read_only=True)
     lines = InvoiceLineSerializer(many=True, read_only=True)
     credit_notes = CreditNoteBriefSerializer(many=True, read_only=True, help_text="credit notes correcting it")
@@ -61,9 +66,10 @@ class InvoiceListSerializer(InvoiceSerializer):
         fields = [f for f in InvoiceSerializer.Meta.fields if f != "lines"]
 
 
-# The invoice reads (list, detail) answer from rows (selectors' .values()) through these: what the serializers
-# above would write for the same rows (their fields' own to_representation; tests compare the two), without
-# building model instances and walking the serializer's fields for each. The serializers stay the schema.
+# The invoice reads (list, detail) answer from rows (selectors' .values()) through these: a SECOND COPY, kept for
+# speed, of what the serializers above write for the same rows (their fields' own to_representation), without
+# building model instances and walking the serializer's fields for each. The serializers stay the schema;
+# tests/unit/test_invoice_rows.py holds the two equal (a property test).
 _DATE = serializers.DateField()
 _DATETIME = serializers.DateTimeField()
 _MONEY = serializers.DecimalField(max_digits=14, decimal_places=2)
@@ -167,17 +173,26 @@ class InvoiceExportSerializer(serializers.Serializer):
 
 
 class SpendRowSerializer(serializers.Serializer):
+    """One tenant's spend figure against its limit (billing.spend: the same figure and rule orders, the gateway,
+    the console and the portal use)."""
+
     tenant = serializers.CharField()
-    spend = serializers.DecimalField(max_digits=14, decimal_places=2)
+    spend = serializers.DecimalField(max_digits=14, decimal_places=2,
+                                     help_text="the month's invoice as last rated (see rated_at); 0: no invoice")
     currency = serializers.CharField()
-    limit = serializers.DecimalField(max_digits=14, decimal_places=2, allow_null=True)
-    ratio = serializers.FloatField(allow_null=True, help_text="spend / limit; null without a limit")
-    warn = serializers.BooleanField()
-    blocked = serializers.BooleanField()
+    limit = serializers.DecimalField(max_digits=14, decimal_places=2, allow_null=True,
+                                     help_text="null: no limit; 0: nothing may be spent (blocked from the start)")
+    ratio = serializers.FloatField(allow_null=True, help_text="spend / limit; null without a limit or with a limit "
+                                                              "of 0")
+    warn = serializers.BooleanField(help_text="spend >= limit x the warning ratio (never without a limit)")
+    blocked = serializers.BooleanField(help_text="spend >= limit x the block ratio (never without a limit; always "
+                                                 "with a limit of 0): new orders and inference are refused")
     period_start = serializers.DateField()
     status = serializers.ChoiceField(choices=Invoice.Status.choices, allow_null=True,
                                      help_text="the month's invoice; null: no usage this month")
-    rated_at = serializers.DateTimeField(allow_null=True, help_text="when the spend was rated (a draft's last rating)")
+    rated_at = serializers.DateTimeField(
+        allow_null=True, help_text="how fresh the figure is: when the month's invoice was last rated (the rating beat "
+                                   "re-rates drafts every TESSERA_RATING_INTERVAL_S); null: no invoice this month")
 
 
 class UsageRowSerializer(serializers.Serializer):
@@ -208,6 +223,9 @@ class UsageSummarySerializer(serializers.Serializer):
 
 
 class CreditNoteLineSerializer(serializers.ModelSerializer):
+    amount = serializers.DecimalField(max_digits=14, decimal_places=2, read_only=True,
+                                      help_text="what is credited on the invoice line: positive")
+
     class Meta:
         model = CreditNoteLine
         fields = ["id", "invoice_line", "description", "amount"]
@@ -247,11 +265,14 @@ class CreditNoteRequestSerializer(serializers.Serializer):
 
 
 class CreditNoteExportSerializer(serializers.Serializer):
+    """The JSON export (the same body the credit_note.issued webhook carries). Amounts are what is credited,
+    positive, as in the CSV export and the credit note itself (billing.credit_notes: one sign convention)."""
+
     number = serializers.CharField()
     invoice = serializers.CharField()
     tenant = serializers.CharField()
     currency = serializers.CharField()
-    total = serializers.DecimalField(max_digits=14, decimal_places=2)
+    total = serializers.DecimalField(max_digits=14, decimal_places=2, help_text="what is credited in all: positive")
     reason = serializers.CharField()
     issued_at = serializers.DateTimeField()
     lines = CreditNoteLineSerializer(many=True)
@@ -269,17 +290,40 @@ class CsvRenderer(renderers.BaseRenderer):
     def render(self, data, accepted_media_type=None, renderer_context=None):
         if isinstance(data, str | bytes):
             return data
-        return "\n".join(f"{k},{v}" for k, v in (data or {}).items())  # errors, e.g. {"detail": ...}
+        return "\n".join(f"{k},{v}" for k, v in (data or {}).items())  # (errors are rendered as JSON: below)
 
 
 class JsonErrorsMixin:
-    """Errors are JSON whatever format was asked (an integrator's client parses them as JSON, CSV export included)."""
+    """Errors are JSON whatever format was asked (an integrator's client parses them as JSON, CSV export included),
+    a 406 too (the request named no media type the operation renders, so none was chosen)."""
 
     def finalize_response(self, request, response, *args, **kwargs):
-        if response.status_code >= 400 and getattr(getattr(request, "accepted_renderer", None), "format", "") == "csv":
+        if response.status_code >= 400 and getattr(getattr(request, "accepted_renderer", None), "format",
+                                                   "csv") == "csv":
             request.accepted_renderer = renderers.JSONRenderer()
             request.accepted_media_type = "application/json"
         return super().finalize_response(request, response, *args, **kwargs)
+
+
+def csv_answer(text: str, filename: str) -> Response:
+    resp = Response(text, content_type="text/csv; charset=utf-8")
+    resp["Content-Disposition"] = f'attachment; filename="{filename}.csv"'
+    return resp
+
+
+#: The exports' CSV, documented as what it is (text/csv, a string): a generated client returns it as text.
+INVOICE_CSV = OpenApiResponse(response=OpenApiTypes.STR, description=(
+    "The invoice as CSV (UTF-8): a header row (invoice, its number or `draft`, tenant, period, currency, status), "
+    "a column row (kind, tier, deployment, description, quantity, unit, unit_price, amount, usage_from, usage_to), "
+    "one row per line (usage first, then commitment top-ups), a `total` row, then one `credit_note` row per credit "
+    "note correcting it (number, reason, the amount credited: positive, issued_at)."))
+CREDIT_NOTE_CSV = OpenApiResponse(response=OpenApiTypes.STR, description=(
+    "The credit note as CSV (UTF-8): a header row (credit_note, number, invoice, tenant, currency), a column row "
+    "(invoice_line, description, amount), one row per line (the amount credited: positive), a `total` row, then "
+    "one `recharge` row per corrected charge the next invoice carries."))
+LEGACY_CSV = ("`?format=csv` is still answered with the CSV of `export/csv/` for links made before it existed; "
+              "it is not part of this operation's documented answer (a generated client calls `export/csv/`).")
+LEGACY_FORMAT = OpenApiParameter("format", exclude=True)  # (drf-spectacular would offer format=csv here)
 
 
 class InvoiceViewSet(JsonErrorsMixin, ScopedViewSetMixin, viewsets.ReadOnlyModelViewSet):
@@ -292,8 +336,8 @@ class InvoiceViewSet(JsonErrorsMixin, ScopedViewSetMixin, viewsets.ReadOnlyModel
     filterset_class = InvoiceFilter
     ordering_fields = ["period_start", "total", "number"]
     ordering = ["-period_start", "tenant__slug"]
-    capabilities = {"list": "billing", "retrieve": "billing", "export": "billing", "refresh": "refresh_billing",
-                    "finalize": "operate", "credit_note": "operate"}
+    capabilities = {"list": "billing", "retrieve": "billing", "export": "billing", "export_csv": "billing",
+                    "refresh": "refresh_billing", "finalize": "operate", "credit_note": "operate"}
 
     def get_serializer_class(self):
         return InvoiceListSerializer if self.action == "list" else InvoiceSerializer
@@ -326,20 +370,21 @@ class InvoiceViewSet(JsonErrorsMixin, ScopedViewSetMixin, viewsets.ReadOnlyModel
             return queryset
         return super().filter_queryset(queryset)
 
-    @extend_schema(parameters=[OpenApiParameter("format", str, enum=["csv", "json"])],
-                   responses={(200, "application/json"): InvoiceExportSerializer,
-                              (200, "text/csv"): OpenApiResponse(
-                                  response=OpenApiTypes.STR,
-                                  description="the invoice as CSV: a header row, the lines (usage first, then "
-                                              "commitment top-ups), a total row")})
+    @extend_schema(description=f"The invoice as JSON (the body of the invoice.finalized webhook). {LEGACY_CSV}",
+                   parameters=[LEGACY_FORMAT], responses={(200, "application/json"): InvoiceExportSerializer})
     @action(detail=True, methods=["get"], renderer_classes=[renderers.JSONRenderer, CsvRenderer])
     def export(self, request, pk=None):
         invoice = self.get_object()
         if request.accepted_renderer.format == "csv":
-            resp = Response(invoice_csv(invoice), content_type="text/csv; charset=utf-8")
-            resp["Content-Disposition"] = f'attachment; filename="{invoice.number or f"draft-{invoice.pk}"}.csv"'
-            return resp
+            return csv_answer(invoice_csv(invoice), invoice.number or f"draft-{invoice.pk}")
         return Response(billing.invoice_payload(invoice))
+
+    @extend_schema(summary="The invoice as CSV", responses={(200, "text/csv"): INVOICE_CSV})
+    @action(detail=True, methods=["get"], url_path="export/csv", url_name="export-csv",
+            renderer_classes=[CsvRenderer])
+    def export_csv(self, request, pk=None):
+        invoice = self.get_object()
+        return csv_answer(invoice_csv(invoice), invoice.number or f"draft-{invoice.pk}")
 
     @extend_schema(request=None, responses=InvoiceSerializer)
     @action(detail=True, methods=["post"])
@@ -380,20 +425,24 @@ class CreditNoteViewSet(JsonErrorsMixin, ScopedViewSetMixin, viewsets.ReadOnlyMo
     filterset_fields = ["invoice", "currency"]
     ordering_fields = ["issued_at", "number", "total"]
     ordering = ["-issued_at"]
-    capabilities = {"list": "billing", "retrieve": "billing", "export": "billing"}
+    capabilities = {"list": "billing", "retrieve": "billing", "export": "billing", "export_csv": "billing"}
 
-    @extend_schema(parameters=[OpenApiParameter("format", str, enum=["csv", "json"])],
-                   responses={(200, "application/json"): CreditNoteExportSerializer,
-                              (200, "text/csv"): OpenApiResponse(response=OpenApiTypes.STR,
-                                                                 description="the credit note as CSV")})
+    @extend_schema(description=f"The credit note as JSON (the body of the credit_note.issued webhook). "
+                               f"{LEGACY_CSV}",
+                   parameters=[LEGACY_FORMAT], responses={(200, "application/json"): CreditNoteExportSerializer})
     @action(detail=True, methods=["get"], renderer_classes=[renderers.JSONRenderer, CsvRenderer])
     def export(self, request, pk=None):
         cn = self.get_object()
         if request.accepted_renderer.format == "csv":
-            resp = Response(credit_note_csv(cn), content_type="text/csv; charset=utf-8")
-            resp["Content-Disposition"] = f'attachment; filename="{cn.number}.csv"'
-            return resp
+            return csv_answer(credit_note_csv(cn), cn.number)
         return Response(billing.credit_note_payload(cn))
+
+    @extend_schema(summary="The credit note as CSV", responses={(200, "text/csv"): CREDIT_NOTE_CSV})
+    @action(detail=True, methods=["get"], url_path="export/csv", url_name="export-csv",
+            renderer_classes=[CsvRenderer])
+    def export_csv(self, request, pk=None):
+        cn = self.get_object()
+        return csv_answer(credit_note_csv(cn), cn.number)
 
 
 class SpendQuery(serializers.Serializer):
@@ -423,16 +472,15 @@ class SpendView(GenericAPIView):
         period = billing.month_of(timezone.now())
         rows = selectors.spend(principal_for(request), period, tenant=q.get("tenant"), warning=q.get("warning"),
                                blocked=q.get("over_limit"))
-        page = self.paginate_queryset(rows)
         out = []
-        for t in page:
-            limit, amount = t["monthly_spend_limit"], billing.money(Decimal(t["spend"]))
-            ratio = (amount / limit) if limit else None
-            out.append({"tenant": t["slug"], "spend": str(amount), "currency": t["invoice_currency"] or t["currency"],
-                        "limit": None if limit is None else str(limit),
+        for row in self.paginate_queryset(rows):
+            s = Spend.from_row(row, period)
+            ratio = s.ratio
+            out.append({"tenant": s.slug, "spend": str(s.spend), "currency": s.currency,
+                        "limit": None if s.limit is None else str(s.limit),
                         "ratio": None if ratio is None else float(round(ratio, 4)),
-                        "warn": t["warn"], "blocked": t["is_blocked"], "period_start": period,
-                        "status": t["invoice_status"], "rated_at": t["rated_at"]})
+                        "warn": s.warn, "blocked": s.blocked, "period_start": period, "status": s.status,
+                        "rated_at": s.rated_at})
         return self.get_paginated_response(out)
 
 

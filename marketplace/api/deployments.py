@@ -125,7 +125,7 @@ class DeploymentSerializer(serializers.ModelSerializer):
     adapters = ScopedAdapterField(many=True, required=False,
                                   help_text="with library_model: your LoRA adapters for it (ids), served by vLLM "
                                             "multi-LoRA (a request selects one with the lora_name parameter)")
-    declared_memory_mb = serializers.IntegerField(required=False, write_only=True, min_value=1, default=0,
+    declared_memory_mb = serializers.IntegerField(required=False, write_only=True, min_value=1,
                                                   help_text="repositories: memory need (default: the configs' "
                                                             "tessera_memory_mb, else the files' size)")
     tenant: serializers.SlugRelatedField[Tenant] = serializers.SlugRelatedField(slug_field="slug", read_only=True)

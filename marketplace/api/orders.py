@@ -27,6 +27,7 @@ from marketplace.models import (
 from marketplace.selectors import orders as selectors
 from marketplace.services import models as model_svc
 from marketplace.services import offers, orders
+from marketplace.services.billing.plans import in_force
 from tenants.api.serializers import ScopedTenantField
 from tenants.models import Tenant
 from tenants.permissions import SharedRead
@@ -81,10 +82,10 @@ class TierSerializer(serializers.ModelSerializer):
     def get_current_prices(self, obj) -> list[dict]:
         from django.utils import timezone
 
-        now, seen, out = timezone.now(), set(), []
-        for p in obj.plans.all():  # newest first (prefetched)
-            if p.effective_from <= now and (p.kind, p.currency) not in seen:
-                seen.add((p.kind, p.currency))
+        plans = list(obj.plans.all())  # newest first (prefetched)
+        current, out = {p.pk for p in in_force(plans, timezone.now()).values()}, []
+        for p in plans:
+            if p.pk in current:
                 out.append({"kind": p.kind, "currency": p.currency, "per_slice_hour": str(p.price_per_slice_hour),
                             "per_1m_input_tokens": str(p.price_per_1m_input_tokens),
                             "per_1m_output_tokens": str(p.price_per_1m_output_tokens),

@@ -15,7 +15,12 @@ class Pagination(PageNumberPagination):
 
 
 class OneQueryPaginator(DjangoPaginator):
-    """A page and the count of the whole list in one query: each row carries COUNT(*) OVER () (computed before
+    """A SECOND COPY, kept for speed, of Django's ``Paginator.page`` for one query shape, reading Django's private
+    attributes (``QuerySet._iterable_class``, ``Paginator._get_page``, the ``count`` cached property's slot in
+    ``__dict__``); tests/unit/test_pagination.py holds its pages and counts equal to Django's paginator (a property
+    test, which also catches a Django upgrade that changes those attributes).
+
+    A page and the count of the whole list in one query: each row carries COUNT(*) OVER () (computed before
     the LIMIT), so no separate COUNT query. For lists the database produces whole anyway (a few thousand rows at
     most, e.g. one per tenant): the window makes PostgreSQL produce every row of the list where a top-N sort
     would not, so long lists keep the default two queries. An empty page past the first, a DISTINCT or
@@ -48,12 +53,13 @@ class OneQueryPaginator(DjangoPaginator):
             for r in rows:
                 delattr(r, TOTAL)
         self.__dict__["count"] = total  # (Paginator.count is a cached property: the window's figure)
-        if self.orphans and number < self.num_pages and 0 < total - bottom - self.per_page <= self.orphans:
-            return super().page(number)  # (orphans fold into this page: the default way)
+        if number == self.num_pages and total - bottom > self.per_page:
+            return super().page(number)  # (orphans fold into this last page: the default way)
         return self._get_page(rows, number, self)
 
 
 class OneQueryPagination(Pagination):
-    """Pagination whose page and count are one query (OneQueryPaginator): for short lists."""
+    """Pagination whose page and count are one query (OneQueryPaginator, a second copy of Django's paginator kept
+    for speed): for short lists."""
 
     django_paginator_class = OneQueryPaginator

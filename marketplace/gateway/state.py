@@ -3,7 +3,9 @@
 The hot path never queries the database: it looks callers and models up in the ``Tables`` of this process,
 which ``refresh()`` replaces every ``TESSERA_GATEWAY_REFRESH_S`` seconds (default 2) with a new snapshot
 read in five queries whatever the size of the fleet. A revoked key, a suspended tenant, a spend block or a
-model that became ready or was removed is therefore seen within that interval (the README promises 5 s);
+model that became ready or was removed is therefore seen within that interval (the README promises 5 s). The
+spend block is billing.spend's figure and rule (the month's invoice as last rated, the one orders, the API, the
+console and the portal read), so the gateway's view of it lags the stored figure by at most the interval;
 an expiry is checked against the clock on each request. Per-upstream counters (outstanding requests, health)
 live on the ``Upstream`` objects and survive a refresh.
 
@@ -22,11 +24,9 @@ import logging
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from decimal import Decimal
 
 from django.conf import settings
 from django.core import signing
-from django.db.models import OuterRef, Subquery
 from django.utils import timezone
 
 from .protocol import GatewayError, ModelIO
@@ -109,7 +109,9 @@ def _epoch(dt: datetime | None) -> float | None:
 def load_snapshot() -> Snapshot:
     """Read keys, tenants, routes and LoRA adapters (five queries, independent of the fleet's size)."""
     from marketplace.hardware.runtime import SECRET_HEADER  # Django must be set up first
-    from marketplace.models import Allocation, Invoice, ModelDeployment, TritonServer
+    from marketplace.models import Allocation, ModelDeployment, TritonServer
+    from marketplace.services.billing import spend
+    from marketplace.services.billing.units import month_of
     from marketplace.services.serving import secret_for
     from tenants.models import ApiKey, Tenant
 
@@ -121,17 +123,14 @@ def load_snapshot() -> Snapshot:
         snap.keys[prefix] = KeyInfo(prefix, hashed, tenant_id, frozenset(scopes or ()), _epoch(expires),
                                     revoked is not None, rpm if rpm is not None else rpm_default,
                                     tpm if tpm is not None else tpm_default)
-    month = timezone.now().date().replace(day=1)
-    draft_total = Invoice.objects.filter(tenant=OuterRef("pk"), period_start=month).values("total")[:1]
-    for t in Tenant.objects.annotate(spent=Subquery(draft_total)).values(
-            "pk", "slug", "status", "suspended_reason", "monthly_spend_limit", "spend_block_ratio", "currency",
-            "max_concurrent_requests", "spent"):
-        limit, spent = t["monthly_spend_limit"], t["spent"] or Decimal("0")
-        blocked = bool(limit is not None and spent >= limit * t["spend_block_ratio"])
-        message = (f"The monthly spend limit is reached ({spent} of {limit} {t['currency']}): inference is refused "
-                   f"until next month or until an owner or the MSP raises the limit." if blocked else "")
+    # the spend figure and rule every reader uses (billing.spend): the month's invoice as last rated
+    month = month_of(timezone.now())
+    for t in spend.figures(Tenant.objects.all(), month).values(
+            *spend.ROW, "pk", "status", "suspended_reason", "max_concurrent_requests"):
+        s = spend.Spend.from_row(t, month)
         snap.tenants[t["pk"]] = TenantInfo(t["pk"], t["slug"], t["status"] == Tenant.Status.ACTIVE,
-                                           t["suspended_reason"], blocked, message, t["max_concurrent_requests"])
+                                           t["suspended_reason"], s.blocked, s.message if s.blocked else "",
+                                           t["max_concurrent_requests"])
     rows = ModelDeployment.objects.filter(
         state=ModelDeployment.State.READY, allocation__state=Allocation.State.ACTIVE,
         allocation__triton_server__state=TritonServer.State.RUNNING,

@@ -354,14 +354,10 @@ class ProcessRuntime(ServingRuntime):
     def _marker(spec: ServerSpec) -> str:
         return f"{USER_MARKER} {spec.installation}/{spec.name}"
 
-    def _ensure_user(self, spec: ServerSpec) -> tuple[int, int]:
-        """The server's own user: made here, or the one made here for it before; any other account of that
-        name is never reused."""
-        return self._user_made(spec, self._begin_user(spec))
-
     def _begin_user(self, spec: ServerSpec) -> subprocess.Popen | None:
-        """Start ``useradd`` for the server's user unless Tessera made it before (it syncs the account files:
-        tens of ms, spent while the sandbox's network is made); refuses an account that is not Tessera's."""
+        """Start ``useradd`` for the server's own user unless Tessera made it before (it syncs the account files:
+        tens of ms, spent while the sandbox's network is made; ``_user_made`` waits for it); any other account of
+        that name is refused, never used."""
         name = spec.unix_user
         with contextlib.suppress(KeyError):
             entry = pwd.getpwnam(name)

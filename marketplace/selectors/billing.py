@@ -5,24 +5,10 @@ from __future__ import annotations
 from datetime import date
 from decimal import Decimal
 
-from django.db.models import (
-    BooleanField,
-    Case,
-    DecimalField,
-    Exists,
-    ExpressionWrapper,
-    F,
-    FilteredRelation,
-    OuterRef,
-    Prefetch,
-    Q,
-    QuerySet,
-    Value,
-    When,
-)
-from django.db.models.functions import Coalesce
+from django.db.models import Exists, OuterRef, Prefetch, QuerySet
 
 from marketplace.models import CreditNote, CreditNoteLine, Invoice, InvoiceLine, WebhookEndpoint
+from marketplace.services.billing import spend as spend_rule
 from tenants.models import Tenant
 from tenants.scoping import Principal
 
@@ -76,42 +62,17 @@ def credit_notes_of(invoice_ids) -> dict[int, list[dict]]:
     return out
 
 
-MONEY = DecimalField(max_digits=14, decimal_places=2)
-
-
 def spend(principal: Principal, period_start: date, *, tenant: str | None = None, warning: bool | None = None,
           blocked: bool | None = None) -> QuerySet:
-    """Each visible tenant's spend in the month of `period_start` against its limit, as one query: the
-    month's invoice as last rated (a draft's total as of its rated_at, by the rating beat or a refresh;
-    a finalized one's final total); nothing is rated or written here. No invoice: nothing was used.
-    Filters: tenant (slug), warning (spend at or past the warning ratio), blocked (at or past the block
-    ratio). Rows: dicts of slug, currency, monthly_spend_limit, spend, invoice_currency, rated_at, invoice_status,
-    warn, is_blocked (the month's invoice is a LEFT JOIN: at most one per tenant and month)."""
-    qs = Tenant.objects.visible_to(principal, "billing").annotate(
-        month=FilteredRelation("invoices", condition=Q(invoices__period_start=period_start)),
-    ).annotate(
-        spend=Coalesce(F("month__total"), Value(0), output_field=MONEY),
-        invoice_currency=F("month__currency"),
-        rated_at=F("month__rated_at"),
-        invoice_status=F("month__status"),
-    )
-    limited = Q(monthly_spend_limit__isnull=False, monthly_spend_limit__gt=0)
-    warn_at = ExpressionWrapper(F("monthly_spend_limit") * F("spend_warn_ratio"), output_field=MONEY)
-    block_at = ExpressionWrapper(F("monthly_spend_limit") * F("spend_block_ratio"), output_field=MONEY)
-    qs = qs.annotate(
-        warn=Case(When(limited & Q(spend__gte=warn_at), then=Value(True)), default=Value(False),
-                  output_field=BooleanField()),
-        is_blocked=Case(When(limited & Q(spend__gte=block_at), then=Value(True)), default=Value(False),
-                        output_field=BooleanField()),
-    )
+    """Each visible tenant's spend figure in the month of `period_start` against its limit, as one query
+    (billing.spend.figures: the month's invoice as last rated; nothing is rated or written here). Filters: tenant
+    (slug), warning (at or past the warning ratio), blocked (at or past the block ratio), both by the spend rule
+    itself (billing.spend.reached). Rows: dicts of billing.spend.ROW, in slug order."""
+    tenants = Tenant.objects.visible_to(principal, "billing")
     if tenant:
-        qs = qs.filter(slug=tenant)
-    if warning is not None:
-        qs = qs.filter(warn=warning)
-    if blocked is not None:
-        qs = qs.filter(is_blocked=blocked)
-    return qs.order_by("slug").values("slug", "currency", "monthly_spend_limit", "spend", "invoice_currency",
-                                      "rated_at", "invoice_status", "warn", "is_blocked")
+        tenants = tenants.filter(slug=tenant)
+    return spend_rule.figures(tenants, period_start, warn=warning, blocked=blocked).order_by("slug").values(
+        *spend_rule.ROW)
 
 
 def credit_notes(principal: Principal):

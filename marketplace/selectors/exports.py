@@ -1,4 +1,7 @@
-"""Exports: invoices and credit notes as CSV, one writer for the API, the portal and the console."""
+"""Exports: invoices and credit notes as CSV, one writer for the API, the portal and the console.
+
+Credit notes keep the one sign convention of billing.credit_notes: the amounts credited are positive here as in
+the JSON export, the API and the webhook."""
 
 from __future__ import annotations
 
@@ -10,7 +13,8 @@ from marketplace.models import CreditNote, Invoice, InvoiceLine
 
 def invoice_csv(invoice: Invoice) -> str:
     """An invoice as CSV: its header, its lines (usage first, then commitment top-ups), the total and its
-    credit notes (the API's ?format=csv, the portal's and the console's download)."""
+    credit notes, each with the amount it credits (positive) (the API's export/csv/, the portal's and the console's
+    download)."""
     out = io.StringIO()
     w = csv.writer(out)
     w.writerow(["invoice", invoice.number or "draft", "tenant", invoice.tenant.slug, "period",
@@ -23,20 +27,21 @@ def invoice_csv(invoice: Invoice) -> str:
                     li.unit_price, li.amount, li.usage_from.isoformat(), li.usage_to.isoformat()])
     w.writerow(["total", "", "", "", "", "", "", invoice.total, "", ""])
     for cn in invoice.credit_notes.order_by("pk"):  # corrections: the invoice itself never changes
-        w.writerow(["credit_note", cn.number, "", cn.reason, "", "", "", f"-{cn.total}", cn.issued_at.isoformat(), ""])
+        w.writerow(["credit_note", cn.number, "", cn.reason, "", "", "", cn.total, cn.issued_at.isoformat(), ""])
     return out.getvalue()
 
 
 def credit_note_csv(cn: CreditNote) -> str:
-    """A credit note as CSV: its lines (negative), total and what was recharged (the API's ?format=csv)."""
+    """A credit note as CSV: its lines and total (the amounts credited, positive) and what was recharged (the API's
+    export/csv/)."""
     out = io.StringIO()
     w = csv.writer(out)
     w.writerow(["credit_note", cn.number, "invoice", cn.invoice.number, "tenant", cn.tenant.slug, "currency",
                 cn.currency])
     w.writerow(["invoice_line", "description", "amount"])
     for li in cn.lines.order_by("pk"):
-        w.writerow([li.invoice_line_id, li.description, f"-{li.amount}"])
-    w.writerow(["total", "", f"-{cn.total}"])
+        w.writerow([li.invoice_line_id, li.description, li.amount])
+    w.writerow(["total", "", cn.total])
     for item in cn.recharge:
         w.writerow(["recharge", item["description"], item["amount"]])
     return out.getvalue()

@@ -13,6 +13,7 @@ from marketplace.models import LibraryModel, LoraAdapter, ModelRepository, Price
 from marketplace.selectors import orders as order_sel
 from marketplace.selectors.capacity_planning import shape_figures, window
 from marketplace.services import models as model_svc
+from marketplace.services.billing.plans import in_force
 from tenants.scoping import Principal
 
 
@@ -56,10 +57,7 @@ class TierOption:
 
 
 def _plan(tier, currency: str) -> PricePlan | None:
-    now = timezone.now()
-    plans = [p for p in tier.plans.all() if p.effective_from <= now and p.currency == currency
-             and p.kind == PricePlan.Kind.ON_DEMAND]
-    return max(plans, key=lambda p: p.effective_from) if plans else None
+    return in_force(tier.plans.all(), timezone.now()).get((PricePlan.Kind.ON_DEMAND, currency))
 
 
 def roofline_tokens_per_s(shape: fit.ModelShape, tier, result: fit.Fit) -> float | None:

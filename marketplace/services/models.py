@@ -46,10 +46,6 @@ def limits() -> model_repo.Limits:
                              max_seconds=settings.TESSERA_REPO_MAX_UNPACK_SECONDS)
 
 
-def repository_path(repo: ModelRepository) -> Path:
-    return upload_root() / repo.path
-
-
 def archive_path(obj: ModelRepository | LoraAdapter) -> Path:
     """Where the web request keeps an uploaded archive until the worker has unpacked it."""
     return upload_root() / f"{obj.path}.archive"

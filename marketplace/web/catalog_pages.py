@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from marketplace.models import PricePlan
+from marketplace.services.billing.plans import in_force
 
 # (kind, plan field, header); one column per price component the model has
 PRICE_COLUMNS = [
@@ -38,19 +39,18 @@ def price_table(tiers, now, currency: str = "") -> tuple[list[CurrencyBlock], li
     blocks: dict[str, CurrencyBlock] = {}
     unpriced = []
     for tier in tiers:
-        in_force: dict[tuple[str, str], PricePlan] = {}
+        plans = list(tier.plans.all())
+        current = in_force(plans, now)
         scheduled: dict[str, int] = {}
-        for p in tier.plans.all():
+        for p in plans:
             if p.effective_from > now:
                 scheduled[p.currency] = scheduled.get(p.currency, 0) + 1
-            else:
-                in_force.setdefault((p.kind, p.currency), p)
-        if not in_force:
+        if not current:
             unpriced.append(tier)
-        for cur in sorted({c for _, c in in_force}):
+        for cur in sorted({c for _, c in current}):
             row = PriceRow(tier=tier, scheduled=scheduled.get(cur, 0))
             for kind, attr, _ in PRICE_COLUMNS:
-                plan = in_force.get((kind, cur))
+                plan = current.get((kind, cur))
                 row.cells.append(getattr(plan, attr) if plan else None)
             blocks.setdefault(cur, CurrencyBlock(cur)).rows.append(row)
     seen = sorted(blocks)

@@ -18,7 +18,7 @@ from django.contrib import messages
 from django.contrib.auth.views import redirect_to_login
 from django.core.exceptions import PermissionDenied
 from django.core.paginator import Paginator
-from django.db.models import Avg, Count, DecimalField, F, Max, OuterRef, Prefetch, Q, QuerySet, Subquery, Sum
+from django.db.models import Avg, Count, Max, Prefetch, Q, QuerySet, Sum
 from django.http import HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse
@@ -51,6 +51,9 @@ from marketplace.selectors import billing as billing_sel
 from marketplace.selectors import orders as orders_sel
 from marketplace.selectors.exports import invoice_csv
 from marketplace.services import billing, fleet, offers, orders
+from marketplace.services.billing import spend
+from marketplace.services.billing.plans import in_force
+from marketplace.services.billing.spend import Spend
 from marketplace.services.fleet import DiscoveredGpu
 from marketplace.web.tables import Column, Filtered, Table, filtered, table
 from telemetry.charts import CHARTS
@@ -59,7 +62,7 @@ from tenants import selectors as tenant_selectors
 from tenants import services as tenant_services
 from tenants.errors import ServiceError
 from tenants.filters import AuditEventFilter, TenantFilter
-from tenants.models import CURRENCIES, AuditEvent, Tenant
+from tenants.models import CURRENCIES, SPEND_LIMIT_HELP, AuditEvent, Tenant
 from tenants.scoping import principal_for
 
 RELEASABLE = (Allocation.State.PLACED, Allocation.State.PROVISIONING, Allocation.State.READY, Allocation.State.ACTIVE,
@@ -122,28 +125,14 @@ def _month_start():
     return billing.month_of(timezone.now())
 
 
-def _current_total_subquery():
-    return Subquery(Invoice.objects.filter(tenant=OuterRef("pk"), period_start=_month_start())
-                    .values("total")[:1], output_field=DecimalField(max_digits=14, decimal_places=2))
-
-
 # --- overview -----------------------------------------------------------------------------------
 
-def spend_alerts(limit: int = 20) -> list[dict]:
-    """Tenants with a spend limit whose current draft (as last rated, not re-rated here) is at or
-    past the warning ratio. One query, however many tenants."""
-    rows = (Tenant.objects.filter(monthly_spend_limit__isnull=False, monthly_spend_limit__gt=0)
-            .annotate(spend=_current_total_subquery(),
-                      rated_at=Subquery(Invoice.objects.filter(tenant=OuterRef("pk"), period_start=_month_start())
-                                        .values("rated_at")[:1]))
-            .filter(spend__gte=F("monthly_spend_limit") * F("spend_warn_ratio"))
-            .order_by("name"))
-    out = []
-    for t in rows[:limit]:
-        ratio = t.spend / t.monthly_spend_limit
-        out.append({"tenant": t, "spend": t.spend, "limit": t.monthly_spend_limit, "ratio": ratio,
-                    "percent": round(ratio * 100), "blocked": ratio >= t.spend_block_ratio, "rated_at": t.rated_at})
-    return out
+def spend_alerts(limit: int = 20) -> list[Spend]:
+    """Tenants at or past their warning ratio (billing.spend's figure and rule: the month's invoice as last rated,
+    not re-rated here; a limit of 0 is always past it), in name order. One query, however many tenants."""
+    month = _month_start()
+    rows = spend.figures(Tenant.objects.all(), month, warn=True).order_by("name").values(*spend.FULL_ROW)
+    return [Spend.from_row(r, month) for r in rows[:limit]]
 
 
 @require_GET
@@ -366,9 +355,8 @@ TENANT_COLUMNS = [
 @require_GET
 @operator_required
 def tenants(request):
-    qs = Tenant.objects.visible_to(request.principal).annotate(
-        live=Count("allocations", filter=Q(allocations__state__in=LIVE_STATES)),
-        spend=_current_total_subquery())
+    qs = spend.figures(Tenant.objects.visible_to(request.principal), _month_start()).annotate(
+        live=Count("allocations", filter=Q(allocations__state__in=LIVE_STATES)))
     f = _filter(request, TenantFilter, qs)
     t = table(request, f.qs, TENANT_COLUMNS, default_sort="name")
     return _page(request, "tenants.html", {"table": t, "f": f.values, "statuses": Tenant.Status.choices})
@@ -379,7 +367,7 @@ class QuotaForm(forms.Form):
     max_slices_per_tier = forms.IntegerField(min_value=0)
     max_memory_gb = forms.IntegerField(min_value=0)
     monthly_spend_limit = forms.DecimalField(required=False, min_value=0, max_digits=14, decimal_places=2,
-                                             help_text="empty = no limit")
+                                             help_text=SPEND_LIMIT_HELP)
     spend_warn_ratio = forms.DecimalField(min_value=0, max_digits=4, decimal_places=2)
     spend_block_ratio = forms.DecimalField(min_value=0, max_digits=4, decimal_places=2)
 
@@ -392,10 +380,9 @@ def _tenant_page(request, tenant: Tenant, form: QuotaForm, status: int = 200):
     allocs = (Allocation.objects.filter(tenant=tenant).select_related("tier", "node").order_by("-created_at")[:10])
     invoices = Invoice.objects.filter(tenant=tenant).order_by("-period_start")[:6]
     live = Allocation.objects.filter(tenant=tenant, state__in=LIVE_STATES).count()
-    current = Invoice.objects.filter(tenant=tenant, period_start=_month_start()).first()
     return _page(request, "tenant_detail.html", {
         "tenant": tenant, "form": form, "allocations": allocs, "invoices": invoices, "live": live,
-        "current": current, "members": tenant.memberships.select_related("user").order_by("user__email"),
+        "spend": spend.of(tenant), "members": tenant.memberships.select_related("user").order_by("user__email"),
     }, status=status)
 
 
@@ -447,20 +434,12 @@ def tenant_activate(request, pk: int):
 # --- tiers and prices ---------------------------------------------------------------------------
 
 def plan_rows(plans, now) -> list[dict]:
-    """Plans (newest first) with their status: scheduled, in force (one per kind and currency), past."""
-    seen = set()
-    out = []
-    for p in plans:
-        key = (p.kind, p.currency)
-        if p.effective_from > now:
-            status = "scheduled"
-        elif key not in seen:
-            status = "in force"
-            seen.add(key)
-        else:
-            status = "past"
-        out.append({"plan": p, "status": status})
-    return out
+    """Plans (in their order) with their status: scheduled, in force (one per kind and currency, `in_force`),
+    past."""
+    plans = list(plans)
+    current = {p.pk for p in in_force(plans, now).values()}
+    return [{"plan": p, "status": "scheduled" if p.effective_from > now else "in force" if p.pk in current
+             else "past"} for p in plans]
 
 
 @require_GET

@@ -29,6 +29,7 @@ from marketplace.selectors.catalog import AVAILABILITY_CAP, availability
 from marketplace.selectors.exports import invoice_csv
 from marketplace.services import billing, deployments, inference, orders
 from marketplace.services import models as model_svc
+from marketplace.services.billing.plans import in_force
 from marketplace.web.tables import Column, table
 from telemetry import charts
 from telemetry.selectors import deployment_latency, deployment_served, usage_summary
@@ -129,11 +130,7 @@ def act(request, call, success: str) -> bool:
 @portal_view
 def home(request):
     p, t = request.principal, request.tenant
-    spend = billing.spend_status(t) if p.can("billing", t.pk) else None
-    if spend and spend["limit"]:
-        spend["percent"] = min(100, int(spend["ratio"] * 100))
-        spend["warn_at"] = t.spend_warn_ratio * spend["limit"]
-        spend["block_at"] = t.spend_block_ratio * spend["limit"]
+    spend = billing.spend.of(t) if p.can("billing", t.pk) else None  # the figure orders and the gateway judge
     slices = order_sel.allocations(p).filter(tenant=t)
     live = slices.filter(state__in=LIVE_STATES)
     models = order_sel.deployments(p).filter(tenant=t).exclude(state=ModelDeployment.State.REMOVED)
@@ -146,11 +143,7 @@ def home(request):
 # --- catalog and orders -------------------------------------------------------------------------
 
 def price_of(tier, currency: str, kind: str = PricePlan.Kind.ON_DEMAND):
-    now = timezone.now()
-    for plan in tier.plans.all():  # prefetched, newest first
-        if plan.currency == currency and plan.kind == kind and plan.effective_from <= now:
-            return plan
-    return None
+    return in_force(tier.plans.all(), timezone.now()).get((kind, currency))  # (prefetched)
 
 
 @portal_view

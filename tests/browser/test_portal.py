@@ -14,6 +14,7 @@ from playwright.sync_api import expect
 from marketplace.models import Allocation, ModelDeployment
 from marketplace.services import billing
 from tenants.roles import Role
+from tests.billing_reference import rate_all
 from tests.factories import MembershipFactory, TenantFactory, UserFactory
 from tests.fleet_fixtures import make_tier
 
@@ -101,7 +102,7 @@ def test_tenant_owner_journey(page, shot, login, live_server, portal_world, node
     assert "No usage" not in page.locator("#usage-table").inner_text()
     shot(page, "portal-usage")
 
-    billing.rate_all()  # the rating beat: it opens and rates the month's draft (reads never write it)
+    rate_all()  # the rating beat: it opens and rates the month's draft (reads never write it)
     for name in ["slices", "members", "invoices"]:
         page.goto(f"{base}/portal/{name}/")
         shot(page, f"portal-{name}")

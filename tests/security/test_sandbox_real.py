@@ -488,7 +488,7 @@ def test_an_existing_account_of_the_same_name_is_never_used_or_removed(real_serv
                    check=True)
     try:
         with pytest.raises(rt.RuntimeFault, match="exists and was not made by Tessera"):
-            run._ensure_user(spec)
+            run._user_made(spec, run._begin_user(spec))
         run._remove_user(spec)  # not ours: left alone
         assert pwd.getpwnam(spec.unix_user).pw_gecos == "someone else's"
     finally:

@@ -15,8 +15,6 @@ from django.utils import timezone
 
 from marketplace.models import (
     Allocation,
-    ModelDeployment,
-    Order,
     PricePlan,
     SpendNotice,
     WebhookDelivery,
@@ -27,7 +25,16 @@ from telemetry.models import UsageHourly
 from tenants.errors import Conflict, ServiceError
 from tenants.roles import Role
 from tenants.scoping import principal_for_user
-from tests.factories import MembershipFactory, TenantFactory, make_key
+from tests.factories import (
+    AllocationFactory,
+    DeploymentFactory,
+    MembershipFactory,
+    OrderFactory,
+    PricePlanFactory,
+    TenantFactory,
+    UsageHourlyFactory,
+    make_key,
+)
 
 pytestmark = pytest.mark.django_db
 OCT = date(2026, 10, 1)
@@ -45,22 +52,22 @@ def setup(catalog, tiers):
                                                price_per_slice_hour=D("2.0000"),
                                                price_per_1m_input_tokens=D("0.5000"),
                                                price_per_1m_output_tokens=D("1.5000"))
-    order = Order.objects.create(tenant=tenant, tier=tier)
+    order = OrderFactory(tenant=tenant, tier=tier)
 
     def allocation(active_from, released=None):
-        return Allocation.objects.create(order=order, tenant=tenant, tier=tier, state="active",
-                                         activated_at=active_from, released_at=released)
+        return AllocationFactory(order=order, tenant=tenant, tier=tier, state="active",
+                                 activated_at=active_from, released_at=released)
 
     def deployment(alloc, name="llm"):
-        return ModelDeployment.objects.create(allocation=alloc, tenant=tenant, name=name, backend="python",
-                                              spec={}, memory_mb=10, state="ready")
+        return DeploymentFactory(allocation=alloc, tenant=tenant, name=name, backend="python",
+                                 spec={}, memory_mb=10, state="ready")
 
     return tenant, owner, tier, allocation, deployment
 
 
 def usage(tenant, dep, hour, i, o, req=1):
-    return UsageHourly.objects.create(tenant=tenant, deployment=dep, hour=hour, input_tokens=i, output_tokens=o,
-                                      requests=req)
+    return UsageHourlyFactory(tenant=tenant, deployment=dep, hour=hour, input_tokens=i, output_tokens=o,
+                              requests=req)
 
 
 def test_total_is_sum_of_lines_and_of_rated_usage(setup):
@@ -83,8 +90,8 @@ def test_total_is_sum_of_lines_and_of_rated_usage(setup):
 def test_mid_month_price_change_rates_each_hour_with_its_own_price(setup):
     tenant, _, tier, allocation, deployment = setup
     change = T0 + timedelta(days=15, hours=12)
-    PricePlan.objects.create(tier=tier, currency="USD", effective_from=change, price_per_slice_hour=D("3.0000"),
-                             price_per_1m_input_tokens=D("0.2500"), price_per_1m_output_tokens=D("1.0000"))
+    PricePlanFactory(tier=tier, currency="USD", effective_from=change, price_per_slice_hour=D("3.0000"),
+                     price_per_1m_input_tokens=D("0.2500"), price_per_1m_output_tokens=D("1.0000"))
     a = allocation(change - timedelta(hours=10), change + timedelta(hours=6))
     dep = deployment(a)
     usage(tenant, dep, change - timedelta(hours=1), 2_000_000, 1_000_000)  # old price
@@ -139,22 +146,26 @@ def test_earlier_drafts_are_finalized_first(setup):
 
 
 def test_spend_limit_warns_then_blocks_orders(setup, h100_node, tiers):
+    """Orders judge the one spend figure (the month's invoice as last rated), not a rating of their own: the
+    beat's rating moves it, and the refusal says how fresh it is."""
     tenant, owner, tier, allocation, deployment = setup
     tenant.monthly_spend_limit = D("100.00")
     tenant.save()
     month_start = datetime.now(UTC).replace(day=1, hour=0, minute=0, second=0, microsecond=0)
     dep = deployment(allocation(None))  # no slice-hours: the spend is the tokens alone
     row = usage(tenant, dep, month_start, 164_000_000, 0)  # 164 M x 0.50 = 82.00: past 80%
-    assert billing.evaluate_spend(tenant) == ["warn"]
-    assert billing.evaluate_spend(tenant) == []  # once per month
+    billing.ensure_invoices(tenant=tenant)
+    assert billing.rate_tenant(tenant) == ["warn"]  # the rating beat: re-rate the draft, then judge it
+    assert billing.rate_tenant(tenant) == []  # once per month
     p = principal_for_user(owner)
     orders.create_order(p, tenant=tenant, tier=tiers["1g"])  # still allowed
-    UsageHourly.objects.filter(pk=row.pk).update(input_tokens=204_000_000)  # 102.00
-    with pytest.raises(billing.SpendLimitReached, match="spend limit reached"):
+    UsageHourly.objects.filter(pk=row.pk).update(input_tokens=204_000_000)  # 102.00, not rated yet
+    orders.create_order(p, tenant=tenant, tier=tiers["1g"])  # the figure is still 82.00 (as rated)
+    assert billing.rate_tenant(tenant) == ["block"]
+    with pytest.raises(billing.SpendLimitReached, match=r"spend limit is reached \(102.00 of 100.00 USD, as rated at "):
         orders.create_order(p, tenant=tenant, tier=tiers["1g"])
-    assert billing.evaluate_spend(tenant) == ["block"]
     assert set(SpendNotice.objects.values_list("level", flat=True)) == {"warn", "block"}
-    assert Allocation.objects.filter(tier=tiers["1g"]).count() == 1
+    assert Allocation.objects.filter(tier=tiers["1g"]).count() == 2
 
 
 class _Receiver(http.server.BaseHTTPRequestHandler):

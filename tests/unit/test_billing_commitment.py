@@ -16,11 +16,20 @@ from fractions import Fraction
 import pytest
 from django.urls import reverse
 
-from marketplace.models import Allocation, Invoice, ModelDeployment, Order, PricePlan
+from marketplace.models import Invoice, PricePlan
 from marketplace.services import billing
 from telemetry.models import UsageHourly
 from tenants.roles import Role
-from tests.factories import MembershipFactory, TenantFactory, make_key
+from tests.factories import (
+    AllocationFactory,
+    DeploymentFactory,
+    MembershipFactory,
+    OrderFactory,
+    PricePlanFactory,
+    TenantFactory,
+    UsageHourlyFactory,
+    make_key,
+)
 
 pytestmark = pytest.mark.django_db
 D = Decimal
@@ -52,26 +61,26 @@ def shop(catalog, tiers):
     PricePlan.objects.filter(tier=tier).update(effective_from=since, price_per_slice_hour=D("2.0000"),
                                                price_per_1m_input_tokens=D("0.5000"),
                                                price_per_1m_output_tokens=D("1.5000"))
-    reserved = PricePlan.objects.create(tier=tier, kind="reserved", currency="USD", effective_from=since,
-                                        price_per_slice_hour=D("1.0000"), price_per_1m_input_tokens=D("0.2500"),
-                                        price_per_1m_output_tokens=D("0.7500"), monthly_commit=D("1000.00"))
+    reserved = PricePlanFactory(tier=tier, kind="reserved", currency="USD", effective_from=since,
+                                price_per_slice_hour=D("1.0000"), price_per_1m_input_tokens=D("0.2500"),
+                                price_per_1m_output_tokens=D("0.7500"), monthly_commit=D("1000.00"))
 
     def allocation(tenant, kind, active_from, released=None, state="active"):
-        order = Order.objects.create(tenant=tenant, tier=tier, plan_kind=kind)
-        return Allocation.objects.create(order=order, tenant=tenant, tier=tier, state=state,
-                                         activated_at=active_from, released_at=released)
+        order = OrderFactory(tenant=tenant, tier=tier, plan_kind=kind)
+        return AllocationFactory(order=order, tenant=tenant, tier=tier, state=state,
+                                 activated_at=active_from, released_at=released)
 
     return tier, reserved, allocation
 
 
 def deployment(alloc, name="llm"):
-    return ModelDeployment.objects.create(allocation=alloc, tenant=alloc.tenant, name=name, backend="python",
-                                          spec={}, memory_mb=10, state="ready")
+    return DeploymentFactory(allocation=alloc, tenant=alloc.tenant, name=name, backend="python",
+                             spec={}, memory_mb=10, state="ready")
 
 
 def usage(tenant, dep, hour, i, o):
-    return UsageHourly.objects.create(tenant=tenant, deployment=dep, hour=hour, input_tokens=i, output_tokens=o,
-                                      requests=1)
+    return UsageHourlyFactory(tenant=tenant, deployment=dep, hour=hour, input_tokens=i, output_tokens=o,
+                              requests=1)
 
 
 def rate_october(tenant, now=NOV1 + timedelta(days=4)):
@@ -157,9 +166,9 @@ def test_mid_month_start_and_release_pro_rated_by_time_held(shop):
 def test_price_change_mid_month_pro_rates_each_plan(shop):
     tier, reserved, allocation = shop
     change = T0 + timedelta(days=15)
-    new = PricePlan.objects.create(tier=tier, kind="reserved", currency="USD", effective_from=change,
-                                   price_per_slice_hour=D("1.5000"), price_per_1m_input_tokens=D("0.2500"),
-                                   price_per_1m_output_tokens=D("0.7500"), monthly_commit=D("1240.00"))
+    new = PricePlanFactory(tier=tier, kind="reserved", currency="USD", effective_from=change,
+                           price_per_slice_hour=D("1.5000"), price_per_1m_input_tokens=D("0.2500"),
+                           price_per_1m_output_tokens=D("0.7500"), monthly_commit=D("1240.00"))
     tenant = TenantFactory()
     allocation(tenant, "reserved", T0)
     inv = rate_october(tenant)
@@ -238,9 +247,9 @@ def test_only_tenants_holding_reserved_capacity_owe_a_commitment(shop):
 
 def test_commitment_in_the_tenants_currency(shop):
     tier, reserved, allocation = shop
-    PricePlan.objects.create(tier=tier, kind="reserved", currency="EUR", effective_from=T0 - timedelta(days=30),
-                             price_per_slice_hour=D("0.9000"), price_per_1m_input_tokens=D("0.2000"),
-                             price_per_1m_output_tokens=D("0.7000"), monthly_commit=D("900.00"))
+    PricePlanFactory(tier=tier, kind="reserved", currency="EUR", effective_from=T0 - timedelta(days=30),
+                     price_per_slice_hour=D("0.9000"), price_per_1m_input_tokens=D("0.2000"),
+                     price_per_1m_output_tokens=D("0.7000"), monthly_commit=D("900.00"))
     tenant = TenantFactory(currency="EUR")
     allocation(tenant, "reserved", T0)
     inv = rate_october(tenant)

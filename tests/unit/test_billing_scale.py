@@ -28,9 +28,11 @@ from marketplace.models import (
 from marketplace.services import billing
 from telemetry import charts
 from telemetry.models import GpuSample, MigSample, Resolution, UsageHourly
+from tenants.errors import ServiceError
 from tenants.models import AuditEvent
 from tenants.scoping import principal_for_user
-from tests.factories import AllocationFactory, DeploymentFactory, OrderFactory, TenantFactory
+from tests.billing_reference import rate_all
+from tests.factories import AllocationFactory, DeploymentFactory, OrderFactory, TenantFactory, UsageHourlyFactory
 from tests.fleet_fixtures import make_node
 
 pytestmark = pytest.mark.django_db
@@ -44,8 +46,8 @@ def _tenant_with_usage(slug, tier, tokens=1_000_000, limit=None, hours=1):
     dep = DeploymentFactory(name="llm", allocation=AllocationFactory(
         order=OrderFactory(tenant=tenant, tier=tier), activated_at=start, released_at=start + timedelta(hours=1)))
     for h in range(hours):
-        UsageHourly.objects.create(tenant=tenant, deployment=dep, hour=start + timedelta(hours=h),
-                                   input_tokens=tokens, output_tokens=0, requests=1)
+        UsageHourlyFactory(tenant=tenant, deployment=dep, hour=start + timedelta(hours=h),
+                           input_tokens=tokens, output_tokens=0, requests=1)
     return tenant
 
 
@@ -94,7 +96,7 @@ def test_a_failing_tenant_is_retried_on_its_own_then_alerted(priced):
             raise RuntimeError("price book unavailable")
         return real(t, now)
 
-    with mock.patch.object(billing, "rate_tenant", flaky):
+    with mock.patch.object(billing.runs, "rate_tenant", flaky):
         with pytest.raises(RuntimeError):  # not the last attempt: the task retries it
             billing.rate_run_tenant(run.pk, bad.pk, final_attempt=False)
         item = RatingRunTenant.objects.get(run=run, tenant=bad)
@@ -112,8 +114,8 @@ def test_a_failing_tenant_is_retried_on_its_own_then_alerted(priced):
 
 def test_rating_twice_never_bills_twice(priced):
     t = _tenant_with_usage("twice", priced)
-    billing.rate_all()
-    billing.rate_all()
+    rate_all()
+    rate_all()
     inv = Invoice.objects.get(tenant=t)
     assert inv.total == D("2.50") and inv.lines.count() == 2
 
@@ -124,8 +126,8 @@ def _last_month_usage(slug, tier, tokens=1_000_000):
     hour = timezone.now().replace(day=1, hour=0, minute=0, second=0, microsecond=0) - timedelta(hours=1)
     dep = DeploymentFactory(name="llm", allocation=AllocationFactory(
         order=OrderFactory(tenant=tenant, tier=tier), activated_at=hour, released_at=hour + timedelta(hours=1)))
-    UsageHourly.objects.create(tenant=tenant, deployment=dep, hour=hour, input_tokens=tokens, output_tokens=0,
-                               requests=1)
+    UsageHourlyFactory(tenant=tenant, deployment=dep, hour=hour, input_tokens=tokens, output_tokens=0,
+                       requests=1)
     return tenant
 
 
@@ -172,10 +174,10 @@ def test_a_tenant_whose_month_end_fails_holds_back_only_itself(priced):
 
     def flaky(inv, **kw):
         if inv.tenant_id == bad.pk:
-            raise billing.ServiceError("no price in EUR")
+            raise ServiceError("no price in EUR")
         return real(inv, **kw)
 
-    with mock.patch.object(billing, "finalize", flaky):
+    with mock.patch.object(billing.invoices, "finalize", flaky):
         for t in (bad, good):
             assert billing.rate_run_tenant(run.pk, t.pk, final_attempt=False) == "done"
     assert _frozen(good)[0] == "finalized" and _frozen(bad)[0] == "draft"
@@ -202,8 +204,8 @@ def test_a_tenants_month_end_task_makes_the_same_queries_for_more_tenants(priced
 def _tenant_usage_now(tenant, tier):
     start = timezone.now().replace(day=1, hour=0, minute=0, second=0, microsecond=0)
     dep = tenant.deployments.first()
-    UsageHourly.objects.create(tenant=tenant, deployment=dep, hour=start, input_tokens=1_000_000, output_tokens=0,
-                               requests=1)
+    UsageHourlyFactory(tenant=tenant, deployment=dep, hour=start, input_tokens=1_000_000, output_tokens=0,
+                       requests=1)
 
 
 def test_spend_list_is_paginated_filtered_and_does_not_rate(priced, as_user, operator):
@@ -212,7 +214,7 @@ def test_spend_list_is_paginated_filtered_and_does_not_rate(priced, as_user, ope
     _tenant_with_usage("warned", priced, limit=D("3.00"))
     _tenant_with_usage("fine", priced, limit=D("100.00"))
     _tenant_with_usage("nolimit", priced)
-    billing.rate_all()
+    rate_all()
     rated_at = dict(Invoice.objects.values_list("tenant__slug", "rated_at"))
     api = as_user(operator)
     r = api.get("/api/v1/billing/spend/?page_size=2")
@@ -248,11 +250,11 @@ def test_billing_reads_make_the_same_queries_for_more_tenants(priced, as_user, o
     reads = ("/api/v1/billing/spend/", "/api/v1/invoices/?page_size=500", "/api/v1/billing/usage/?group_by=tenant")
     for slug in ("a1", "a2"):
         _tenant_with_usage(slug, priced, hours=3)
-    billing.rate_all()
+    rate_all()
     small = {u: _queries(lambda u=u: api.get(u)) for u in reads}
     for i in range(6):
         _tenant_with_usage(f"b{i}", priced, hours=6)
-    billing.rate_all()
+    rate_all()
     assert Invoice.objects.count() == 8
     big = {u: _queries(lambda u=u: api.get(u)) for u in reads}
     assert big == small
@@ -359,7 +361,7 @@ def test_a_tenant_sees_only_its_own_spend_row(priced, as_key):
     from tests.factories import make_key
 
     mine, _other = _tenant_with_usage("mine", priced), _tenant_with_usage("other", priced, limit=D("1.00"))
-    billing.rate_all()
+    rate_all()
     _, secret = make_key(mine, ["billing:read"])
     api = as_key(secret)
     assert [r["tenant"] for r in api.get("/api/v1/billing/spend/").json()["results"]] == ["mine"]
@@ -498,9 +500,9 @@ def test_every_billing_read_makes_the_same_queries_for_more_tenants(priced, as_u
 
     for slug in ("a1", "a2"):
         _tenant_with_usage(slug, priced, hours=3, limit=D("1.00"))
-    billing.rate_all()
+    rate_all()
     small = measure()
     for i in range(6):
         _tenant_with_usage(f"b{i}", priced, hours=6, limit=D("1.00"))
-    billing.rate_all()
+    rate_all()
     assert measure() == small

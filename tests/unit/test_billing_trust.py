@@ -11,11 +11,21 @@ from unittest import mock
 import pytest
 from django.db import OperationalError
 
-from marketplace.models import Allocation, BillingAlert, Invoice, InvoiceLine, ModelDeployment, Order, PricePlan
+from marketplace.models import Allocation, BillingAlert, Invoice, InvoiceLine, PricePlan
 from marketplace.services import billing, dbretry
 from telemetry.models import UsageHourly
 from tenants.roles import Role
-from tests.factories import MembershipFactory, TenantFactory, make_key
+from tests.billing_reference import rate_all
+from tests.factories import (
+    AllocationFactory,
+    DeploymentFactory,
+    MembershipFactory,
+    OrderFactory,
+    PricePlanFactory,
+    TenantFactory,
+    UsageHourlyFactory,
+    make_key,
+)
 
 pytestmark = pytest.mark.django_db
 D = Decimal
@@ -33,21 +43,21 @@ def acme(catalog, tiers):
                                                price_per_slice_hour=D("2.0000"),
                                                price_per_1m_input_tokens=D("0.5000"),
                                                price_per_1m_output_tokens=D("1.5000"))
-    PricePlan.objects.create(tier=tier, currency="GBP", effective_from=T0 - timedelta(days=30),
-                             price_per_slice_hour=D("1.6000"), price_per_1m_input_tokens=D("0.4000"),
-                             price_per_1m_output_tokens=D("1.2000"))
-    order = Order.objects.create(tenant=tenant, tier=tier)
-    alloc = Allocation.objects.create(order=order, tenant=tenant, tier=tier, state="active", activated_at=T0,
-                                      released_at=T0 + timedelta(hours=10))
-    dep = ModelDeployment.objects.create(allocation=alloc, tenant=tenant, name="llm", backend="python", spec={},
-                                         memory_mb=10, state="ready")
+    PricePlanFactory(tier=tier, currency="GBP", effective_from=T0 - timedelta(days=30),
+                     price_per_slice_hour=D("1.6000"), price_per_1m_input_tokens=D("0.4000"),
+                     price_per_1m_output_tokens=D("1.2000"))
+    order = OrderFactory(tenant=tenant, tier=tier)
+    alloc = AllocationFactory(order=order, tenant=tenant, tier=tier, state="active", activated_at=T0,
+                              released_at=T0 + timedelta(hours=10))
+    dep = DeploymentFactory(allocation=alloc, tenant=tenant, name="llm", backend="python", spec={},
+                            memory_mb=10, state="ready")
     return tenant, owner, tier, alloc, dep
 
 
 def now_month_usage(tenant, dep, tokens=1_000_000):
     hour = datetime.now(UTC).replace(day=1, hour=0, minute=0, second=0, microsecond=0)
-    return UsageHourly.objects.create(tenant=tenant, deployment=dep, hour=hour, input_tokens=tokens,
-                                      output_tokens=0, requests=1)
+    return UsageHourlyFactory(tenant=tenant, deployment=dep, hour=hour, input_tokens=tokens,
+                              output_tokens=0, requests=1)
 
 
 # --- currency -----------------------------------------------------------------------------------
@@ -95,9 +105,9 @@ def test_usage_with_no_price_in_the_currency_alerts_and_blocks_finalization(acme
         billing.finalize(inv, now=NOV5)
     inv.refresh_from_db()
     assert inv.status == "draft" and inv.number is None
-    PricePlan.objects.create(tier=acme[2], currency="JPY", effective_from=T0 - timedelta(days=1),
-                             price_per_slice_hour=D("300"), price_per_1m_input_tokens=D("60"),
-                             price_per_1m_output_tokens=D("200"))
+    PricePlanFactory(tier=acme[2], currency="JPY", effective_from=T0 - timedelta(days=1),
+                     price_per_slice_hour=D("300"), price_per_1m_input_tokens=D("60"),
+                     price_per_1m_output_tokens=D("200"))
     inv = billing.finalize(inv, now=NOV5)
     assert inv.total == D("3000.00") and inv.status == "finalized"
     assert not BillingAlert.objects.filter(tenant=tenant, kind="unpriced", resolved_at__isnull=True).exists()
@@ -107,8 +117,8 @@ def test_usage_with_no_price_in_the_currency_alerts_and_blocks_finalization(acme
 
 def test_month_with_usage_and_no_invoice_gets_one_at_month_end(acme):
     tenant, _, _, _, dep = acme
-    UsageHourly.objects.create(tenant=tenant, deployment=dep, hour=T0 + timedelta(hours=2), input_tokens=2_000_000,
-                               output_tokens=0, requests=1)
+    UsageHourlyFactory(tenant=tenant, deployment=dep, hour=T0 + timedelta(hours=2), input_tokens=2_000_000,
+                       output_tokens=0, requests=1)
     assert not Invoice.objects.filter(tenant=tenant).exists()
     done = billing.finalize_due(now=NOV5)
     inv = Invoice.objects.get(tenant=tenant, period_start=OCT)
@@ -119,8 +129,8 @@ def test_month_with_usage_and_no_invoice_gets_one_at_month_end(acme):
 
 def test_late_usage_of_a_finalized_month_opens_the_current_draft(acme):
     tenant, _, _, _, dep = acme
-    row = UsageHourly.objects.create(tenant=tenant, deployment=dep, hour=T0 + timedelta(hours=2),
-                                     input_tokens=1_000_000, output_tokens=0, requests=1)
+    row = UsageHourlyFactory(tenant=tenant, deployment=dep, hour=T0 + timedelta(hours=2),
+                             input_tokens=1_000_000, output_tokens=0, requests=1)
     billing.finalize_due(now=NOV5)
     UsageHourly.objects.filter(pk=row.pk).update(input_tokens=3_000_000)  # late events for October
     Allocation.objects.all().update(released_at=T0 + timedelta(hours=10))
@@ -137,11 +147,11 @@ def test_beat_goes_on_after_a_tenant_fails_and_records_it(acme, tiers):
     tenant, _, _, _, dep = acme
     now_month_usage(tenant, dep)
     other = TenantFactory(slug="other")
-    o_order = Order.objects.create(tenant=other, tier=acme[2])
-    o_alloc = Allocation.objects.create(order=o_order, tenant=other, tier=acme[2], state="active",
-                                        activated_at=datetime.now(UTC) - timedelta(minutes=5))
-    odep = ModelDeployment.objects.create(allocation=o_alloc, tenant=other, name="m", backend="python", spec={},
-                                          memory_mb=10, state="ready")
+    o_order = OrderFactory(tenant=other, tier=acme[2])
+    o_alloc = AllocationFactory(order=o_order, tenant=other, tier=acme[2], state="active",
+                                activated_at=datetime.now(UTC) - timedelta(minutes=5))
+    odep = DeploymentFactory(allocation=o_alloc, tenant=other, name="m", backend="python", spec={},
+                             memory_mb=10, state="ready")
     now_month_usage(other, odep, 2_000_000)
     # acme's month was finalized early (force): refreshing it would be a Conflict
     billing.finalize(billing.draft_for(tenant, billing.month_of(datetime.now(UTC))), force=True)
@@ -152,8 +162,8 @@ def test_beat_goes_on_after_a_tenant_fails_and_records_it(acme, tiers):
             raise RuntimeError("boom")
         return real(t, now)
 
-    with mock.patch.object(billing, "evaluate_spend", boom):
-        out = billing.rate_all()
+    with mock.patch.object(billing.spend, "evaluate_spend", boom):
+        out = rate_all()
     assert out["failed"] == ["acme"]
     assert BillingAlert.objects.get(tenant=tenant, kind="rating_failed").message.endswith("boom")
     o_inv = Invoice.objects.get(tenant=other, period_start=billing.month_of(datetime.now(UTC)))
@@ -231,7 +241,7 @@ def test_finalize_retries_a_deadlock(acme):
             raise _db_error("40P01")
         return real(*a, **kw)
 
-    with mock.patch.object(billing, "rate", flaky), mock.patch.object(dbretry.time, "sleep"):
+    with mock.patch.object(billing.invoices, "rate", flaky), mock.patch.object(dbretry.time, "sleep"):
         inv = billing.finalize(billing.draft_for(tenant, OCT), now=NOV5)
     assert inv.status == "finalized" and len(calls) == 2 and inv.number.endswith("000001")
 
@@ -240,7 +250,7 @@ def test_finalize_retries_a_deadlock(acme):
 def test_deadlock_is_never_answered_as_database_unavailable(acme, as_user, operator):
     tenant, *_ = acme
     inv = billing.draft_for(tenant, OCT)
-    with mock.patch.object(billing, "rate", side_effect=_db_error("40001")), \
+    with mock.patch.object(billing.invoices, "rate", side_effect=_db_error("40001")), \
             mock.patch.object(dbretry.time, "sleep"):
         r = as_user(operator).post(f"/api/v1/invoices/{inv.pk}/finalize/")
     assert r.status_code == 409, r.content

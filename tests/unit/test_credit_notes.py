@@ -11,11 +11,8 @@ from decimal import Decimal
 import pytest
 
 from marketplace.models import (
-    Allocation,
     CreditNote,
     InvoiceLine,
-    ModelDeployment,
-    Order,
     PricePlan,
     WebhookDelivery,
     WebhookEndpoint,
@@ -25,7 +22,16 @@ from telemetry.models import UsageHourly
 from tenants.errors import Conflict, Forbidden
 from tenants.roles import Role
 from tenants.scoping import principal_for_user
-from tests.factories import MembershipFactory, TenantFactory, make_key
+from tests.factories import (
+    AllocationFactory,
+    DeploymentFactory,
+    MembershipFactory,
+    OrderFactory,
+    PricePlanFactory,
+    TenantFactory,
+    UsageHourlyFactory,
+    make_key,
+)
 
 pytestmark = pytest.mark.django_db
 D = Decimal
@@ -41,9 +47,9 @@ def billed(catalog, tiers):
     tier = tiers["3g"]
     PricePlan.objects.filter(tier=tier).update(effective_from=T0 - timedelta(days=30),
                                                price_per_slice_hour=D("2.0000"))
-    order = Order.objects.create(tenant=tenant, tier=tier)
-    Allocation.objects.create(order=order, tenant=tenant, tier=tier, state="active", activated_at=T0,
-                              released_at=T0 + timedelta(hours=10))
+    order = OrderFactory(tenant=tenant, tier=tier)
+    AllocationFactory(order=order, tenant=tenant, tier=tier, state="active", activated_at=T0,
+                      released_at=T0 + timedelta(hours=10))
     inv = billing.finalize(billing.draft_for(tenant, OCT), now=NOV2)
     return tenant, owner, inv
 
@@ -95,8 +101,9 @@ def test_partial_credit_by_line_and_who_may_issue(billed, operator, as_user, as_
     listed = api.get("/api/v1/credit-notes/").json()
     assert [x["number"] for x in listed["results"]] == [cn.number]
     assert api.get(f"/api/v1/invoices/{inv.pk}/").json()["credit_notes"][0]["number"] == cn.number
-    csv = api.get(f"/api/v1/credit-notes/{cn.pk}/export/?format=csv")
-    assert csv.status_code == 200 and cn.number in csv.content.decode() and "-5.00" in csv.content.decode()
+    csv = api.get(f"/api/v1/credit-notes/{cn.pk}/export/csv/")
+    assert csv.status_code == 200 and csv["Content-Type"].startswith("text/csv") and cn.number in csv.content.decode()
+    assert api.get(f"/api/v1/credit-notes/{cn.pk}/export/?format=csv").content == csv.content  # the older link
     js = api.get(f"/api/v1/credit-notes/{cn.pk}/export/?format=json").json()
     assert js["total"] == "5.00" and js["invoice"] == inv.number
     other = TenantFactory(slug="other")
@@ -120,17 +127,17 @@ def test_console_issues_a_credit_note(billed, operator, as_user):
 def test_late_usage_that_would_lower_a_finalized_top_up_is_credited(catalog, tiers):
     tier = tiers["3g"]
     since = T0 - timedelta(days=30)
-    PricePlan.objects.create(tier=tier, kind="reserved", currency="USD", effective_from=since,
-                             price_per_slice_hour=D("0"), price_per_1m_input_tokens=D("1.0000"),
-                             price_per_1m_output_tokens=D("1.0000"), monthly_commit=D("100.00"))
+    PricePlanFactory(tier=tier, kind="reserved", currency="USD", effective_from=since,
+                     price_per_slice_hour=D("0"), price_per_1m_input_tokens=D("1.0000"),
+                     price_per_1m_output_tokens=D("1.0000"), monthly_commit=D("100.00"))
     t = TenantFactory(slug="resv")
-    order = Order.objects.create(tenant=t, tier=tier, plan_kind="reserved")
-    a = Allocation.objects.create(order=order, tenant=t, tier=tier, state="active", activated_at=T0,
-                                  released_at=datetime(2026, 11, 1, tzinfo=UTC))  # all October
-    dep = ModelDeployment.objects.create(allocation=a, tenant=t, name="llm", backend="python", spec={},
-                                         memory_mb=10, state="ready")
-    row = UsageHourly.objects.create(tenant=t, deployment=dep, hour=T0 + timedelta(hours=3),
-                                     input_tokens=30_000_000, output_tokens=0, requests=1)  # 30.00 at the plan
+    order = OrderFactory(tenant=t, tier=tier, plan_kind="reserved")
+    a = AllocationFactory(order=order, tenant=t, tier=tier, state="active", activated_at=T0,
+                          released_at=datetime(2026, 11, 1, tzinfo=UTC))  # all October
+    dep = DeploymentFactory(allocation=a, tenant=t, name="llm", backend="python", spec={},
+                            memory_mb=10, state="ready")
+    row = UsageHourlyFactory(tenant=t, deployment=dep, hour=T0 + timedelta(hours=3),
+                             input_tokens=30_000_000, output_tokens=0, requests=1)  # 30.00 at the plan
     oct_inv = billing.finalize(billing.draft_for(t, OCT), now=NOV2)
     assert oct_inv.lines.get(kind="commitment_topup").amount == D("70.00")
     UsageHourly.objects.filter(pk=row.pk).update(input_tokens=50_000_000)  # 20.00 more, late
@@ -170,3 +177,63 @@ def test_invoice_list_and_detail_answer_what_their_serializers_write(billed, ope
     # one invoice asked for with filters is still filtered (a finalized invoice is no draft)
     assert api.get(f"/api/v1/invoices/{inv.pk}/?status=draft").status_code == 404
     assert api.get(f"/api/v1/invoices/{inv.pk}/?status=finalized").status_code == 200
+
+
+def test_one_sign_for_a_credit_note_everywhere(billed, operator, as_user):
+    """A credit note's amounts are what it credits, positive, in the model, the API, both exports, the webhook and
+    the invoice's CSV and pages (issue 30: its JSON export said 0.01 where its CSV said -0.01)."""
+    import csv
+    import io
+
+    tenant, owner, inv = billed
+    line = inv.lines.get()
+    cn = billing.issue_credit_note(principal_for_user(operator), inv, reason="goodwill", lines=[(line.pk, D("0.01"))])
+    api = as_user(operator)
+    js = api.get(f"/api/v1/credit-notes/{cn.pk}/export/").json()
+    assert (js["total"], [x["amount"] for x in js["lines"]]) == ("0.01", ["0.01"])
+    assert [x["id"] for x in js["lines"]] == [cn.lines.get().pk]  # the schema requires it
+    rows = list(csv.reader(io.StringIO(api.get(f"/api/v1/credit-notes/{cn.pk}/export/csv/").content.decode())))
+    assert rows[2] == [str(line.pk), line.description, "0.01"] and rows[3] == ["total", "", "0.01"]
+    assert api.get(f"/api/v1/credit-notes/{cn.pk}/").json()["total"] == "0.01"
+    assert billing.credit_note_payload(cn)["total"] == "0.01"  # the credit_note.issued webhook's body
+    invoice_rows = list(csv.reader(io.StringIO(api.get(f"/api/v1/invoices/{inv.pk}/export/csv/").content.decode())))
+    assert [r[7] for r in invoice_rows if r[0] == "credit_note"] == ["0.01"]
+    for page in (as_user(owner).get(f"/portal/invoices/{inv.pk}/"),
+                 as_user(operator).get(f"/console/invoices/{inv.pk}/")):
+        html = page.content.decode()
+        table = html[html.index('id="credit-notes"'):]
+        assert "0.01" in table and "-$" not in table and "-0.01" not in table
+
+
+def _inline(node, doc):
+    """A schema of /api/schema/ with its $refs replaced by what they name."""
+    if isinstance(node, dict):
+        if "$ref" in node:
+            return _inline(doc["components"]["schemas"][node["$ref"].rsplit("/", 1)[1]], doc)
+        return {k: _inline(v, doc) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_inline(v, doc) for v in node]
+    return node
+
+
+def _fields(schema) -> set[str]:
+    return set(schema.get("properties", {}))
+
+
+def test_the_json_exports_answer_what_the_schema_documents(billed, operator, api):
+    """invoice_payload and credit_note_payload (the JSON exports and the webhooks' bodies, written in billing) are
+    valid InvoiceExport and CreditNoteExport documents of /api/schema/ (the schema a generated client parses with:
+    every required field, its type and format), with no field the schema does not name."""
+    from openapi_schema_validator import OAS30ReadValidator
+
+    tenant, _owner, inv = billed
+    cn = billing.issue_credit_note(principal_for_user(operator), inv, reason="goodwill",
+                                   recharge=[{"description": "10 h at 1.50", "amount": "15.00"}])
+    doc = api.get("/api/schema/", HTTP_ACCEPT="application/vnd.oai.openapi+json").json()
+    for payload, name, nested in ((billing.invoice_payload(inv), "InvoiceExport", ("lines", "credit_notes")),
+                                  (billing.credit_note_payload(cn), "CreditNoteExport", ("lines", "recharge"))):
+        schema = _inline(doc["components"]["schemas"][name], doc)
+        OAS30ReadValidator(schema).validate(payload)
+        assert set(payload) == _fields(schema), name
+        for key in nested:
+            assert payload[key] and all(set(x) == _fields(schema["properties"][key]["items"]) for x in payload[key])

@@ -17,9 +17,10 @@ from marketplace.gateway import metering
 from marketplace.hardware import model_repo as mr
 from marketplace.hardware import sim_http
 from marketplace.models import LibraryModel, ModelDeployment
-from marketplace.services import billing, deployments
+from marketplace.services import deployments
 from marketplace.services import models as model_svc
 from telemetry.models import UsageEvent, UsageHourly
+from tests.billing_reference import rated_lines
 from tests.factories import make_key, validated
 from tests.gateway_fixtures import gateway_slice, gateway_tenant
 from tests.unit.test_gateway import _raw
@@ -94,7 +95,7 @@ def test_adapter_is_served_by_its_base_metered_and_invoiced_as_its_own_line(lora
         ("", 4, 2), ("chat", 2, 5), ("sql", 3, 4)]
 
     now = timezone.now()
-    lines = [(d.description, d.quantity) for d, _ in billing.rated_lines(lora_fleet["a"], now - timedelta(days=1),
+    lines = [(d.description, d.quantity) for d, _ in rated_lines(lora_fleet["a"], now - timedelta(days=1),
                                                                          now + timedelta(hours=1))
              if d.deployment_id == dep]
     million = Decimal(1_000_000)

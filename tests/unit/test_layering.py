@@ -25,9 +25,9 @@ def imported_modules(path: Path) -> set[str]:
 
 def test_no_service_imports_the_tasks_module():
     offenders = {p.name: sorted(m for m in imported_modules(p) if m == "marketplace.tasks" or m.endswith(".tasks"))
-                 for p in SERVICES.glob("*.py")}
+                 for p in SERVICES.rglob("*.py")}
     assert {k: v for k, v in offenders.items() if v} == {}
-    assert "getattr(tasks" not in "".join(p.read_text() for p in SERVICES.glob("*.py"))
+    assert "getattr(tasks" not in "".join(p.read_text() for p in SERVICES.rglob("*.py"))
 
 
 def registered_task_names(path: Path) -> set[str]:

@@ -50,7 +50,7 @@ def test_a_store_object_is_fetched_and_validated_like_an_upload(owner, s3_store)
     assert (repo.source, repo.store_path, repo.archive_bytes, repo.manifest[0]["name"], repo.state) == (
         "store", "echo.tar.gz", len(data), "echo", "ready")
     assert repo.archive_sha256 == hashlib.sha256(data).hexdigest()
-    assert (model_svc.repository_path(repo) / "echo" / "1" / "model.py").read_text() == GOOD["echo/1/model.py"]
+    assert ((model_svc.upload_root() / repo.path) / "echo" / "1" / "model.py").read_text() == GOOD["echo/1/model.py"]
     for bad, needle in (("../outside.tar.gz", "without '..'"), ("/echo.tar.gz", "without '..'"),
                         ("http://169.254.169.254/latest", "not a URL"), ("outside.tar.gz", "no such object"),
                         ("nope.tar.gz", "no such object")):

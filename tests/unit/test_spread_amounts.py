@@ -14,10 +14,18 @@ from django.db import transaction
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from marketplace.models import Allocation, ModelDeployment, Order, PricePlan
+from marketplace.models import Allocation, Order, PricePlan
 from marketplace.services import billing
 from telemetry.models import UsageHourly
-from tests.factories import TenantFactory
+from tests.billing_reference import rated_lines_many
+from tests.factories import (
+    AllocationFactory,
+    DeploymentFactory,
+    OrderFactory,
+    PricePlanFactory,
+    TenantFactory,
+    UsageHourlyFactory,
+)
 
 pytestmark = pytest.mark.django_db
 D = Decimal
@@ -33,17 +41,17 @@ def fleet(catalog, tiers):
     tier = tiers["3g"]
     PricePlan.objects.filter(tier=tier).delete()
     for kind, currency in (("on_demand", "USD"), ("reserved", "USD"), ("on_demand", "EUR")):  # changed by examples
-        PricePlan.objects.create(tier=tier, kind=kind, currency=currency, effective_from=T0 - timedelta(days=60),
-                                 price_per_slice_hour=D("1.2345"), price_per_1m_input_tokens=D("0.3333"),
-                                 price_per_1m_output_tokens=D("0.7777"),
-                                 monthly_commit=D("900.00") if kind == "reserved" else None)
+        PricePlanFactory(tier=tier, kind=kind, currency=currency, effective_from=T0 - timedelta(days=60),
+                         price_per_slice_hour=D("1.2345"), price_per_1m_input_tokens=D("0.3333"),
+                         price_per_1m_output_tokens=D("0.7777"),
+                         monthly_commit=D("900.00") if kind == "reserved" else None)
     out = []
     for slug, currency, kind in (("od", "USD", "on_demand"), ("resv", "USD", "reserved"), ("eur", "EUR", "on_demand")):
         t = TenantFactory(slug=slug, currency=currency)
-        order = Order.objects.create(tenant=t, tier=tier, plan_kind=kind)
-        a = Allocation.objects.create(order=order, tenant=t, tier=tier, state="active", activated_at=T0)
-        deps = [ModelDeployment.objects.create(allocation=a, tenant=t, name=f"{slug}{i}", backend="python", spec={},
-                                               memory_mb=10, state="ready") for i in range(2)]
+        order = OrderFactory(tenant=t, tier=tier, plan_kind=kind)
+        a = AllocationFactory(order=order, tenant=t, tier=tier, state="active", activated_at=T0)
+        deps = [DeploymentFactory(allocation=a, tenant=t, name=f"{slug}{i}", backend="python", spec={},
+                                  memory_mb=10, state="ready") for i in range(2)]
         out.append((t, a, deps))
     return tier, out
 
@@ -94,7 +102,7 @@ def test_spread_amounts_equal_the_invoices_lines(fleet, plans, usage, spans, sta
         now = b + timedelta(minutes=now_after)
         people = [t for t, _, _ in tenants]
         for step in (None, 3600, 86400):
-            exact = billing.rated_lines_many(people, a, b, now, step=step or 10**9)
+            exact = rated_lines_many(people, a, b, now, step=step or 10**9)
             want: dict[tuple, Decimal] = defaultdict(Decimal)
             for tid, lines in exact.items():
                 for d, cur in lines:
@@ -108,7 +116,7 @@ def test_spread_amounts_equal_the_invoices_lines(fleet, plans, usage, spans, sta
             if now >= b:  # the tokens and requests charted: the rollups' hours in [a, b), by bucket
                 used: dict[tuple, list[int]] = defaultdict(lambda: [0, 0])
                 for r in UsageHourly.objects.filter(hour__gte=a, hour__lt=b):
-                    u = used[(r.tenant_id, r.tenant.currency, tier.pk, billing._bucket_start(r.hour, step)
+                    u = used[(r.tenant_id, r.tenant.currency, tier.pk, billing.spread._bucket_start(r.hour, step)
                               if step else None)]
                     u[0] += r.input_tokens + r.output_tokens
                     u[1] += r.requests
@@ -136,16 +144,16 @@ def test_allocations_held_over_the_same_span_count_each(fleet):
     a.save()
     order = Order.objects.get(tenant=t)
     for state, released in (("active", a.released_at), ("failed", None), ("active", None)):
-        b = Allocation.objects.create(order=order, tenant=t, tier=tier, state=state, activated_at=a.activated_at,
-                                      released_at=released)
+        b = AllocationFactory(order=order, tenant=t, tier=tier, state=state, activated_at=a.activated_at,
+                              released_at=released)
         if state == "failed":  # stopped at its last change, the others' release
             Allocation.objects.filter(pk=b.pk).update(updated_at=a.released_at)
-    Allocation.objects.create(order=order, tenant=t, tier=tier, state="active", activated_at=T0,
-                              released_at=T0 + timedelta(minutes=20))  # this month's, released before the range
+    AllocationFactory(order=order, tenant=t, tier=tier, state="active", activated_at=T0,
+                      released_at=T0 + timedelta(minutes=20))  # this month's, released before the range
     start, end, now = T0 + timedelta(minutes=30), T0 + timedelta(days=2, minutes=45), T0 + timedelta(days=3)
     for step in (None, 3600, 86400):
         want: dict[tuple, Decimal] = defaultdict(Decimal)
-        for d, cur in billing.rated_lines_many([t], start, end, now, step=step or 10**9)[t.pk]:
+        for d, cur in rated_lines_many([t], start, end, now, step=step or 10**9)[t.pk]:
             if d.kind == billing.L.SLICE_HOURS:
                 if step is None:
                     want[(t.pk, cur, None, billing.SLICES, None)] += billing.amount_between(d, start, end)
@@ -170,12 +178,42 @@ def test_spread_amounts_for_a_tenant_billed_in_a_currency_without_plans(catalog,
     tier = tiers["3g"]
     assert not PricePlan.objects.filter(currency="CHF").exists()
     t = TenantFactory(slug="swiss", currency="CHF")
-    order = Order.objects.create(tenant=t, tier=tier, plan_kind="on_demand")
-    a = Allocation.objects.create(order=order, tenant=t, tier=tier, state="active", activated_at=T0)
-    dep = ModelDeployment.objects.create(allocation=a, tenant=t, name="d", backend="python", spec={}, memory_mb=10,
-                                         state="ready")
-    UsageHourly.objects.create(tenant=t, deployment=dep, hour=T0 + timedelta(hours=2), input_tokens=1000,
-                               output_tokens=500, requests=3)
+    order = OrderFactory(tenant=t, tier=tier, plan_kind="on_demand")
+    a = AllocationFactory(order=order, tenant=t, tier=tier, state="active", activated_at=T0)
+    dep = DeploymentFactory(allocation=a, tenant=t, name="d", backend="python", spec={}, memory_mb=10,
+                            state="ready")
+    UsageHourlyFactory(tenant=t, deployment=dep, hour=T0 + timedelta(hours=2), input_tokens=1000,
+                       output_tokens=500, requests=3)
     out = billing.spread_amounts([t], T0, T0 + timedelta(days=1), T0 + timedelta(days=2), step=3600)
     assert not any(out.money.values())
     assert sum(u[0] for u in out.used.values()) == 1500
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(usage=usage, step=st.sampled_from([3600, 86400, 10**9]), by_tier=st.booleans(),
+       edges=st.tuples(st.integers(0, 60), st.integers(1, 100)))
+def test_raw_rows_are_the_querysets_own_rows(fleet, usage, step, by_tier, edges):
+    """spread._raw_rows reads the token sums (spread.token_sums) without Django's per-value converters: a second
+    copy of Django's row reading, for that query shape only; its rows are the queryset's own, number for number."""
+    from marketplace.services.billing.plans import PlanBook
+    from marketplace.services.billing.spread import _raw_rows, token_sums
+
+    tier, tenants = fleet
+    with transaction.atomic():
+        first = T0 - timedelta(hours=1)
+        for who, dep, h, adapter, ins, outs in usage:
+            t, _, deps = tenants[who]
+            row, _ = UsageHourly.objects.get_or_create(tenant=t, deployment=deps[dep], adapter=adapter,
+                                                       hour=first + timedelta(hours=h))
+            UsageHourly.objects.filter(pk=row.pk).update(input_tokens=row.input_tokens + ins,
+                                                         output_tokens=row.output_tokens + outs, requests=2)
+        lo = T0 + timedelta(hours=edges[0])
+        pieces = (step, lo, lo + timedelta(hours=edges[1]))
+        for currency in ("USD", "EUR"):
+            qs, _ = token_sums(UsageHourly.objects.all(), PlanBook(currency), pieces, by_tier)
+            assert _numbers(_raw_rows(qs)) == _numbers(qs)
+        transaction.set_rollback(True)
+
+
+def _numbers(rows) -> list[tuple]:
+    return sorted(tuple(None if v is None else Decimal(str(v)) for v in r) for r in rows)

@@ -139,11 +139,27 @@ def test_order_spend_limit_is_shown(owner_client, h100_node, tiers, world):
     make_alloc(t, tiers["7g"], activated_at=max(month, now - timedelta(hours=3)))
     t.monthly_spend_limit = "0.01"
     t.save()
+    billing.current_invoice(t)  # the rating beat's work: the spend figure orders judge is the draft as rated
     r = owner_client.post(reverse("portal:order", args=[tiers["1g"].pk]), {"quantity": "1"})
     assert r.status_code == 400 and "spend limit" in r.content.decode()
     assert Order.objects.count() == 1
     home = owner_client.get(reverse("portal:home")).content.decode()
-    assert "Spend limit reached" in home
+    assert "Spend limit reached" in home and "Rated " in home
+
+
+def test_a_spend_limit_of_0_refuses_orders_before_anything_is_spent(owner_client, h100_node, tiers, world):
+    t = world["a"]
+    t.monthly_spend_limit = 0
+    t.save()
+    r = owner_client.post(reverse("portal:order", args=[tiers["1g"].pk]), {"quantity": "1"})
+    assert r.status_code == 400 and "nothing may be spent" in r.content.decode()
+    assert not Order.objects.exists()
+    home = owner_client.get(reverse("portal:home")).content.decode()
+    assert "Spend limit 0: nothing may be spent" in home and "Nothing rated this month yet" in home
+    t.monthly_spend_limit = None  # no limit
+    t.save()
+    assert owner_client.post(reverse("portal:order", args=[tiers["1g"].pk]), {"quantity": "1"}).status_code == 302
+    assert 'id="spend-limit">none<' in owner_client.get(reverse("portal:home")).content.decode()
 
 
 def test_viewer_sees_no_forms_and_posts_are_403(client, members_a, world, tiers, h100_node):
