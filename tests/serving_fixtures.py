@@ -10,8 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from marketplace.models import Allocation
-from marketplace.services import serving
+from marketplace.models import Allocation, ModelDeployment
+from marketplace.services import deployments, orders, provisioning, serving
+from tenants.roles import Role
+from tenants.scoping import principal_for_user
+from tests.factories import MembershipFactory, TenantFactory
 
 IS_ROOT = os.geteuid() == 0
 SYSTEM_PYTHON = "/usr/bin/python3"
@@ -59,3 +62,22 @@ def real_serving(settings, h100_node, staged_runtime_dir, monkeypatch):
     shutil.rmtree(root, ignore_errors=True)
 
 
+def tenant_owner():
+    """A new tenant and its owner's principal."""
+    tenant = TenantFactory()
+    return tenant, principal_for_user(MembershipFactory(tenant=tenant, role=Role.OWNER).user)
+
+
+def order_active(owner, tier) -> Allocation:
+    """An order of one slice of ``tier``, provisioned here: the slice is active (its server answers ready)."""
+    tenant, p = owner
+    a = orders.create_order(p, tenant=tenant, tier=tier).allocations.get()
+    assert provisioning.provision(a.pk) == "activated", Allocation.objects.get(pk=a.pk).failure_reason
+    return Allocation.objects.select_related("node", "tier__profile", "tier__gpu_model", "instance__gpu").get(pk=a.pk)
+
+
+def deploy_ready(owner, a, name, **kwargs) -> ModelDeployment:
+    """A model deployed and loaded on the slice: ready."""
+    dep = deployments.deploy(owner[1], a, name, **kwargs)
+    assert deployments.load(dep.pk) == "ready", ModelDeployment.objects.get(pk=dep.pk).failure_reason
+    return dep

@@ -48,6 +48,7 @@ INNER_TRITON = "/opt/tessera/triton"  # the staged tritonserver, inside
 INNER_REPO = "/models"  # the slice's repository, inside
 INNER_HOME = "/slice"
 TABLE_PREFIX = "tessera_"
+HOST_LOCK = Path("/run/tessera-sandbox.lock")
 # The kernel's interface-name limit is 15 characters: "ts" + 8 hex + "h"/"p".
 IFNAME_LEN = 15
 
@@ -360,14 +361,14 @@ class Sandbox:
     """Makes, runs and takes down the sandboxes of one installation's servers on this host."""
 
     def __init__(self, *, installation: str, subnet: str = "10.213.0.0/16", cgroup_root: Path = Path("/sys/fs/cgroup"),
-                 cgroup_parent: str = "tessera", lock_dir: Path | None = None) -> None:
+                 cgroup_parent: str = "tessera", state_dir: Path | None = None) -> None:
         self.installation = installation
         self.subnet = ipaddress.IPv4Network(subnet)
         if self.subnet.prefixlen > 30:
             raise ValueError(f"the sandbox subnet {subnet} is too small for one /30")
         self.cgroup_root = cgroup_root
         self.cgroup_parent = cgroup_parent
-        self.lock_dir = lock_dir
+        self.state_dir = state_dir  # where its seccomp program is kept (default /run)
 
     def names(self, server: str) -> Names:
         return names(self.installation, server)
@@ -388,9 +389,8 @@ class Sandbox:
     # -- network ---------------------------------------------------------------------------------
     @contextlib.contextmanager
     def _locked(self):
-        folder = self.lock_dir or Path("/run")
-        folder.mkdir(parents=True, exist_ok=True)
-        with open(folder / ".tessera-sandbox.lock", "a") as f:
+        """One lock for the whole host: the /30s are the host's, whatever installation or worker takes one."""
+        with open(HOST_LOCK, "a") as f:
             fcntl.flock(f, fcntl.LOCK_EX)
             try:
                 yield
@@ -481,7 +481,7 @@ class Sandbox:
         return cg
 
     def seccomp(self) -> Path:
-        return seccomp_filter((self.lock_dir or Path("/run")) / "tessera-sandbox.bpf")
+        return seccomp_filter((self.state_dir or Path("/run")) / "tessera-sandbox.bpf")
 
     def command(self, server: str, *, uid: int, gid: int, argv: list[str], env: dict[str, str],
                 repo: Path, runtime: Path, binds: Iterable[Path] = (), etc: Path | None = None,

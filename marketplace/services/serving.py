@@ -80,13 +80,13 @@ def runtime() -> rt.ServingRuntime:
         if found is None:
             if kind == "process":
                 box = sb.Sandbox(installation=settings.TESSERA_INSTALLATION_ID, subnet=settings.TESSERA_SANDBOX_SUBNET,
-                                 cgroup_parent=settings.TESSERA_SANDBOX_CGROUP, lock_dir=work_root())
+                                 cgroup_parent=settings.TESSERA_SANDBOX_CGROUP, state_dir=work_root())
                 found = rt.ProcessRuntime(binary=settings.TESSERA_TRITONSERVER, python=settings.TESSERA_TRITON_PYTHON,
                                           runtime_dir=runtime_dir, sandbox=box)
             elif kind == "docker":
                 found = rt.DockerRuntime(settings.TESSERA_TRITON_IMAGE, model_store=settings.TESSERA_MODEL_STORE_ROOT,
                                          sandbox=sb.Sandbox(installation=settings.TESSERA_INSTALLATION_ID,
-                                                            lock_dir=work_root()))
+                                                            state_dir=work_root()))
             elif kind == "sim":
                 found = rt.SimRuntime()
             else:

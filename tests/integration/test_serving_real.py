@@ -24,10 +24,7 @@ from marketplace.hardware import runtime as rt
 from marketplace.hardware.triton import HttpTritonBackend
 from marketplace.models import Allocation, DriftEvent, ModelDeployment, TritonServer
 from marketplace.services import deployments, orders, provisioning, reconcile, serving
-from tenants.roles import Role
-from tenants.scoping import principal_for_user
-from tests.factories import MembershipFactory, TenantFactory
-from tests.serving_fixtures import ISOLATED, NOT_ISOLATED_WHY
+from tests.serving_fixtures import ISOLATED, NOT_ISOLATED_WHY, deploy_ready, order_active, tenant_owner
 from tests.triton_server import tritonserver_available
 from tests.worker_process import wait_for
 
@@ -36,27 +33,15 @@ pytestmark = [pytest.mark.triton, pytest.mark.django_db,
               pytest.mark.skipif(not AVAILABLE, reason=f"tritonserver not available: {REASON}")]
 D = ModelDeployment.State
 T = TritonServer.State
+
+
 @pytest.fixture
 def owner(db):
-    tenant = TenantFactory()
-    return tenant, principal_for_user(MembershipFactory(tenant=tenant, role=Role.OWNER).user)
-
-
-def _order(owner, tier) -> Allocation:
-    tenant, p = owner
-    a = orders.create_order(p, tenant=tenant, tier=tier).allocations.get()
-    assert provisioning.provision(a.pk) == "activated", Allocation.objects.get(pk=a.pk).failure_reason
-    return Allocation.objects.select_related("node", "tier__profile", "tier__gpu_model").get(pk=a.pk)
-
-
-def _deploy(owner, a, name, **kwargs) -> ModelDeployment:
-    dep = deployments.deploy(owner[1], a, name, **kwargs)
-    assert deployments.load(dep.pk) == "ready", ModelDeployment.objects.get(pk=dep.pk).failure_reason
-    return dep
+    return tenant_owner()
 
 
 def test_order_server_ready_deploy_infer(real_serving, owner, tiers):
-    a = _order(owner, tiers["3g"])
+    a = order_active(owner, tiers["3g"])
     server = TritonServer.objects.get(allocation=a)
     assert a.state == Allocation.State.ACTIVE and server.state == T.RUNNING and server.last_health_ok
     pool = range(a.node.serving_port_min, a.node.serving_port_max + 1)
@@ -76,16 +61,16 @@ def test_order_server_ready_deploy_infer(real_serving, owner, tiers):
     assert f"CUDA_VISIBLE_DEVICES={a.mig_uuid}".encode() in env and a.mig_uuid.startswith("MIG-")
     assert not [e for e in env if e.split(b"=")[0] in (b"DATABASE_URL", b"SECRET_KEY", b"REDIS_URL",
                                                         b"TESSERA_TEST_CANARY")]
-    dep = _deploy(owner, a, "tiny-gen", template="tiny-gen")
+    dep = deploy_ready(owner, a, "tiny-gen", template="tiny-gen")
     out = deployments.backend_for(a).infer_text(dep.name, "tokens are metered per tenant", max_tokens=4)
     assert out["input_tokens"] == 5 and out["output_tokens"] == 4 and out["text"]
 
 
 @pytest.mark.skipif(not ISOLATED, reason=NOT_ISOLATED_WHY)
 def test_server_runs_as_its_own_user_owning_its_repository(real_serving, owner, tiers):
-    a = _order(owner, tiers["1g"])
+    a = order_active(owner, tiers["1g"])
     server = TritonServer.objects.get(allocation=a)
-    _deploy(owner, a, "tiny-gen", template="tiny-gen")
+    deploy_ready(owner, a, "tiny-gen", template="tiny-gen")
     user = pwd.getpwnam(server.unix_user)
     assert server.isolation == TritonServer.Isolation.SANDBOX and user.pw_uid != 0
     assert server.unix_user == f"tessera-{django_settings.TESSERA_INSTALLATION_ID}-{a.pk}"
@@ -98,8 +83,8 @@ def test_server_runs_as_its_own_user_owning_its_repository(real_serving, owner, 
 
 
 def test_killed_server_is_restarted_by_reconcile_and_models_answer_again(real_serving, owner, tiers):
-    a = _order(owner, tiers["1g"])
-    dep = _deploy(owner, a, "tiny-gen", template="tiny-gen")
+    a = order_active(owner, tiers["1g"])
+    dep = deploy_ready(owner, a, "tiny-gen", template="tiny-gen")
     server = TritonServer.objects.get(allocation=a)
     os.kill(server.pid, signal.SIGKILL)
     wait_for(lambda: not serving.runtime().status(serving.spec_for(server, a)).running, 10, "the server to die")
@@ -113,8 +98,8 @@ def test_killed_server_is_restarted_by_reconcile_and_models_answer_again(real_se
 
 
 def test_release_stops_the_server_and_removes_the_repository(real_serving, owner, tiers):
-    a = _order(owner, tiers["1g"])
-    _deploy(owner, a, "tiny-gen", template="tiny-gen")
+    a = order_active(owner, tiers["1g"])
+    deploy_ready(owner, a, "tiny-gen", template="tiny-gen")
     server = TritonServer.objects.get(allocation=a)
     pid, user, repo = server.pid, server.unix_user, deployments.repo_dir(a)
     orders.request_release(owner[1], a)
@@ -131,8 +116,8 @@ def test_release_stops_the_server_and_removes_the_repository(real_serving, owner
 
 
 def test_repository_api_without_the_secret_is_refused_by_triton(real_serving, owner, tiers):
-    a = _order(owner, tiers["1g"])
-    _deploy(owner, a, "tiny-gen", template="tiny-gen")
+    a = order_active(owner, tiers["1g"])
+    deploy_ready(owner, a, "tiny-gen", template="tiny-gen")
     server = TritonServer.objects.get(allocation=a)
     spec = serving.spec_for(server, a)
     for headers in (None, {rt.SECRET_HEADER: "guessed"}):
@@ -154,11 +139,11 @@ def test_repository_api_without_the_secret_is_refused_by_triton(real_serving, ow
 
 
 def test_two_slices_get_distinct_ports_and_cannot_see_each_others_models(real_serving, owner, tiers):
-    a = _order(owner, tiers["1g"])
-    b = _order(owner, tiers["1g"])
+    a = order_active(owner, tiers["1g"])
+    b = order_active(owner, tiers["1g"])
     sa, sb = TritonServer.objects.get(allocation=a), TritonServer.objects.get(allocation=b)
     assert not {sa.http_port, sa.grpc_port, sa.metrics_port} & {sb.http_port, sb.grpc_port, sb.metrics_port}
-    _deploy(owner, a, "only-on-a", template="tiny-gen")
+    deploy_ready(owner, a, "only-on-a", template="tiny-gen")
     with serving.client_for(b) as on_b:
         assert "only-on-a" not in {m["name"] for m in on_b.repository_index()}
         with pytest.raises(InferenceServerException):
@@ -167,7 +152,7 @@ def test_two_slices_get_distinct_ports_and_cannot_see_each_others_models(real_se
 
 
 def test_model_deployed_before_the_server_is_up_waits_then_ends_ready(real_serving, owner, tiers, settings):
-    a = _order(owner, tiers["1g"])
+    a = order_active(owner, tiers["1g"])
     serving.stop_server(a, "simulated outage")
     TritonServer.objects.filter(allocation=a).update(state=T.FAILED)
     dep = deployments.deploy(owner[1], a, "tiny-gen", template="tiny-gen")

@@ -25,10 +25,7 @@ from marketplace.hardware import sandbox as sb
 from marketplace.models import Allocation, DriftEvent, ModelDeployment, TritonServer
 from marketplace.services import deployments, orders, provisioning, reconcile, serving
 from telemetry.models import TritonServedHourly
-from tenants.roles import Role
-from tenants.scoping import principal_for_user
-from tests.factories import MembershipFactory, TenantFactory
-from tests.serving_fixtures import ISOLATED, NOT_ISOLATED_WHY
+from tests.serving_fixtures import ISOLATED, NOT_ISOLATED_WHY, deploy_ready, order_active, tenant_owner
 from tests.triton_server import tritonserver_available
 
 AVAILABLE, REASON = tritonserver_available()
@@ -206,32 +203,14 @@ FAILING_SPEC = {**HOSTILE_SPEC, "files": {"model.py": "class TritonPythonModel:\
                                                       "        raise RuntimeError('this model never loads')\n"}}
 
 
-def _tenant():
-    tenant = TenantFactory()
-    return tenant, principal_for_user(MembershipFactory(tenant=tenant, role=Role.OWNER).user)
-
-
-def _order(owner, tier) -> Allocation:
-    tenant, p = owner
-    a = orders.create_order(p, tenant=tenant, tier=tier).allocations.get()
-    assert provisioning.provision(a.pk) == "activated", Allocation.objects.get(pk=a.pk).failure_reason
-    return Allocation.objects.select_related("node", "tier__profile", "tier__gpu_model", "instance__gpu").get(pk=a.pk)
-
-
-def _deploy(owner, a, name, **kwargs) -> ModelDeployment:
-    dep = deployments.deploy(owner[1], a, name, **kwargs)
-    assert deployments.load(dep.pk) == "ready", ModelDeployment.objects.get(pk=dep.pk).failure_reason
-    return dep
-
-
 @pytest.fixture
 def node_pair(real_serving, tiers):
     """Tenant A's honest model and tenant B's hostile one, on two slices of the same node."""
-    a_owner, b_owner = _tenant(), _tenant()
-    victim = _order(a_owner, tiers["1g"])
-    _deploy(a_owner, victim, "honest", template="tiny-gen")
-    attacker = _order(b_owner, tiers["1g"])
-    _deploy(b_owner, attacker, "probe", spec=HOSTILE_SPEC)
+    a_owner, b_owner = tenant_owner(), tenant_owner()
+    victim = order_active(a_owner, tiers["1g"])
+    deploy_ready(a_owner, victim, "honest", template="tiny-gen")
+    attacker = order_active(b_owner, tiers["1g"])
+    deploy_ready(b_owner, attacker, "probe", spec=HOSTILE_SPEC)
     return {"victim": victim, "attacker": attacker, "a": a_owner, "b": b_owner}
 
 
@@ -376,11 +355,11 @@ def test_model_loaded_behind_tesseras_back_is_found_and_unloaded(node_pair):
 
 def test_fork_bomb_stops_only_its_own_slice(real_serving, tiers, settings):
     settings.TESSERA_SANDBOX_PIDS = 300
-    a_owner, b_owner = _tenant(), _tenant()
-    victim = _order(a_owner, tiers["1g"])
-    _deploy(a_owner, victim, "honest", template="tiny-gen")
-    attacker = _order(b_owner, tiers["1g"])
-    dep = _deploy(b_owner, attacker, "probe", spec=HOSTILE_SPEC)
+    a_owner, b_owner = tenant_owner(), tenant_owner()
+    victim = order_active(a_owner, tiers["1g"])
+    deploy_ready(a_owner, victim, "honest", template="tiny-gen")
+    attacker = order_active(b_owner, tiers["1g"])
+    dep = deploy_ready(b_owner, attacker, "probe", spec=HOSTILE_SPEC)
     answer = probe(attacker, "fork")
     assert answer.startswith("FORKED") and "Resource temporarily unavailable" in answer, answer
     forked = int(answer.split()[1])
@@ -401,12 +380,12 @@ def test_memory_hog_stops_only_its_own_model_with_a_reason_its_tenant_sees(real_
     hog_tier = tiers["3g"]
     hog_tier.host_memory_mib = 768
     hog_tier.save(update_fields=["host_memory_mib"])
-    a_owner, b_owner = _tenant(), _tenant()
-    victim = _order(a_owner, tiers["1g"])
-    _deploy(a_owner, victim, "honest", template="tiny-gen")
-    attacker = _order(b_owner, hog_tier)
-    dep = _deploy(b_owner, attacker, "probe", spec=HOSTILE_SPEC)  # declares 64 MiB...
-    spare = _deploy(b_owner, attacker, "spare", template="tiny-gen")
+    a_owner, b_owner = tenant_owner(), tenant_owner()
+    victim = order_active(a_owner, tiers["1g"])
+    deploy_ready(a_owner, victim, "honest", template="tiny-gen")
+    attacker = order_active(b_owner, hog_tier)
+    dep = deploy_ready(b_owner, attacker, "probe", spec=HOSTILE_SPEC)  # declares 64 MiB...
+    spare = deploy_ready(b_owner, attacker, "spare", template="tiny-gen")
     with pytest.raises(Exception, match="not healthy|Stub|failed|Connection"):
         probe(attacker, "hog:2048")  # ...and takes 2 GiB
     assert honest_answers(victim)
@@ -427,17 +406,17 @@ def test_declared_memory_over_the_sandbox_allowance_is_refused(real_serving, tie
     tier = tiers["1g"]
     tier.host_memory_mib = 512
     tier.save(update_fields=["host_memory_mib"])
-    owner = _tenant()
-    a = _order(owner, tier)
+    owner = tenant_owner()
+    a = order_active(owner, tier)
     with pytest.raises(deployments.ServiceError, match="declares 2,048 MiB of host memory.*allows 512 MiB"):
         deployments.deploy(owner[1], a, "big", spec={**HOSTILE_SPEC, "memory_mb": 2048})
     assert not ModelDeployment.objects.filter(allocation=a).exists()
 
 
 def test_failing_model_load_leaves_the_other_models_of_its_server_answering(real_serving, tiers):
-    owner = _tenant()
-    a = _order(owner, tiers["1g"])
-    _deploy(owner, a, "honest", template="tiny-gen")
+    owner = tenant_owner()
+    a = order_active(owner, tiers["1g"])
+    deploy_ready(owner, a, "honest", template="tiny-gen")
     broken = deployments.deploy(owner[1], a, "broken", spec=FAILING_SPEC)
     assert deployments.load(broken.pk) == "failed"
     broken.refresh_from_db()
@@ -451,9 +430,9 @@ def test_failing_model_load_leaves_the_other_models_of_its_server_answering(real
 
 
 def test_a_restart_first_counts_what_the_server_served(real_serving, tiers):
-    owner = _tenant()
-    a = _order(owner, tiers["1g"])
-    dep = _deploy(owner, a, "honest", template="tiny-gen")
+    owner = tenant_owner()
+    a = order_active(owner, tiers["1g"])
+    dep = deploy_ready(owner, a, "honest", template="tiny-gen")
     for _ in range(7):
         deployments.backend_for(a).infer_text("honest", "served but not yet scraped", max_tokens=1)
     serving.restart(_server(a), a)
@@ -461,8 +440,8 @@ def test_a_restart_first_counts_what_the_server_served(real_serving, tiers):
 
 
 def test_sandbox_users_are_tesseras_own_and_everything_goes_with_the_slice(real_serving, tiers):
-    owner = _tenant()
-    a = _order(owner, tiers["1g"])
+    owner = tenant_owner()
+    a = order_active(owner, tiers["1g"])
     server = _server(a)
     names = sb.names(django_settings.TESSERA_INSTALLATION_ID, server.name)
     assert server.unix_user == names.user == f"tessera-{django_settings.TESSERA_INSTALLATION_ID}-{a.pk}"
@@ -501,8 +480,8 @@ def test_a_gateway_on_another_host_reaches_the_slice_through_the_node_address(re
     address = _node_addresses()[0]
     h100_node.serving_address = address
     h100_node.save(update_fields=["serving_address"])
-    owner = _tenant()
-    a = _order(owner, tiers["1g"])
+    owner = tenant_owner()
+    a = order_active(owner, tiers["1g"])
     server = _server(a)
     assert server.address == address and a.triton_url == f"http://{address}:{server.http_port}"
     assert honest_or_ready(a)

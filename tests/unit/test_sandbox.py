@@ -28,7 +28,7 @@ def test_limits_refuse_what_no_server_could_run_in():
 
 
 def _command(tmp_path: Path, **kw) -> list[str]:
-    box = sb.Sandbox(installation="ab12", cgroup_root=tmp_path / "cg", lock_dir=tmp_path)
+    box = sb.Sandbox(installation="ab12", cgroup_root=tmp_path / "cg", state_dir=tmp_path)
     (tmp_path / "cg" / "cgroup.controllers").parent.mkdir(parents=True, exist_ok=True)
     (tmp_path / "cg" / "cgroup.controllers").write_text("cpu memory pids\n")
     args = dict(uid=1234, gid=1234, argv=["/opt/tessera/triton/bin/tritonserver", "--model-repository=/models"],

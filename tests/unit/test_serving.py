@@ -313,7 +313,7 @@ LIMITS = sb.Limits(memory_mib=512, pids=256, cpu_weight=100)
 def test_a_user_that_cannot_be_created_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(rt, "USER_MARKER", "a comment useradd refuses:")  # ':' separates passwd's fields
     root = Path(tempfile.mkdtemp(prefix="tessera-user-test-", dir="/tmp"))
-    box = sb.Sandbox(installation="zz9", lock_dir=root)
+    box = sb.Sandbox(installation="zz9", state_dir=root)
     try:
         root.chmod(0o755)
         run = rt.ProcessRuntime(binary=str(_fake_binary(root, "exit 0\n")), python="/usr/bin/python3"
@@ -435,7 +435,7 @@ class _FakeDocker:
 
 def test_docker_runtime_sets_the_firewall_before_the_container_runs(tmp_path, monkeypatch):
     fake = _FakeDocker()
-    box = sb.Sandbox(installation="ab12", lock_dir=tmp_path)
+    box = sb.Sandbox(installation="ab12", state_dir=tmp_path)
     monkeypatch.setattr(box, "apply_firewall", lambda name, bridge, **kw: fake.calls.append(f"firewall {bridge}"))
     run = rt.DockerRuntime("img", client=fake, sandbox=box)
     s = spec(tmp_path, installation="ab12", limits=LIMITS)
