@@ -77,10 +77,9 @@ def create_order(principal: Principal, *, tenant: Tenant, tier: Tier, quantity: 
     if plan_in_force(tier, currency, plan_kind) is None:
         raise ServiceError(f"{tier.name} has no {plan_kind} price in {currency}", field="plan_kind")
     actor = actor_of(principal)
-    # Before any lock: rating the month in memory is an order's slowest read (and needless without a limit), and
-    # ordering does not change the spend (a slice costs from when it is active).
-    if tenant.monthly_spend_limit:
-        billing.check_can_order(tenant)
+    # Before any lock (ordering does not change the spend: a slice costs from when it is active). The spend rule
+    # (None = no limit, 0 = nothing may be spent) is the billing package's; here it is only asked.
+    billing.check_can_order(tenant)
     with transaction.atomic():
         tenant = Tenant.objects.select_for_update().get(pk=tenant.pk)  # one order at a time per tenant: exact quotas
         if not tenant.is_active:
