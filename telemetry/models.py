@@ -75,6 +75,36 @@ class UsageHourly(models.Model):
         return f"{self.tenant_id}/{self.deployment_id}@{self.hour:%Y-%m-%d %H}"
 
 
+class UsageDaily(models.Model):
+    """UsageHourly summed per (tenant, deployment, UTC day): a SECOND COPY of the hourly rollups, kept for speed
+    (a 30-day chart reads ~30 rows a deployment instead of ~720). The database keeps it: triggers on
+    telemetry_usagehourly (migration telemetry 0013_usage_daily) add every insert, update and
+    delete of an hourly row's sums to its day, whoever writes it (ingest, the rating, a fixture, raw SQL), in the
+    same transaction; a day's row goes when its last hour does. tests/unit/test_usage_daily.py holds it equal to
+    the hourly rows' sums. Read only: never written by Python."""
+
+    id = models.BigAutoField(primary_key=True)
+    tenant = models.ForeignKey("tenants.Tenant", on_delete=models.DO_NOTHING, related_name="+", db_constraint=False)
+    deployment = models.ForeignKey("marketplace.ModelDeployment", on_delete=models.DO_NOTHING, related_name="+",
+                                   db_constraint=False)
+    day = models.DateTimeField(help_text="start of the UTC day")
+    input_tokens = models.BigIntegerField(default=0)
+    output_tokens = models.BigIntegerField(default=0)
+    requests = models.BigIntegerField(default=0)
+    events = models.BigIntegerField(default=0)
+    hours = models.IntegerField(default=0, help_text="how many hourly rows the day's sums are of")
+
+    objects = TenantScopedQuerySet.as_manager()
+    tenant_path = "tenant_id"
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["tenant", "deployment", "day"], name="usage_day_unique")]
+        indexes = [models.Index(fields=["day"])]
+
+    def __str__(self) -> str:
+        return f"{self.tenant_id}/{self.deployment_id}@{self.day:%Y-%m-%d}"
+
+
 class TritonServedHourly(models.Model):
     """What the slice's Triton server reports it served (from its inference statistics), per hour,
     so operators can compare it with what was metered."""

@@ -239,7 +239,7 @@ def _sql() -> tuple[str, str]:
             INSERT INTO {hr} (tenant_id, deployment_id, adapter, hour, input_tokens, output_tokens, requests, events,
                               billed_input_tokens, billed_output_tokens, billed_requests, updated_at)
             SELECT %(tenant)s, deployment_id, adapter, hour, i, o, r, n, 0, 0, 0, %(now)s FROM agg
-            ORDER BY deployment_id, adapter COLLATE "C", hour
+            ORDER BY deployment_id, hour, adapter COLLATE "C"  -- (so their days are locked in order: UsageDaily)
             ON CONFLICT (tenant_id, deployment_id, adapter, hour) DO UPDATE SET {sums}, updated_at = EXCLUDED.updated_at
             RETURNING 1
         )

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from marketplace.models import Allocation, Order, PricePlan
 from marketplace.services import billing
-from telemetry.models import UsageHourly
+from telemetry.models import UsageDaily, UsageHourly
 from tests.billing_reference import rated_lines_many
 from tests.factories import (
     AllocationFactory,
@@ -196,7 +196,9 @@ def test_raw_rows_are_the_querysets_own_rows(fleet, usage, step, by_tier, edges)
     """spread._raw_rows reads the token sums (spread.token_sums) without Django's per-value converters: a second
     copy of Django's row reading, for that query shape only; its rows are the queryset's own, number for number."""
     from marketplace.services.billing.plans import PlanBook
+    from marketplace.services.billing.rating import piece_case
     from marketplace.services.billing.spread import _raw_rows, token_sums
+    from telemetry.sqlbuckets import EpochBucket
 
     tier, tenants = fleet
     with transaction.atomic():
@@ -210,8 +212,12 @@ def test_raw_rows_are_the_querysets_own_rows(fleet, usage, step, by_tier, edges)
         lo = T0 + timedelta(hours=edges[0])
         pieces = (step, lo, lo + timedelta(hours=edges[1]))
         for currency in ("USD", "EUR"):
-            qs, _ = token_sums(UsageHourly.objects.all(), PlanBook(currency), pieces, by_tier)
+            qs, _ = token_sums(UsageHourly.objects.all(), PlanBook(currency), piece_case(pieces), by_tier)
             assert _numbers(_raw_rows(qs)) == _numbers(qs)
+            daily, _ = token_sums(UsageDaily.objects.all(), PlanBook(currency), EpochBucket("day", step), by_tier,
+                                  at="day")
+            assert _numbers(_raw_rows(daily)) == _numbers(daily)
+            assert usage == [] or len(_numbers(daily)) > 0
         transaction.set_rollback(True)
 
 

@@ -20,12 +20,14 @@ from decimal import Decimal
 from functools import lru_cache
 
 from django.db import connections
-from django.db.models import Case, Count, DateTimeField, F, Q, QuerySet, Sum, Value, When
+from django.db.models import Case, Count, DateTimeField, Expression, F, Q, QuerySet, Sum, Value, When
 from django.db.models.functions import Coalesce, Greatest, Least
 from django.utils import timezone
 
 from marketplace.models import Allocation, PricePlan
-from telemetry.models import UsageHourly
+from telemetry.models import UsageDaily, UsageHourly
+from telemetry.rollups import ceil_day, floor_day
+from telemetry.sqlbuckets import EpochBucket
 from tenants.models import Tenant
 
 from .plans import PlanBook
@@ -34,7 +36,6 @@ from .rating import (
     TIER,
     Draft,
     L,
-    Pieces,
     active_allocations,
     books_of_month,
     piece_case,
@@ -85,7 +86,7 @@ def spread_amounts(tenants: list[Tenant], start: datetime, end: datetime, now: d
         return out
     ids = [t.pk for t in tenants]
     reserved = Q(**{PLAN_KIND: PricePlan.Kind.RESERVED})
-    piece_step = step or 10**9
+    piece_step = step or 86400 * 10**5  # None: one piece (a multiple of a day: see _daily_spans)
     bucket_td = timedelta(seconds=step) if step else None
     for m in months(start, min(end, now)):
         m_start, m_end = bounds(m)
@@ -141,12 +142,22 @@ def spread_amounts(tenants: list[Tenant], start: datetime, end: datetime, now: d
                         out.money[(tid, cur, tier_key, SLICES, b)] += _times_hours(per_hour, edge - at)
                     at, b = edge, b + bucket_td
         for cur, book in books.items():
-            rows = UsageHourly.objects.filter(tenant_id__in=[t for t in ids if currency_of[t] == cur],
-                                              hour__gte=max(m_start, lo - hour), hour__lt=min(m_end, hi + hour))
-            qs, divisor = token_sums(rows, book, (piece_step, lo, hi), by_tier)
+            mine = [t for t in ids if currency_of[t] == cur]
+            rows = UsageHourly.objects.filter(tenant_id__in=mine, hour__gte=max(m_start, lo - hour),
+                                              hour__lt=min(m_end, hi + hour))
+            # whole days of the range on which no price of this currency changes: read from the daily rollups
+            # (a day's hours all fall in one bucket and are all priced at the plan in force at the day's start)
+            days = _daily_spans(book, max(m_start, lo), min(m_end, hi), step)
+            if days:
+                rows = rows.exclude(_any_span("hour", days))
+            qs, divisor = token_sums(rows, book, piece_case((piece_step, lo, hi)), by_tier)
+            queries = [qs]
+            if days:
+                daily = UsageDaily.objects.filter(_any_span("day", days), tenant_id__in=mine)
+                queries.append(token_sums(daily, book, EpochBucket("day", piece_step), by_tier, at="day")[0])
             acc, used = out.money, out.used
             of_piece: dict[int, tuple[datetime | None, bool, Decimal | None]] = {}
-            for row in _raw_rows(qs):
+            for row in (r for q in queries for r in _raw_rows(q)):
                 tid, piece, ins, outs, reqs, m = row[0], row[-5], row[-4], row[-3], row[-2], row[-1]
                 tier_key = row[1] if by_tier else None
                 known = of_piece.get(piece)
@@ -174,16 +185,54 @@ def spread_amounts(tenants: list[Tenant], start: datetime, end: datetime, now: d
     return out
 
 
-def token_sums(rows: QuerySet, book: PlanBook, pieces: Pieces, by_tier: bool) -> tuple[QuerySet, Decimal]:
-    """The database prices the tokens of the hourly `rows` (the plan in force at each hour) and sums them per
-    tenant[, tier] and piece: one row per bucket, whatever the plans, deployments and hours. Rows (read with
-    `_raw_rows`): tenant id[, tier id], piece, input tokens, output tokens, requests, money x the divisor returned
-    (null: no price in force)."""
-    priced, divisor = book.token_money(TIER, PLAN_KIND, "hour")
+def token_sums(rows: QuerySet, book: PlanBook, piece: Expression, by_tier: bool, at: str = "hour"
+               ) -> tuple[QuerySet, Decimal]:
+    """The database prices the tokens of the rollup `rows` (hourly; daily with at="day") at the plan in force at
+    each row's time `at` and sums them per tenant[, tier] and `piece` (`rating.piece_case` of the hour, or a day's
+    bucket): one row per bucket, whatever the plans, deployments and hours. Rows (read with `_raw_rows`): tenant
+    id[, tier id], piece, input tokens, output tokens, requests, money x the divisor returned (null: no price in
+    force)."""
+    priced, divisor = book.token_money(TIER, PLAN_KIND, at)
     keys = ["tenant_id", TIER] if by_tier else ["tenant_id"]
-    qs = (rows.annotate(piece=piece_case(pieces)).values_list(*keys, "piece")
+    qs = (rows.annotate(piece=piece).values_list(*keys, "piece")
           .annotate(i=Sum("input_tokens"), o=Sum("output_tokens"), r=Sum("requests"), m=Sum(priced)).order_by())
     return qs, divisor
+
+
+#: the fewest whole days worth reading from the daily rollups (below it, the hourly rows are as cheap)
+DAILY_FROM_DAYS = 2
+
+
+def _daily_spans(book: PlanBook, lo: datetime, hi: datetime, step: int | None) -> list[tuple[datetime, datetime]]:
+    """[from, to) runs of whole UTC days inside [lo, hi) whose usage the daily rollups (UsageDaily) can stand for:
+    only when buckets are whole days (step None or a multiple of a day: epoch-aligned, so a day's hours share
+    one), and never a day in which a plan of `book` starts after midnight (its hours are priced at two plans).
+    Empty when fewer than DAILY_FROM_DAYS days qualify."""
+    if step is not None and step % 86400:
+        return []
+    first, last = ceil_day(lo), floor_day(hi)  # the whole days inside
+    if (last - first).days < DAILY_FROM_DAYS:
+        return []
+    cuts = sorted({p.effective_from for p in book.by_pk.values() if first < p.effective_from < last})
+    spans, a = [], first
+    for t in cuts:
+        day = t.astimezone(UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+        if day == t:  # a plan starting at midnight prices the whole day: no cut
+            continue
+        if a < day:
+            spans.append((a, day))
+        a = max(a, day + timedelta(days=1))
+    if a < last:
+        spans.append((a, last))
+    return spans if sum((b - a).days for a, b in spans) >= DAILY_FROM_DAYS else []
+
+
+def _any_span(field: str, spans: list[tuple[datetime, datetime]]) -> Q:
+    """`field` in any of the [from, to) spans."""
+    q = Q()
+    for a, b in spans:
+        q |= Q(**{f"{field}__gte": a, f"{field}__lt": b})
+    return q
 
 
 def _raw_rows(qs: QuerySet) -> list[tuple]:
