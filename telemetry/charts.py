@@ -33,7 +33,7 @@ from marketplace.formatting import plotly_unit_price_format
 from marketplace.models import Allocation, Gpu, GpuSlot, InvoiceLine, Node, Tier
 from marketplace.services.billing.spread import COMMITMENT, SLICES, TOKENS, spread_amounts
 from telemetry import figures
-from telemetry.models import GpuSample, Resolution, UsageDaily, UsageHourly
+from telemetry.models import GpuSample, NodeActivity, Resolution, UsageDaily, UsageHourly
 from telemetry.rollups import ceil_day, floor_day
 from telemetry.services import energy
 from telemetry.sqlbuckets import bucket_sums, from_epoch
@@ -128,10 +128,10 @@ def bucket_step(per: Period, points: int = MAX_POINTS) -> int:
     return next((s for s in NICE_STEPS if s >= want), NICE_STEPS[-1])
 
 
-def _sample_rows(per: Period) -> QuerySet:
-    """GpuSample rows of the period at its resolution; for a rollup, the raw rows after the last rolled-up
-    bucket too (the rollup job only writes complete buckets), so the newest minutes are never missing."""
-    base = GpuSample.objects.filter(ts__gte=per.start, ts__lt=per.end)
+def _sample_rows(per: Period, model: type[GpuSample] | type[NodeActivity] = GpuSample) -> QuerySet:
+    """GpuSample (or NodeActivity) rows of the period at its resolution; for a rollup, the raw rows after the last
+    rolled-up bucket too (the rollup job only writes complete buckets), so the newest minutes are never missing."""
+    base = model.objects.filter(ts__gte=per.start, ts__lt=per.end)
     if per.resolution == Resolution.RAW:
         return base.filter(resolution=Resolution.RAW)
     mark = base.filter(resolution=per.resolution).aggregate(m=Max("ts"))["m"]
@@ -139,13 +139,13 @@ def _sample_rows(per: Period) -> QuerySet:
     return base.filter(Q(resolution=per.resolution, ts__lt=tail) | Q(resolution=Resolution.RAW, ts__gte=tail))
 
 
-def activity(per: Period, *keys: str, step: int | None = None) -> list[dict]:
+def activity(per: Period, *keys: str, step: int | None = None, per_node: bool = False) -> list[dict]:
     """Average activity in percent per time bucket ("t", a datetime; none when step is 0: the whole
-    period) and `keys` (GpuSample value paths), aggregated by the database: a rollup row weighs as
-    many raw samples as it averages."""
-    qs = _sample_rows(per)
+    period) and `keys` (GpuSample value paths; with per_node, NodeActivity's: the same sums per node, kept by
+    the database), aggregated by the database: a rollup row weighs as many raw samples as it averages."""
+    qs = _sample_rows(per, NodeActivity if per_node else GpuSample)
     group = list(keys)
-    sums = {"w": Sum(F("activity") * F("samples")), "n": Sum("samples")}
+    sums = {"w": Sum("activity_samples") if per_node else Sum(F("activity") * F("samples")), "n": Sum("samples")}
     if step:
         # per sample time first, then per bucket: the bucket's arithmetic runs once per group, not per sample
         # row (the 24 h heatmap at 1,000 GPUs: 36k groups of 286k rows); no ORDER BY: PostgreSQL hashes the groups
@@ -219,13 +219,13 @@ def gpu_heatmap(per: Period, principal: Principal):
         rows = list(Node.objects.order_by("hostname").annotate(n=Count("gpus")).values_list("pk", "hostname", "n"))
         keys = {pk: i for i, (pk, _h, _n) in enumerate(rows)}
         labels = [f"{host} ({n} GPUs)" for _pk, host, n in rows]
-        key = "gpu__node_id"
+        key = "node_id"
     else:
         gpus = list(Gpu.objects.order_by("node__hostname", "index").values_list("pk", "node__hostname", "index"))
         keys = {pk: i for i, (pk, _h, _i) in enumerate(gpus)}
         labels = [Gpu.label_for(host, index) for _pk, host, index in gpus]
         key = "gpu_id"
-    cells = activity(per, key, step=step)
+    cells = activity(per, key, step=step, per_node=per_node)
     ts = sorted({c["t"] for c in cells})
     col = {t: j for j, t in enumerate(ts)}
     z: list[list[float | None]] = [[None] * len(ts) for _ in labels]

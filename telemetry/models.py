@@ -185,6 +185,30 @@ class GpuSample(models.Model):
         return f"{self.gpu_id}/{self.resolution}@{self.ts:%Y-%m-%d %H:%M}"
 
 
+class NodeActivity(models.Model):
+    """GpuSample's activity summed per (node, resolution, time): a SECOND COPY of the GPU samples, kept for speed
+    (the per-node heatmap reads ~8x fewer rows than one a GPU, with no join). The database keeps it: triggers on
+    telemetry_gpusample (migration telemetry 0014_node_activity) add every insert, update and delete of a sample
+    to its node's row in the same transaction, whoever writes it (the collector, the downsampler, the pruner, a
+    fixture); a row goes when its last sample does. tests/unit/test_node_activity.py holds it equal to the
+    samples' sums. Read only: never written by Python."""
+
+    id = models.BigAutoField(primary_key=True)
+    node = models.ForeignKey("marketplace.Node", on_delete=models.DO_NOTHING, related_name="+", db_constraint=False)
+    resolution = models.CharField(max_length=3, choices=Resolution.choices)
+    ts = models.DateTimeField()
+    activity_samples = models.FloatField(default=0.0, help_text="sum of activity x samples over the node's GPUs")
+    samples = models.BigIntegerField(default=0)
+    gpus = models.IntegerField(default=0, help_text="how many GPU samples the sums are of")
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["node", "resolution", "ts"], name="node_activity_unique")]
+        indexes = [models.Index(fields=["resolution", "ts"])]
+
+    def __str__(self) -> str:
+        return f"{self.node_id}/{self.resolution}@{self.ts:%Y-%m-%d %H:%M}"
+
+
 class MigSample(models.Model):
     """One slice's (MIG instance, or a whole-GPU allocation) memory and estimated activity. NVML has
     no per-slice utilization without GPM/DCGM, so ``activity`` (0..1) is estimated from metering:
