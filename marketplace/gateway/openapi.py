@@ -8,7 +8,9 @@ from typing import Any
 OPENAI_ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message", "type", "code"],
     "properties": {"message": {"type": "string"}, "type": {"type": "string"},
-                   "param": {"type": ["string", "null"]}, "code": {"type": "string"}}}}}
+                   "param": {"type": ["string", "null"]}, "code": {"type": "string"},
+                   "tessera_code": {"type": "string", "description": "Tessera's own reason where code is OpenAI's "
+                                    "(insufficient_quota: spend_limit_reached)"}}}}}
 KSERVE_ERROR = {"type": "object", "required": ["error"],
                 "properties": {"error": {"type": "string"}, "code": {"type": "string"}}}
 USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
@@ -33,16 +35,19 @@ SSE = {"text/event-stream": {"schema": {"type": ["object", "string"]}}}
 
 
 def _errors(schema: dict, *codes: int) -> dict[str, Any]:
-    why = {400: "invalid request, or the model refused it", 401: "missing, unknown, revoked or expired key",
-           402: "the tenant's monthly spend limit is reached", 403: "the key lacks the inference scope, or the "
-           "tenant is suspended", 404: "unknown model, or another tenant's (the same answer)",
-           413: "body too large", 429: "request, token or concurrency limit (Retry-After)",
+    why = {400: "invalid request, a parameter the model does not take (unsupported_parameter, naming it), or "
+           "the model refused it", 401: "missing, unknown, revoked or expired key",
+           403: "the key lacks the inference scope, or the tenant is suspended",
+           404: "unknown model, or another tenant's (the same answer)", 413: "body too large",
+           429: "request, token or concurrency limit (Retry-After); or the tenant's monthly spend limit is reached: "
+                "OpenAI's insufficient_quota (type and code), tessera_code spend_limit_reached, "
+                "x-should-retry: false",
            500: "the gateway failed", 502: "the model failed", 503: "the model is not answering, or metering is "
            "unavailable (Retry-After)"}
     return {str(c): {"description": why[c], "content": {"application/json": {"schema": schema}}} for c in codes}
 
 
-ALL = (400, 401, 402, 403, 404, 413, 429, 500, 502, 503)
+ALL = (400, 401, 403, 404, 413, 429, 500, 502, 503)
 
 
 def _op(summary: str, ok: dict[str, Any], errors: dict, body: dict | None = None, params: list | None = None

@@ -31,18 +31,33 @@ class GatewayError(Exception):
     """An answer other than success: HTTP status, a stable machine code, a message a person can act on."""
 
     def __init__(self, status: int, code: str, message: str, *, kind: str = "invalid_request_error",
-                 param: str | None = None, headers: dict[str, str] | None = None) -> None:
+                 param: str | None = None, headers: dict[str, str] | None = None,
+                 tessera_code: str | None = None) -> None:
         super().__init__(message)
         self.status, self.code, self.message, self.kind, self.param = status, code, message, kind, param
         self.headers = headers or {}
+        # Tessera's own reason where ``code`` is OpenAI's (429 insufficient_quota: spend_limit_reached)
+        self.tessera_code = tessera_code
 
     def openai_body(self) -> dict[str, Any]:
-        """OpenAI's error JSON (``{"error": {"message", "type", "param", "code"}}``)."""
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+        """OpenAI's error JSON (``{"error": {"message", "type", "param", "code"}}``), plus ``tessera_code`` when
+        ``code`` is OpenAI's rather than Tessera's own."""
+        error: dict[str, Any] = {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}
+        if self.tessera_code:
+            error["tessera_code"] = self.tessera_code
+        return {"error": error}
 
     def kserve_body(self) -> dict[str, Any]:
         """KServe v2's error JSON (``{"error": "<message>"}``), with Tessera's code beside it."""
-        return {"error": self.message, "code": self.code}
+        return {"error": self.message, "code": self.tessera_code or self.code}
+
+
+def insufficient_quota(message: str) -> GatewayError:
+    """The tenant's spend limit is reached: OpenAI's answer for a spent quota (429 ``insufficient_quota``, which
+    OpenAI's SDKs map to ``RateLimitError``), not retried (``x-should-retry: false``, which the SDKs honour), with
+    Tessera's reason in ``tessera_code``."""
+    return GatewayError(429, "insufficient_quota", message, kind="insufficient_quota",
+                        headers={"x-should-retry": "false"}, tessera_code="spend_limit_reached")
 
 
 def unknown_model(name: str) -> GatewayError:
