@@ -278,21 +278,26 @@ class Gateway:
             served = await self._text_once(up, req, body)
             n_in, n_out = served.usage(req.prompt)
             await self._meter(caller, up, rid, n_in, n_out)
-            obj = protocol.completion_object(req, rid, served.text, n_in, n_out, protocol.finish_reason(req, n_out))
+            obj = protocol.completion_object(req, rid, served.text, n_in, n_out,
+                                             protocol.finish_reason(req, served, n_out))
             await _send(send, 200, _dumps(obj), JSON, rid)
             return n_in + n_out
 
         await self._serve(caller, req.model, rid, work)
 
     async def _text_once(self, up: Upstream, req: TextRequest, body: dict[str, Any]) -> Served:
-        served = Served()
+        served = Served(stops=req.stop)
         if not up.io.decoupled:
             status, out = await self.client.json(up, "POST", f"/v2/models/{up.name}/generate", body)
             _check_model_answer(req.model, status, out)
             served.add(up.io, out)
+            served.flush()
             return served
         async for chunk in self._chunks(up, req.model, body):
             served.add(up.io, chunk)
+            if served.stopped:  # a stop sequence: nothing after it is read, sent or billed
+                break
+        served.flush()
         return served
 
     async def _chunks(self, up: Upstream, model: str, body: dict[str, Any]):
@@ -317,7 +322,7 @@ class Gateway:
 
     async def _text_stream(self, receive: Receive, send: Send, caller: Caller, up: Upstream, req: TextRequest,
                            body: dict[str, Any], rid: str) -> int:
-        served, created, started = Served(), int(time.time()), False
+        served, created, started = Served(stops=req.stop), int(time.time()), False
         gone = _Disconnect(receive)
         try:
             async for chunk in self._chunks(up, req.model, body):
@@ -329,7 +334,7 @@ class Gateway:
                         await _chunk(send, protocol.chunk_object(req, rid, created, text="", role=True))
                 if piece:
                     await _chunk(send, protocol.chunk_object(req, rid, created, text=piece))
-                if gone.happened:
+                if gone.happened or served.stopped:
                     break
         except GatewayError as err:
             if not started:
@@ -341,13 +346,17 @@ class Gateway:
             return served_in + served_out
         finally:
             gone.stop()
+        held = "" if gone.happened else served.flush()  # text held back in case it began a stop sequence
         n_in, n_out = served.usage(req.prompt)
         await self._meter(caller, up, rid, n_in, n_out)  # durable before the end of the stream is sent
         if gone.happened:
             return n_in + n_out
         if not started:
             await _start_stream(send, rid)
-        await _chunk(send, protocol.chunk_object(req, rid, created, finish=protocol.finish_reason(req, n_out)))
+        if held:
+            await _chunk(send, protocol.chunk_object(req, rid, created, text=held))
+        await _chunk(send, protocol.chunk_object(req, rid, created,
+                                                 finish=protocol.finish_reason(req, served, n_out)))
         if req.include_usage:
             await _chunk(send, protocol.chunk_object(req, rid, created, usage=protocol.usage_block(n_in, n_out),
                                                      no_choices=True))
