@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .protocol import MAX_STOPS, NO_OP, SAMPLING
+
 OPENAI_ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message", "type", "code"],
     "properties": {"message": {"type": "string"}, "type": {"type": "string"},
@@ -32,6 +34,36 @@ MODEL_PARAM = {"name": "model", "in": "path", "required": True, "description": "
 ANY_OBJECT = {"type": "object"}
 # each event's data: a JSON object (a chunk, or an error as the stream's last event); OpenAI streams end "[DONE]"
 SSE = {"text/event-stream": {"schema": {"type": ["object", "string"]}}}
+
+
+PARAMETERS = (
+    "Every field is delivered to the model or refused with 400 unsupported_parameter naming it (param is the "
+    "field); none is ignored. The gateway handles model, messages/prompt, max_tokens (max_completion_tokens), "
+    "stream, stream_options, n (1) and stop: it cuts the text it sends before the first stop sequence for every "
+    "backend, finish_reason stop, and bills the output tokens of the text sent. Sampling fields (temperature, "
+    "top_p, presence_penalty, frequency_penalty, seed; vLLM's top_k, min_p, repetition_penalty): vLLM library "
+    "models get them, with max_tokens and stop, in sampling_parameters; other models (python, TensorRT-LLM "
+    "ensembles) get each as the input tensor they declare (temperature, top_p or runtime_top_p, "
+    "presence_penalty, frequency_penalty, seed or random_seed, top_k or runtime_top_k, min_p, "
+    "repetition_penalty), in its declared type, and a field the model has no input for is refused. Not "
+    "supported, refused unless null or OpenAI's no-op value: tools, tool_choice (none), parallel_tool_calls, "
+    "response_format ({type: text}), logprobs (false), top_logprobs, logit_bias ({}), user, echo (false), "
+    "best_of (1), suffix, and any other field; message fields other than role and content.")
+
+
+def _sampling_fields() -> dict[str, Any]:
+    fields: dict[str, Any] = {}
+    for key, rule in SAMPLING.items():
+        high = rule.high if rule.high < 2**53 else 2**53  # JSON numbers beyond 2^53 lose precision
+        fields[key] = {"type": ["integer" if rule.integer else "number", "null"], "minimum": rule.low,
+                       "maximum": high, "description": "model inputs: " + " or ".join(rule.tensors)
+                       + "; vLLM: sampling_parameters"}
+    fields["stop"] = {"description": f"up to {MAX_STOPS} stop sequences, honoured by the gateway", "anyOf": [
+        {"type": "string", "minLength": 1}, {"type": "null"},
+        {"type": "array", "minItems": 1, "maxItems": MAX_STOPS, "items": {"type": "string", "minLength": 1}}]}
+    for key, value in NO_OP.items():
+        fields[key] = {"enum": [value, None], "description": "only its no-op value: not supported"}
+    return fields
 
 
 def _errors(schema: dict, *codes: int) -> dict[str, Any]:
@@ -64,13 +96,17 @@ def document(server_url: str = "") -> dict[str, Any]:
     oe, ke = _errors(OPENAI_ERROR, *ALL), _errors(KSERVE_ERROR, *ALL)
     json_or_sse = lambda schema: {"description": "the answer (server-sent events when stream is true)",  # noqa: E731
                                   "content": {"application/json": {"schema": schema}, **SSE}}
-    chat = {"type": "object", "required": ["model", "messages"], "properties": {
+    sampling = _sampling_fields()
+    not_chat, not_completion = {"echo", "best_of"}, {"tools", "tool_choice", "response_format"}
+    chat = {"type": "object", "required": ["model", "messages"], "description": PARAMETERS, "properties": {
         "model": {"type": "string"}, "messages": {"type": "array", "minItems": 1, "items": MESSAGE},
         "max_tokens": MAX_TOKENS, "max_completion_tokens": MAX_TOKENS, "stream": STREAM,
-        "stream_options": STREAM_OPTIONS, "n": {"const": 1}}}
-    completion = {"type": "object", "required": ["model", "prompt"], "properties": {
+        "stream_options": STREAM_OPTIONS, "n": {"const": 1},
+        **{k: v for k, v in sampling.items() if k not in not_chat}}}
+    completion = {"type": "object", "required": ["model", "prompt"], "description": PARAMETERS, "properties": {
         "model": {"type": "string"}, "prompt": {"type": "string"}, "max_tokens": MAX_TOKENS, "stream": STREAM,
-        "stream_options": STREAM_OPTIONS, "n": {"const": 1}}}
+        "stream_options": STREAM_OPTIONS, "n": {"const": 1},
+        **{k: v for k, v in sampling.items() if k not in not_completion}}}
     generate = {"type": "object", "description": "keys name the model's input tensors (Tessera's text models: "
                 "prompt, max_tokens)", "properties": {"prompt": {"type": "string"}, "max_tokens": MAX_TOKENS}}
     paths = {

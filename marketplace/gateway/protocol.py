@@ -8,7 +8,8 @@ models take a ``prompt`` (or vLLM's ``text_input``) and an optional ``max_tokens
 ``num_input_tokens`` / ``num_output_tokens``).
 
 Token counts (the metering rule): what the model reports wins. On a stream, a reported count is a running
-total: the largest value seen so far is what was served. A model that reports no counts is metered by
+total: the largest value seen so far is what was served. Of an answer the gateway cut at a stop sequence, the
+output tokens of the text sent are billed (``Served``). A model that reports no counts is metered by
 Tessera's fallback rule, documented in the README: tokens are whitespace-separated words of the prompt and of
 the text sent (the rule Tessera's demo models use themselves).
 """
@@ -135,34 +136,35 @@ class TextRequest:
 #   frequency_penalty, repetition_penalty: https://github.com/triton-inference-server/tensorrtllm_backend,
 #   docs "model_config"), converted to the declared data type; else the request is refused naming the field.
 
-def _number(low: float, high: float):
-    def check(key: str, value: Any) -> float:
-        if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
-            raise bad_request(f"'{key}' must be a number between {low:g} and {high:g}.", param=key)
-        return float(value)
-    return check
+@dataclass(frozen=True)
+class Sampling:
+    """One sampling field: its range and the model input tensors that may carry it, in order of preference."""
+
+    low: float
+    high: float
+    integer: bool
+    tensors: tuple[str, ...]
+
+    def check(self, key: str, value: Any) -> float | int:
+        if (isinstance(value, bool) or not isinstance(value, int if self.integer else int | float)
+                or not self.low <= value <= self.high):
+            span = (f"an integer between {int(self.low)} and {int(self.high)}" if self.integer
+                    else f"a number between {self.low:g} and {self.high:g}")
+            raise bad_request(f"'{key}' must be {span}.", param=key)
+        return value if self.integer else float(value)
 
 
-def _integer(low: int, high: int):
-    def check(key: str, value: Any) -> int:
-        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-            raise bad_request(f"'{key}' must be an integer between {low} and {high}.", param=key)
-        return value
-    return check
-
-
-# OpenAI name -> (check, the model input tensors that may carry it, in order of preference). The vLLM key is the
-# OpenAI name. top_k, min_p and repetition_penalty are not OpenAI's: vLLM's extensions (the openai package sends
-# them with extra_body).
-SAMPLING: dict[str, tuple[Any, tuple[str, ...]]] = {
-    "temperature": (_number(0, 2), ("temperature",)),
-    "top_p": (_number(0, 1), ("top_p", "runtime_top_p")),
-    "presence_penalty": (_number(-2, 2), ("presence_penalty",)),
-    "frequency_penalty": (_number(-2, 2), ("frequency_penalty",)),
-    "seed": (_integer(0, 2**63 - 1), ("seed", "random_seed")),
-    "top_k": (_integer(-1, 1_000_000), ("top_k", "runtime_top_k")),
-    "min_p": (_number(0, 1), ("min_p",)),
-    "repetition_penalty": (_number(0.01, 2), ("repetition_penalty",)),
+# OpenAI name (also vLLM's SamplingParams key) -> its rule. top_k, min_p and repetition_penalty are not OpenAI's
+# but vLLM's (and TensorRT-LLM's) extensions: the openai package sends them with extra_body.
+SAMPLING: dict[str, Sampling] = {
+    "temperature": Sampling(0, 2, False, ("temperature",)),
+    "top_p": Sampling(0, 1, False, ("top_p", "runtime_top_p")),
+    "presence_penalty": Sampling(-2, 2, False, ("presence_penalty",)),
+    "frequency_penalty": Sampling(-2, 2, False, ("frequency_penalty",)),
+    "seed": Sampling(0, 2**63 - 1, True, ("seed", "random_seed")),
+    "top_k": Sampling(-1, 1_000_000, True, ("top_k", "runtime_top_k")),
+    "min_p": Sampling(0, 1, False, ("min_p",)),
+    "repetition_penalty": Sampling(0.01, 2, False, ("repetition_penalty",)),
 }
 MAX_STOPS = 4
 COMMON_FIELDS = frozenset({"model", "max_tokens", "stream", "stream_options", "n", "stop", *SAMPLING})
@@ -193,7 +195,7 @@ _NOT_SET = object()
 
 
 def _sampling(body: dict[str, Any]) -> dict[str, Any]:
-    return {key: check(key, body[key]) for key, (check, _) in SAMPLING.items() if body.get(key) is not None}
+    return {key: rule.check(key, body[key]) for key, rule in SAMPLING.items() if body.get(key) is not None}
 
 
 def _stops(body: dict[str, Any]) -> tuple[str, ...]:
@@ -345,7 +347,7 @@ def generate_body(io: ModelIO, req: TextRequest, adapter: str | None = None) -> 
             raise bad_request(f"The model '{req.model}' takes no max_tokens.", param="max_tokens")
         body[io.max_tokens] = req.max_tokens
     for key, value in req.sampling.items():
-        name = next((n for n in SAMPLING[key][1] if io.input_type(n) is not None), None)
+        name = next((n for n in SAMPLING[key].tensors if io.input_type(n) is not None), None)
         if name is None:
             raise unsupported(key, f"the model '{req.model}' has no input for it (it declares "
                                    f"{', '.join(n for n, _ in io.inputs) or 'none'})")

@@ -210,3 +210,23 @@ def test_a_vllm_model_is_sampled_as_the_tenant_asked(vllm_fleet, gateway_factory
                                                                      "guided_json": {}})
     assert status == 400 and json.loads(raw)["error"]["param"] == "guided_json"
     assert len(_served_sampling()) == 1
+
+
+def test_the_openapi_document_states_the_supported_fields_and_the_quota_answer():
+    from openapi_spec_validator import validate
+
+    from marketplace.gateway.openapi import document
+
+    doc = document("http://gw")
+    validate(doc)
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        op = doc["paths"][path]["post"]
+        body = op["requestBody"]["content"]["application/json"]["schema"]
+        assert "unsupported_parameter" in body["description"] and "402" not in op["responses"]
+        assert body["properties"]["temperature"]["maximum"] == 2 and "random_seed" in body["properties"]["seed"][
+            "description"]
+        assert body["properties"]["stop"]["anyOf"][2]["maxItems"] == p.MAX_STOPS
+        assert body["properties"]["logprobs"]["enum"] == [False, None]
+        assert "insufficient_quota" in op["responses"]["429"]["description"]
+    error = doc["paths"]["/v1/completions"]["post"]["responses"]["429"]["content"]["application/json"]["schema"]
+    assert "tessera_code" in error["properties"]["error"]["properties"]
