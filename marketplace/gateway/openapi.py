@@ -29,6 +29,22 @@ MESSAGE = {"type": "object", "required": ["role", "content"], "properties": {
 COMPLETION = {"type": "object", "required": ["id", "object", "choices", "usage"], "properties": {
     "id": {"type": "string"}, "object": {"type": "string"}, "created": {"type": "integer"},
     "model": {"type": "string"}, "choices": {"type": "array"}, "usage": USAGE}}
+EMBEDDINGS_REQUEST = {"type": "object", "required": ["model", "input"], "description": (
+    "The model must declare a text input (prompt or text_input) and an output named embedding (floats), and not be "
+    "decoupled (else 400 model_not_embedding); each input is one request to it. Input tokens: the model's "
+    "input_tokens per input, else its words. dimensions, user and other fields are refused (400 "
+    "unsupported_parameter)."), "properties": {
+    "model": {"type": "string"},
+    "input": {"anyOf": [{"type": "string", "minLength": 1}, {"type": "array", "minItems": 1, "maxItems": 2048,
+                                                             "items": {"type": "string", "minLength": 1}}]},
+    "encoding_format": {"enum": ["float", "base64", None], "description": "base64: little-endian float32"}}}
+EMBEDDINGS = {"type": "object", "required": ["object", "data", "model", "usage"], "properties": {
+    "object": {"const": "list"}, "model": {"type": "string"},
+    "data": {"type": "array", "items": {"type": "object", "required": ["object", "index", "embedding"], "properties": {
+        "object": {"const": "embedding"}, "index": {"type": "integer"},
+        "embedding": {"anyOf": [{"type": "array", "items": {"type": "number"}}, {"type": "string"}]}}}},
+    "usage": {"type": "object", "required": ["prompt_tokens", "total_tokens"], "properties": {
+        "prompt_tokens": {"type": "integer", "minimum": 0}, "total_tokens": {"type": "integer", "minimum": 0}}}}}
 MODEL_PARAM = {"name": "model", "in": "path", "required": True, "description": "your deployment's name",
                "schema": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}}
 ANY_OBJECT = {"type": "object"}
@@ -119,6 +135,9 @@ def document(server_url: str = "") -> dict[str, Any]:
                                              chat)},
         "/v1/completions": {"post": _op("Text completion (OpenAI-compatible)", json_or_sse(COMPLETION), oe,
                                         completion)},
+        "/v1/embeddings": {"post": _op("Embeddings (OpenAI-compatible), for models that declare an embedding "
+                                       "output", {"description": "one vector per input", "content": {
+                                           "application/json": {"schema": EMBEDDINGS}}}, oe, EMBEDDINGS_REQUEST)},
         "/v2/models/{model}": {"get": _op("Model metadata (KServe v2)", {"description": "metadata", "content": {
             "application/json": {"schema": ANY_OBJECT}}}, ke, params=[MODEL_PARAM])},
         "/v2/models/{model}/ready": {"get": _op("Model readiness (KServe v2)", {"description": "ready"}, ke,

@@ -16,7 +16,9 @@ the text sent (the rule Tessera's demo models use themselves).
 
 from __future__ import annotations
 
+import base64
 import json
+import struct
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +26,7 @@ from typing import Any
 MAX_TOKENS_LIMIT = 1_000_000
 PROMPT_INPUTS = ("prompt", "text_input")
 TEXT_OUTPUTS = ("text", "text_output")
+EMBEDDING_OUTPUT = "embedding"
 INPUT_COUNTS = ("input_tokens", "num_input_tokens")
 OUTPUT_COUNTS = ("output_tokens", "num_output_tokens")
 
@@ -84,6 +87,7 @@ class ModelIO:
     sampling: bool = False  # vLLM: max_tokens goes in the JSON string input sampling_parameters
     stream_flag: bool = False  # vLLM: a BOOL input "stream" asks for one response per new piece of text
     inputs: tuple[tuple[str, str], ...] = ()  # every declared input: (name, data type, e.g. TYPE_FP32)
+    embedding: str | None = None  # an output "embedding" (floats): the model serves /v1/embeddings
 
     @property
     def generative(self) -> bool:
@@ -104,7 +108,8 @@ class ModelIO:
                    input_count=next((n for n in INPUT_COUNTS if n in outputs), None),
                    output_count=next((n for n in OUTPUT_COUNTS if n in outputs), None),
                    decoupled=bool(spec.get("decoupled")), sampling="sampling_parameters" in inputs,
-                   stream_flag="stream" in inputs, inputs=declared)
+                   stream_flag="stream" in inputs, inputs=declared,
+                   embedding=EMBEDDING_OUTPUT if EMBEDDING_OUTPUT in outputs else None)
 
 
 @dataclass
@@ -366,6 +371,61 @@ def _as_type(key: str, value: Any, dtype: str) -> Any:
             raise unsupported(key, f"the model's '{key}' input is an integer ({dtype}) and {value} is not one")
         return int(value)
     return value
+
+
+# --- embeddings ----------------------------------------------------------------------------------------------
+# A model serves /v1/embeddings when it declares a text input (prompt or text_input) and an output named
+# "embedding" (floats) and is not decoupled: each input string is one generate request, its answer's embedding
+# the vector. Input tokens: the model's input_tokens (or num_input_tokens) per string, else its words.
+
+MAX_EMBEDDING_INPUTS = 2048
+EMBEDDING_FIELDS = frozenset({"model", "input", "encoding_format"})
+
+
+@dataclass
+class EmbeddingRequest:
+    model: str
+    inputs: list[str]
+    base64: bool = False
+
+
+def parse_embeddings(raw: bytes) -> EmbeddingRequest:
+    body = _json_object(raw)
+    _check_fields(body, EMBEDDING_FIELDS)  # dimensions, user: refused naming them
+    value = body.get("input")
+    inputs = [value] if isinstance(value, str) else value
+    if (not isinstance(inputs, list) or not 1 <= len(inputs) <= MAX_EMBEDDING_INPUTS
+            or not all(isinstance(x, str) and x for x in inputs)):
+        raise bad_request(f"'input' must be a non-empty string or a list of 1 to {MAX_EMBEDDING_INPUTS:,} non-empty "
+                          f"strings (token arrays are not supported).", param="input")
+    encoding = body.get("encoding_format") or "float"
+    if encoding not in ("float", "base64"):
+        raise bad_request("'encoding_format' must be float or base64.", param="encoding_format")
+    return EmbeddingRequest(model=_model_name(body), inputs=inputs, base64=encoding == "base64")
+
+
+def embedding_body(io: ModelIO, model: str, text: str) -> dict[str, Any]:
+    if io.embedding is None or io.prompt is None or io.decoupled or io.sampling:
+        raise bad_request(f"The model '{model}' does not compute embeddings (it declares no '{EMBEDDING_OUTPUT}' "
+                          f"output with a text input).", param="model", code="model_not_embedding")
+    return {io.prompt: text}
+
+
+def embedding_result(io: ModelIO, model: str, out: dict[str, Any], text: str) -> tuple[list[float], int]:
+    """One input's vector and input tokens (the model's count, else the words rule)."""
+    vector = _flat(out.get(io.embedding or EMBEDDING_OUTPUT))
+    if not vector or not all(isinstance(x, int | float) and not isinstance(x, bool) for x in vector):
+        raise GatewayError(502, "model_error", f"The model '{model}' answered no embedding.", kind="server_error")
+    count = _count(out.get(io.input_count)) if io.input_count else None
+    return [float(x) for x in vector], count if count is not None else words(text)
+
+
+def embedding_object(req: EmbeddingRequest, vectors: list[list[float]], n_in: int) -> dict[str, Any]:
+    """OpenAI's embeddings answer; base64 is the little-endian float32 bytes, as OpenAI encodes them."""
+    data = [{"object": "embedding", "index": i, "embedding": base64.b64encode(
+        struct.pack(f"<{len(v)}f", *v)).decode() if req.base64 else v} for i, v in enumerate(vectors)]
+    return {"object": "list", "data": data, "model": req.model,
+            "usage": {"prompt_tokens": n_in, "total_tokens": n_in}}
 
 
 def select_adapter(body: dict[str, Any], adapter: str | None, model: str) -> dict[str, Any]:

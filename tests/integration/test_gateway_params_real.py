@@ -54,6 +54,33 @@ SAMPLER = {
 }
 
 
+# An embedding model: [words, characters / 10, 0.25] of its prompt, and the words as its input token count.
+EMBEDDER_PY = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            text = pb_utils.get_input_tensor_by_name(request, "prompt").as_numpy().reshape(-1)[0].decode()
+            vector = np.array([len(text.split()), len(text) / 10, 0.25], dtype=np.float32)
+            responses.append(pb_utils.InferenceResponse(output_tensors=[
+                pb_utils.Tensor("embedding", vector),
+                pb_utils.Tensor("input_tokens", np.array([len(text.split())], dtype=np.int32))]))
+        return responses
+'''
+EMBEDDER = {
+    "backend": "python", "max_batch_size": 0, "memory_mb": 16,
+    "inputs": [{"name": "prompt", "data_type": "TYPE_STRING", "dims": [1]}],
+    "outputs": [{"name": "embedding", "data_type": "TYPE_FP32", "dims": [3]},
+                {"name": "input_tokens", "data_type": "TYPE_INT32", "dims": [1]}],
+    "instance_group": {"count": 1, "kind": "KIND_CPU"},
+    "files": {"model.py": EMBEDDER_PY},
+}
+
+
 @pytest.fixture
 def served(real_serving, tiers):
     owner = tenant_owner()
@@ -137,3 +164,27 @@ def test_a_spend_block_is_openais_insufficient_quota(served, gateway_factory):
     assert err.value.status_code == 429 and err.value.code == "insufficient_quota"
     assert err.value.body["type"] == "insufficient_quota" and err.value.body["tessera_code"] == "spend_limit_reached"
     assert err.value.response.headers["x-should-retry"] == "false" and _billed() == {}
+
+
+def test_embeddings_for_a_model_that_declares_them(real_serving, tiers, gateway_factory):
+    owner = tenant_owner()
+    a = order_active(owner, tiers["3g"])
+    deploy_ready(owner, a, "embedder", spec=EMBEDDER)
+    deploy_ready(owner, a, "tiny-gen", template="tiny-gen")
+    _, key = make_key(owner[0], ["inference"])
+    gw = gateway_factory()
+    client = _client(gw, key)
+    # the openai package asks for base64 unless told otherwise, and decodes it
+    r = client.embeddings.create(model="embedder", input=["one two three", "four"])
+    assert [d.embedding for d in r.data] == [[3.0, 1.2999999523162842, 0.25], [1.0, 0.4000000059604645, 0.25]]
+    assert [d.index for d in r.data] == [0, 1] and r.usage.prompt_tokens == r.usage.total_tokens == 4
+    floats = client.embeddings.create(model="embedder", input="a b", encoding_format="float")
+    assert floats.data[0].embedding == [2.0, 0.30000001192092896, 0.25]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.embeddings.create(model="tiny-gen", input="x")
+    assert err.value.code == "model_not_embedding"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.embeddings.create(model="embedder", input="x", dimensions=2)
+    assert err.value.param == "dimensions" and err.value.code == "unsupported_parameter"
+    billed = _billed()
+    assert billed[r._request_id] == (4, 0) and billed[floats._request_id] == (2, 0) and len(billed) == 2

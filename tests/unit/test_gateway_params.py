@@ -230,3 +230,36 @@ def test_the_openapi_document_states_the_supported_fields_and_the_quota_answer()
         assert "insufficient_quota" in op["responses"]["429"]["description"]
     error = doc["paths"]["/v1/completions"]["post"]["responses"]["429"]["content"]["application/json"]["schema"]
     assert "tessera_code" in error["properties"]["error"]["properties"]
+
+
+def test_embeddings_requests_and_answers():
+    req = p.parse_embeddings(b'{"model": "e", "input": ["a b", "c"], "encoding_format": "base64", "user": null}')
+    assert (req.inputs, req.base64) == (["a b", "c"], True)
+    assert p.parse_embeddings(b'{"model": "e", "input": "x"}').inputs == ["x"]
+    for body, param in (({"input": [1, 2]}, "input"), ({"input": ""}, "input"), ({"input": []}, "input"),
+                        ({"input": "x", "dimensions": 8}, "dimensions"), ({"input": "x", "user": "u"}, "user"),
+                        ({"input": "x", "encoding_format": "int8"}, "encoding_format")):
+        assert _refused(p.parse_embeddings, {"model": "e", **body}).param == param
+    io = p.ModelIO.from_spec({"inputs": [{"name": "prompt"}], "outputs": [{"name": "embedding"},
+                                                                          {"name": "input_tokens"}]})
+    assert p.embedding_body(io, "e", "a b") == {"prompt": "a b"}
+    for other in (p.ModelIO(), p.ModelIO.from_spec(LIBRARY_IO["vllm"])):
+        with pytest.raises(p.GatewayError) as err:
+            p.embedding_body(other, "m", "x")
+        assert err.value.code == "model_not_embedding"
+    assert p.embedding_result(io, "e", {"embedding": [[1, 0.5]], "input_tokens": [7]}, "a b") == ([1.0, 0.5], 7)
+    assert p.embedding_result(io, "e", {"embedding": [0.5]}, "a b c")[1] == 3  # no count: the words rule
+    with pytest.raises(p.GatewayError) as err:
+        p.embedding_result(io, "e", {"text": "no vector"}, "x")
+    assert err.value.status == 502
+    answer = p.embedding_object(req, [[1.0, -2.5], [0.25, 0.0]], 3)
+    assert answer["data"][0]["embedding"] == "AACAPwAAIMA="  # little-endian float32 1.0, -2.5
+    assert answer["usage"] == {"prompt_tokens": 3, "total_tokens": 3} and answer["data"][1]["index"] == 1
+    from openapi_spec_validator import validate
+
+    from marketplace.gateway.openapi import document
+
+    doc = document()
+    validate(doc)
+    assert "embedding" in doc["paths"]["/v1/embeddings"]["post"]["requestBody"]["content"]["application/json"][
+        "schema"]["description"]
