@@ -263,3 +263,36 @@ def test_embeddings_requests_and_answers():
     validate(doc)
     assert "embedding" in doc["paths"]["/v1/embeddings"]["post"]["requestBody"]["content"]["application/json"][
         "schema"]["description"]
+
+
+def test_a_tensorrtllm_library_model_gets_the_sampling_fields_its_ensemble_declares():
+    from marketplace import fit
+    from marketplace.hardware.triton import parse_model_config
+    from marketplace.services import models as model_svc
+
+    io = p.ModelIO.from_spec(LIBRARY_IO["tensorrtllm"])
+    assert io.generative and not io.decoupled and io.max_tokens == "max_tokens"
+    req = p.parse_completion(json.dumps({"model": "qwen", "prompt": "x", "max_tokens": 4, "temperature": 0,
+                                         "top_p": 0.9, "seed": 11, "top_k": 3, "repetition_penalty": 1.1,
+                                         "stop": "\n"}).encode())
+    body = p.generate_body(io, req)
+    assert body == {"text_input": "x", "max_tokens": 4, "temperature": 0.0, "top_p": 0.9, "random_seed": 11,
+                    "top_k": 3, "repetition_penalty": 1.1}  # stop: the gateway's (cut), not the engine's
+    with pytest.raises(p.GatewayError) as err:
+        p.generate_body(io, p.parse_completion(b'{"model": "qwen", "prompt": "x", "min_p": 0.1}'))
+    assert err.value.param == "min_p"
+    # the ensemble Tessera writes declares those inputs (optional) and feeds them to the engine's
+    m = LibraryModel.objects.get(key="qwen2.5-7b-instruct")
+    m.backend = "tensorrtllm"
+    files = model_svc.library_files("qwen", m, fit.fit(model_svc.library_shape(m), 40448, context=4096,
+                                                       concurrency=4), concurrency=4)
+    ens = parse_model_config(files["qwen/config.pbtxt"])
+    dtype = ens.input[0].DESCRIPTOR.fields_by_name["data_type"].enum_type.values_by_number
+    declared = {t.name: (dtype[t.data_type].name, t.optional) for t in ens.input}
+    assert {n: d for n, (d, _) in declared.items()} == {t["name"]: t["data_type"] for t in
+                                                         LIBRARY_IO["tensorrtllm"]["inputs"]}
+    assert all(optional for n, (_, optional) in declared.items() if n not in ("text_input", "max_tokens"))
+    llm_step = next(s for s in ens.ensemble_scheduling.step if s.model_name == "qwen-llm")
+    assert llm_step.input_map["runtime_top_p"] == "top_p" and llm_step.input_map["random_seed"] == "random_seed"
+    llm = parse_model_config(files["qwen-llm/config.pbtxt"])
+    assert {"runtime_top_p", "runtime_top_k", "temperature", "random_seed"} <= {t.name for t in llm.input}
