@@ -483,6 +483,8 @@ class Served:
     def add(self, io: ModelIO, out: dict[str, Any]) -> str:
         """Fold one generate answer (or stream chunk) in; returns the text that may be sent now."""
         piece = out.get(io.text) if io.text else None
+        if isinstance(piece, list):  # a text output of shape [-1] (TensorRT-LLM's ensemble): its elements
+            piece = "".join(str(x) for x in _flat(piece))
         piece = piece if isinstance(piece, str) else ("" if piece is None else str(piece))
         self.chunks += 1
         if self.stopped:

@@ -281,6 +281,9 @@ def test_a_tensorrtllm_library_model_gets_the_sampling_fields_its_ensemble_decla
     with pytest.raises(p.GatewayError) as err:
         p.generate_body(io, p.parse_completion(b'{"model": "qwen", "prompt": "x", "min_p": 0.1}'))
     assert err.value.param == "min_p"
+    served = p.Served()
+    served.add(io, {"text_output": ["four words of text"]})  # its text output has shape [-1]
+    assert served.text == "four words of text"
     # the ensemble Tessera writes declares those inputs (optional) and feeds them to the engine's
     m = LibraryModel.objects.get(key="qwen2.5-7b-instruct")
     m.backend = "tensorrtllm"
