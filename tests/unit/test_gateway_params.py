@@ -265,7 +265,7 @@ def test_embeddings_requests_and_answers():
         "schema"]["description"]
 
 
-def test_a_tensorrtllm_library_model_gets_the_sampling_fields_its_ensemble_declares():
+def test_a_tensorrtllm_library_model_gets_the_sampling_fields_its_ensemble_declares(catalog):
     from marketplace import fit
     from marketplace.hardware.triton import parse_model_config
     from marketplace.services import models as model_svc
