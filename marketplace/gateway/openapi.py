@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .protocol import MAX_STOPS, NO_OP, SAMPLING
+from .protocol import MAX_STOP_CHARS, MAX_STOPS, NO_OP, SAMPLING
 
 OPENAI_ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message", "type", "code"],
@@ -75,8 +75,9 @@ def _sampling_fields() -> dict[str, Any]:
                        "maximum": high, "description": "model inputs: " + " or ".join(rule.tensors)
                        + "; vLLM: sampling_parameters"}
     fields["stop"] = {"description": f"up to {MAX_STOPS} stop sequences, honoured by the gateway", "anyOf": [
-        {"type": "string", "minLength": 1}, {"type": "null"},
-        {"type": "array", "minItems": 1, "maxItems": MAX_STOPS, "items": {"type": "string", "minLength": 1}}]}
+        {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}, {"type": "null"},
+        {"type": "array", "minItems": 1, "maxItems": MAX_STOPS,
+         "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}}]}
     for key, value in NO_OP.items():
         fields[key] = {"enum": [value, None], "description": "only its no-op value: not supported"}
     return fields

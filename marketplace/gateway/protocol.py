@@ -172,6 +172,7 @@ SAMPLING: dict[str, Sampling] = {
     "repetition_penalty": Sampling(0.01, 2, False, ("repetition_penalty",)),
 }
 MAX_STOPS = 4
+MAX_STOP_CHARS = 256  # each stop sequence: bounds the gateway's scan of every piece of text it sends
 COMMON_FIELDS = frozenset({"model", "max_tokens", "stream", "stream_options", "n", "stop", *SAMPLING})
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
@@ -209,9 +210,9 @@ def _stops(body: dict[str, Any]) -> tuple[str, ...]:
         return ()
     stops = [stop] if isinstance(stop, str) else stop
     if (not isinstance(stops, list) or not 1 <= len(stops) <= MAX_STOPS
-            or not all(isinstance(s, str) and s for s in stops)):
-        raise bad_request(f"'stop' must be a non-empty string or a list of 1 to {MAX_STOPS} non-empty strings.",
-                          param="stop")
+            or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops)):
+        raise bad_request(f"'stop' must be a string or a list of 1 to {MAX_STOPS} strings, each of 1 to "
+                          f"{MAX_STOP_CHARS} characters.", param="stop")
     return tuple(dict.fromkeys(stops))
 
 

@@ -69,7 +69,8 @@ def test_message_fields_other_than_role_and_content_are_refused():
 
 @pytest.mark.parametrize("field,value", [("temperature", 2.5), ("temperature", "0"), ("top_p", -0.1),
                                          ("seed", 1.5), ("stop", []), ("stop", ["a", "b", "c", "d", "e"]),
-                                         ("stop", [""]), ("stop", 3), ("presence_penalty", True)])
+                                         ("stop", [""]), ("stop", 3), ("stop", "x" * 257),
+                                         ("presence_penalty", True)])
 def test_out_of_range_values_are_refused_naming_the_field(field, value):
     assert _refused(p.parse_chat, {**CHAT, field: value}).param == field
 
