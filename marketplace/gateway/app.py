@@ -379,7 +379,13 @@ class Gateway:
                 _check_model_answer(req.model, status, out)
                 return out
 
-            outs = await asyncio.gather(*(one(b) for b in bodies))
+            tasks = [asyncio.ensure_future(one(b)) for b in bodies]
+            try:
+                outs = await asyncio.gather(*tasks)
+            except BaseException:  # one input failed (or the request is cancelled): the others are not waited for
+                for task in tasks:
+                    task.cancel()
+                raise
             results = [protocol.embedding_result(up.io, req.model, out, text)
                        for out, text in zip(outs, req.inputs, strict=True)]
             n_in = sum(n for _, n in results)

@@ -65,6 +65,9 @@ class TritonPythonModel:
         responses = []
         for request in requests:
             text = pb_utils.get_input_tensor_by_name(request, "prompt").as_numpy().reshape(-1)[0].decode()
+            if text == "refuse me":
+                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError("refused")))
+                continue
             vector = np.array([len(text.split()), len(text) / 10, 0.25], dtype=np.float32)
             responses.append(pb_utils.InferenceResponse(output_tensors=[
                 pb_utils.Tensor("embedding", vector),
@@ -186,5 +189,8 @@ def test_embeddings_for_a_model_that_declares_them(real_serving, tiers, gateway_
     with pytest.raises(openai.BadRequestError) as err:
         client.embeddings.create(model="embedder", input="x", dimensions=2)
     assert err.value.param == "dimensions" and err.value.code == "unsupported_parameter"
+    with pytest.raises(openai.APIStatusError) as failed:  # one input the model refuses: no answer, no bill
+        client.embeddings.create(model="embedder", input=["a", "refuse me", "b"])
+    assert failed.value.status_code == 400 and "refused" in failed.value.message
     billed = _billed()
     assert billed[r._request_id] == (4, 0) and billed[floats._request_id] == (2, 0) and len(billed) == 2
