@@ -6,6 +6,7 @@ The same on simulated slices (and vLLM's sampling_parameters): tests/unit/test_g
 
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
 
@@ -161,9 +162,12 @@ def test_a_spend_block_is_openais_insufficient_quota(served, gateway_factory):
     tenant.save(update_fields=["monthly_spend_limit"])
     gw = gateway_factory()
     gw.refresh()
-    client = _client(gw, served["key"], max_retries=2)  # the SDK's retries: x-should-retry: false stops them
+    sent = []  # every HTTP request the SDK makes: it retries a 429 twice unless told not to (x-should-retry)
+    http = httpx.Client(event_hooks={"request": [sent.append]})
+    client = _client(gw, served["key"], max_retries=2, http_client=http)
     with pytest.raises(openai.RateLimitError) as err:
         client.completions.create(model="tiny-gen", prompt="a b", max_tokens=2)
+    assert len(sent) == 1
     assert err.value.status_code == 429 and err.value.code == "insufficient_quota"
     assert err.value.body["type"] == "insufficient_quota" and err.value.body["tessera_code"] == "spend_limit_reached"
     assert err.value.response.headers["x-should-retry"] == "false" and _billed() == {}
