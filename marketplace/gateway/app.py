@@ -4,8 +4,8 @@ Routes (``model`` is the tenant's deployment name, or the name of a LoRA adapter
 model: see ``state``):
 
 - OpenAI-compatible: ``GET /v1/models``, ``GET /v1/models/{model}``, ``POST /v1/chat/completions``,
-  ``POST /v1/completions`` (``stream: true`` as server-sent events, ``stream_options.include_usage``);
-  errors in OpenAI's error JSON.
+  ``POST /v1/completions`` (``stream: true`` as server-sent events, ``stream_options.include_usage``),
+  ``POST /v1/embeddings`` (models that declare an ``embedding`` output); errors in OpenAI's error JSON.
 - KServe v2 / Triton: ``GET /v2/models/{model}`` (metadata), ``GET /v2/models/{model}/ready``,
   ``POST /v2/models/{model}/infer``, ``POST /v2/models/{model}/generate``, ``POST .../generate_stream``;
   errors in KServe's JSON. ``GET /v2/health/live`` and ``/v2/health/ready`` are the gateway's own health.
@@ -41,6 +41,7 @@ SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-
 
 
 _started: contextvars.ContextVar[float] = contextvars.ContextVar("started")
+EMBEDDING_CONCURRENCY = 8  # generate requests in flight at once for one /v1/embeddings request's inputs
 
 
 def _dumps(obj: Any) -> bytes:
@@ -180,6 +181,9 @@ class Gateway:
             elif parts[1:] == ["completions"] and method == "POST":
                 req = protocol.parse_completion(await _body(receive, self.max_body))
                 await self._text(receive, send, caller, req, rid)
+            elif parts[1:] == ["embeddings"] and method == "POST":
+                await self._embeddings(send, caller, protocol.parse_embeddings(await _body(receive, self.max_body)),
+                                       rid)
             else:
                 raise _not_found(path, method)
             return
@@ -278,21 +282,26 @@ class Gateway:
             served = await self._text_once(up, req, body)
             n_in, n_out = served.usage(req.prompt)
             await self._meter(caller, up, rid, n_in, n_out)
-            obj = protocol.completion_object(req, rid, served.text, n_in, n_out, protocol.finish_reason(req, n_out))
+            obj = protocol.completion_object(req, rid, served.text, n_in, n_out,
+                                             protocol.finish_reason(req, served, n_out))
             await _send(send, 200, _dumps(obj), JSON, rid)
             return n_in + n_out
 
         await self._serve(caller, req.model, rid, work)
 
     async def _text_once(self, up: Upstream, req: TextRequest, body: dict[str, Any]) -> Served:
-        served = Served()
+        served = Served(stops=req.stop)
         if not up.io.decoupled:
             status, out = await self.client.json(up, "POST", f"/v2/models/{up.name}/generate", body)
             _check_model_answer(req.model, status, out)
             served.add(up.io, out)
+            served.flush()
             return served
         async for chunk in self._chunks(up, req.model, body):
             served.add(up.io, chunk)
+            if served.stopped:  # a stop sequence: nothing after it is read, sent or billed
+                break
+        served.flush()
         return served
 
     async def _chunks(self, up: Upstream, model: str, body: dict[str, Any]):
@@ -317,7 +326,7 @@ class Gateway:
 
     async def _text_stream(self, receive: Receive, send: Send, caller: Caller, up: Upstream, req: TextRequest,
                            body: dict[str, Any], rid: str) -> int:
-        served, created, started = Served(), int(time.time()), False
+        served, created, started = Served(stops=req.stop), int(time.time()), False
         gone = _Disconnect(receive)
         try:
             async for chunk in self._chunks(up, req.model, body):
@@ -329,7 +338,7 @@ class Gateway:
                         await _chunk(send, protocol.chunk_object(req, rid, created, text="", role=True))
                 if piece:
                     await _chunk(send, protocol.chunk_object(req, rid, created, text=piece))
-                if gone.happened:
+                if gone.happened or served.stopped:
                     break
         except GatewayError as err:
             if not started:
@@ -341,18 +350,50 @@ class Gateway:
             return served_in + served_out
         finally:
             gone.stop()
+        held = "" if gone.happened else served.flush()  # text held back in case it began a stop sequence
         n_in, n_out = served.usage(req.prompt)
         await self._meter(caller, up, rid, n_in, n_out)  # durable before the end of the stream is sent
         if gone.happened:
             return n_in + n_out
         if not started:
             await _start_stream(send, rid)
-        await _chunk(send, protocol.chunk_object(req, rid, created, finish=protocol.finish_reason(req, n_out)))
+        if held:
+            await _chunk(send, protocol.chunk_object(req, rid, created, text=held))
+        await _chunk(send, protocol.chunk_object(req, rid, created,
+                                                 finish=protocol.finish_reason(req, served, n_out)))
         if req.include_usage:
             await _chunk(send, protocol.chunk_object(req, rid, created, usage=protocol.usage_block(n_in, n_out),
                                                      no_choices=True))
         await send({"type": "http.response.body", "body": protocol.sse("[DONE]"), "more_body": False})
         return n_in + n_out
+
+    # --- embeddings (OpenAI) ---------------------------------------------------------------------------------
+    async def _embeddings(self, send: Send, caller: Caller, req: protocol.EmbeddingRequest, rid: str) -> None:
+        async def work(up: Upstream) -> int:
+            bodies = [protocol.embedding_body(up.io, req.model, text) for text in req.inputs]
+            gate = asyncio.Semaphore(EMBEDDING_CONCURRENCY)
+
+            async def one(body: dict[str, Any]) -> dict[str, Any]:
+                async with gate:
+                    status, out = await self.client.json(up, "POST", f"/v2/models/{up.name}/generate", body)
+                _check_model_answer(req.model, status, out)
+                return out
+
+            tasks = [asyncio.ensure_future(one(b)) for b in bodies]
+            try:
+                outs = await asyncio.gather(*tasks)
+            except BaseException:  # one input failed (or the request is cancelled): the others are not waited for
+                for task in tasks:
+                    task.cancel()
+                raise
+            results = [protocol.embedding_result(up.io, req.model, out, text)
+                       for out, text in zip(outs, req.inputs, strict=True)]
+            n_in = sum(n for _, n in results)
+            await self._meter(caller, up, rid, n_in, 0)
+            await _send(send, 200, _dumps(protocol.embedding_object(req, [v for v, _ in results], n_in)), JSON, rid)
+            return n_in
+
+        await self._serve(caller, req.model, rid, work)
 
     # --- KServe v2 / Triton ---------------------------------------------------------------------------------
     async def _generate(self, receive: Receive, send: Send, caller: Caller, model: str, stream: bool,

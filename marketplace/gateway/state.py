@@ -29,7 +29,7 @@ from django.conf import settings
 from django.core import signing
 from django.utils import timezone
 
-from .protocol import GatewayError, ModelIO
+from .protocol import GatewayError, ModelIO, insufficient_quota
 
 log = logging.getLogger("tessera.gateway")
 
@@ -219,7 +219,7 @@ class Tables:
             raise GatewayError(403, "tenant_suspended", f"This tenant is suspended{reason}. Contact your provider.",
                                kind="permission_error")
         if tenant.spend_blocked:
-            raise GatewayError(402, "spend_limit_reached", tenant.spend_message, kind="billing_error")
+            raise insufficient_quota(tenant.spend_message)
         return tenant
 
     def routes(self, tenant_id: int, model: str) -> list[Upstream]:

@@ -21,6 +21,12 @@ from tritonclient.utils import InferenceServerException
 from .triton import SimTritonBackend, demo_generate
 
 _FRONTS: dict[tuple[str, int], _Server] = {}
+# vLLM's SamplingParams fields (https://docs.vllm.ai/en/latest/api/vllm/sampling_params.html)
+VLLM_SAMPLING_KEYS = frozenset({
+    "n", "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "top_k",
+    "min_p", "seed", "stop", "stop_token_ids", "bad_words", "ignore_eos", "max_tokens", "min_tokens", "logprobs",
+    "prompt_logprobs", "detokenize", "skip_special_tokens", "spaces_between_special_tokens",
+    "include_stop_str_in_output", "truncate_prompt_tokens", "logit_bias", "allowed_token_ids"})
 _LOCK = threading.Lock()
 
 
@@ -135,9 +141,16 @@ class _Handler(BaseHTTPRequestHandler):
     def _vllm(self, name: str, model: Any, action: str, body: dict[str, Any]) -> None:
         """Triton's vLLM backend's generate protocol: ``text_input``, ``sampling_parameters`` (a JSON string; else
         the request's ``parameters``) with ``max_tokens`` and ``lora_name`` (checked against the model's
-        ``multi_lora.json`` as the backend does), answered as ``text_output`` pieces, no token counts."""
+        ``multi_lora.json`` as the backend does), answered as ``text_output`` pieces, no token counts. The other
+        keys are vLLM's SamplingParams: an unknown one is an error (vLLM's constructor refuses it), ``stop`` ends
+        the text before the first stop string (vLLM's default: not included); sampling itself is the demo's
+        deterministic rule, so the keys each request carried are recorded (``served_sampling``)."""
         sampling = body.get("sampling_parameters")
         params = json.loads(sampling) if isinstance(sampling, str) else (body.get("parameters") or {})
+        unknown = sorted(set(params) - VLLM_SAMPLING_KEYS - {"lora_name"})
+        if unknown:
+            self._reply(400, {"error": f"SamplingParams got an unexpected keyword argument '{unknown[0]}'"})
+            return
         lora = params.get("lora_name")
         if lora is not None:
             index = self.server.backend.repo_dir / name / str(model.version) / "multi_lora.json"
@@ -150,9 +163,15 @@ class _Handler(BaseHTTPRequestHandler):
                                        "for model that generates various number of responses"})
             return
         text, _n_in, _n_out = demo_generate(str(body.get("text_input") or ""), params.get("max_tokens"))
+        stops = params.get("stop") or []
+        for stop in [stops] if isinstance(stops, str) else stops:
+            text = text.split(stop, 1)[0]
         self.server.backend.served_loras.append((name, lora))
-        events = [{"model_name": name, "model_version": str(model.version), "text_output": w if i == 0 else " " + w}
-                  for i, w in enumerate(text.split())]
+        self.server.backend.served_sampling.append((name, {k: v for k, v in params.items() if k != "lora_name"}))
+        pieces = [w if i == 0 else " " + w for i, w in enumerate(text.split())]
+        if text[len("".join(pieces)):]:  # a stop cut after a space: the space is part of the text
+            pieces.append(text[len("".join(pieces)):])
+        events = [{"model_name": name, "model_version": str(model.version), "text_output": piece} for piece in pieces]
         self._reply(200, b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events),
                     content_type="text/event-stream")
 

@@ -18,6 +18,7 @@ from marketplace.hardware import model_repo, triton
 from marketplace.models import Allocation, ModelDeployment, TritonServer
 from marketplace.models.deployments import LIVE_DEPLOYMENT_STATES
 from marketplace.services import serving
+from marketplace.services.models import TENSORRTLLM_SAMPLING
 from tenants.errors import Conflict, Forbidden, ServiceError
 from tenants.scoping import Principal
 
@@ -119,10 +120,15 @@ def _source(name: str, *, template, spec, repository, model, library_model, cont
 
 
 # The tensors of the repositories Tessera writes for library models, as the gateway calls them: vLLM's backend
-# takes text_input, sampling_parameters (a JSON string) and stream, and answers text_output, decoupled.
+# takes text_input, sampling_parameters (a JSON string) and stream, and answers text_output, decoupled; the
+# TensorRT-LLM ensemble takes text_input, max_tokens and its optional sampling inputs, and answers text_output.
 LIBRARY_IO = {
     "vllm": {"inputs": [{"name": "text_input"}, {"name": "sampling_parameters"}, {"name": "stream"}],
              "outputs": [{"name": "text_output"}], "decoupled": True},
+    "tensorrtllm": {"inputs": [{"name": "text_input", "data_type": "TYPE_STRING"},
+                               {"name": "max_tokens", "data_type": "TYPE_INT32"},
+                               *({"name": name, "data_type": dtype} for name, _, dtype in TENSORRTLLM_SAMPLING)],
+                    "outputs": [{"name": "text_output"}], "decoupled": False},
 }
 
 

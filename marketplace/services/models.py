@@ -529,6 +529,21 @@ def adapter_dirs(name: str, adapters) -> dict[str, str]:
     return {f"{name}/1/loras/{a.name}": a.path for a in adapters}
 
 
+# The sampling inputs of Tessera's TensorRT-LLM ensemble, all optional: (the ensemble's input, the tensorrt_llm
+# model's input it feeds, data type), named as in NVIDIA's inflight_batcher_llm ensemble and tensorrt_llm configs
+# (https://github.com/triton-inference-server/tensorrtllm_backend, docs/model_config.md). The gateway passes the
+# OpenAI fields of the same names to them (temperature, top_p, top_k, seed -> random_seed, the penalties).
+TENSORRTLLM_SAMPLING = (
+    ("temperature", "temperature", "TYPE_FP32"),
+    ("top_p", "runtime_top_p", "TYPE_FP32"),
+    ("top_k", "runtime_top_k", "TYPE_INT32"),
+    ("random_seed", "random_seed", "TYPE_UINT64"),
+    ("presence_penalty", "presence_penalty", "TYPE_FP32"),
+    ("frequency_penalty", "frequency_penalty", "TYPE_FP32"),
+    ("repetition_penalty", "repetition_penalty", "TYPE_FP32"),
+)
+
+
 def tensorrtllm_files(name: str, m: LibraryModel, result: fit.Fit, *, concurrency: int) -> dict[str, str]:
     """The TensorRT-LLM ensemble layout (NVIDIA's tensorrtllm_backend ``inflight_batcher_llm``): ``<name>``
     (ensemble: preprocessing -> tensorrt_llm -> postprocessing) and the three steps. The engine and tokenizer
@@ -556,7 +571,9 @@ def tensorrtllm_files(name: str, m: LibraryModel, result: fit.Fit, *, concurrenc
             "model_transaction_policy { decoupled: false }",
             'input [ { name: "input_ids" data_type: TYPE_INT32 dims: [ -1 ] }, '
             '{ name: "input_lengths" data_type: TYPE_INT32 dims: [ 1 ] reshape: { shape: [ ] } }, '
-            '{ name: "request_output_len" data_type: TYPE_INT32 dims: [ 1 ] reshape: { shape: [ ] } } ]',
+            '{ name: "request_output_len" data_type: TYPE_INT32 dims: [ 1 ] reshape: { shape: [ ] } }'
+            + "".join(f', {{ name: "{llm_in}" data_type: {dtype} dims: [ 1 ] reshape: {{ shape: [ ] }} '
+                      f'optional: true }}' for _, llm_in, dtype in TENSORRTLLM_SAMPLING) + ' ]',
             'output [ { name: "output_ids" data_type: TYPE_INT32 dims: [ -1, -1 ] } ]',
             "instance_group [ { count: 1 kind: KIND_CPU } ]",  # TensorRT-LLM picks the device itself
             param("gpt_model_type", "inflight_fused_batching"), param("gpt_model_path", base / "engine"),
@@ -571,7 +588,9 @@ def tensorrtllm_files(name: str, m: LibraryModel, result: fit.Fit, *, concurrenc
         f"{name}/config.pbtxt": "\n".join([
             f'name: "{name}"', 'platform: "ensemble"', f"max_batch_size: {concurrency}",
             'input [ { name: "text_input" data_type: TYPE_STRING dims: [ 1 ] }, '
-            '{ name: "max_tokens" data_type: TYPE_INT32 dims: [ 1 ] } ]',
+            '{ name: "max_tokens" data_type: TYPE_INT32 dims: [ 1 ] }'
+            + "".join(f', {{ name: "{ens_in}" data_type: {dtype} dims: [ 1 ] optional: true }}'
+                      for ens_in, _, dtype in TENSORRTLLM_SAMPLING) + ' ]',
             'output [ { name: "text_output" data_type: TYPE_STRING dims: [ -1 ] } ]',
             "ensemble_scheduling { step [",
             f'  {{ model_name: "{pre}" model_version: -1 input_map {{ key: "QUERY" value: "text_input" }} '
@@ -581,7 +600,9 @@ def tensorrtllm_files(name: str, m: LibraryModel, result: fit.Fit, *, concurrenc
             f'  {{ model_name: "{llm}" model_version: -1 input_map {{ key: "input_ids" value: "_ids" }} '
             'input_map { key: "input_lengths" value: "_len" } '
             'input_map { key: "request_output_len" value: "_out_len" } '
-            'output_map { key: "output_ids" value: "_tokens" } },',
+            + "".join(f'input_map {{ key: "{llm_in}" value: "{ens_in}" }} '
+                      for ens_in, llm_in, _ in TENSORRTLLM_SAMPLING)
+            + 'output_map { key: "output_ids" value: "_tokens" } },',
             f'  {{ model_name: "{post}" model_version: -1 input_map {{ key: "TOKENS_BATCH" value: "_tokens" }} '
             'output_map { key: "OUTPUT" value: "text_output" } }',
             "] }"]) + "\n",

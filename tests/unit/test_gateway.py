@@ -181,8 +181,17 @@ def test_keys_revoked_expired_without_scope_and_tenant_states(fleet, gateway_fac
     Invoice.objects.update_or_create(tenant=tenant, period_start=timezone.now().date().replace(day=1), defaults={
         "period_end": timezone.now().date().replace(day=28) + timedelta(days=4), "currency": "USD", "total": 10})
     gw.refresh()
-    status, raw, _ = _raw(gw, "/v1/chat/completions", fleet["key_a"], chat)
-    assert status == 402 and json.loads(raw)["error"]["code"] == "spend_limit_reached"
+    status, raw, headers = _raw(gw, "/v1/chat/completions", fleet["key_a"], chat)
+    error = json.loads(raw)["error"]
+    # OpenAI's answer for a spent quota, not retried by its SDKs; Tessera's reason beside it
+    assert status == 429 and headers["x-should-retry"] == "false"
+    assert (error["type"], error["code"], error["tessera_code"]) == ("insufficient_quota", "insufficient_quota",
+                                                                     "spend_limit_reached")
+    with pytest.raises(openai.RateLimitError) as quota:
+        _client(gw, fleet["key_a"]).chat.completions.create(**chat)
+    assert quota.value.code == "insufficient_quota" and quota.value.body["tessera_code"] == "spend_limit_reached"
+    status, raw, _ = _raw(gw, "/v2/models/tiny-gen/generate", fleet["key_a"], {"prompt": "a"})
+    assert status == 429 and json.loads(raw)["code"] == "spend_limit_reached"
 
 
 def test_request_and_token_limits_answer_429_with_retry_after(fleet, gateway_factory):

@@ -60,6 +60,7 @@ class SimTritonBackend(TritonBackend):
         self.server_ready = True  # set False to simulate a server that is down
         self.restricted: tuple[str, str] | None = None  # (header, secret) the repository API requires
         self.served_loras: list[tuple[str, str | None]] = []  # (model, lora_name) of each vLLM request served
+        self.served_sampling: list[tuple[str, dict]] = []  # (model, sampling parameters) of each vLLM request
         self.exit_code: int | None = None
         self._log: list[str] = []
         self._models: dict[str, _SimModel] = {}
