@@ -2,12 +2,13 @@
 measured in the same run.
 
     DATABASE_URL=postgres://... .venv/bin/python tests/bench/scale.py [--nodes 125] [--tenants 200]
-        [--events 1000000] [--requests 5] [--reuse] [--db NAME] [--reads WORD,WORD]
+        [--events 2600000] [--requests 5] [--reuse] [--db NAME] [--reads WORD,WORD]
 
 PostgreSQL only (the seeding uses generate_series). Seeds, in a scratch database next to DATABASE_URL's:
 the console bench's fleet (tests/bench/pages.py: 125 nodes, 1,000 H100/H200 GPUs, 200 tenants, ~2,200
 active allocations, their deployments and invoices), then `--events` usage events spread over the last
-30 days and their hourly rollups (grouped by the database, as ingest keeps them), 24 h of per-minute GPU
+30 days and their hourly rollups (grouped by the database, as ingest keeps them; the default 2.6M puts an event
+in nearly every hour of every deployment: ~666k rollups, each deployment busy all month), 24 h of per-minute GPU
 samples (1,000 GPUs: 1.44M rows) with their 5-minute rollups and 30 days of hourly ones, and each
 slice's samples at the same resolutions (the energy apportioning joins them).
 
@@ -413,7 +414,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--nodes", type=int, default=125)
     ap.add_argument("--tenants", type=int, default=200)
-    ap.add_argument("--events", type=int, default=1_000_000)
+    ap.add_argument("--events", type=int, default=2_600_000)
     ap.add_argument("--requests", type=int, default=5)
     ap.add_argument("--reuse", action="store_true",
                     help="measure the scratch database a previous run seeded (skips the ~8 min of seeding)")
