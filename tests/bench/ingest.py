@@ -111,9 +111,7 @@ def bench_ingest(tenant, dep_ids: list[int], batches: dict[int, int]) -> list[tu
 
     from telemetry.models import UsageEvent
     from telemetry.services import ingest
-    from tests.factories import make_key
-
-    from tests.factories import OperatorFactory
+    from tests.factories import OperatorFactory, make_key
 
     # reporting usage is for operator keys only (a tenant's key may not write its own bill)
     _, secret = make_key(None, ["usage:write"], created_by=OperatorFactory())
@@ -136,8 +134,8 @@ def bench_ingest(tenant, dep_ids: list[int], batches: dict[int, int]) -> list[tu
 
     ev, stage = UsageEvent._meta.db_table, "_bench_raw_stage"
     raw_sql = (f"INSERT INTO {ev} (tenant_id, deployment_id, event_id, ts, input_tokens, output_tokens, requests, "
-               f"received_at) SELECT %s, deployment_id, event_id, ts, input_tokens, output_tokens, requests, now() "
-               f"FROM {stage} ON CONFLICT (tenant_id, event_id) DO NOTHING")
+               f"received_at, adapter) SELECT %s, deployment_id, event_id, ts, input_tokens, output_tokens, requests, "
+               f"now(), '' FROM {stage} ON CONFLICT (tenant_id, event_id) DO NOTHING")
 
     def raw(rows: list[tuple]) -> int:
         with transaction.atomic(), connection.cursor() as cur:
@@ -215,16 +213,16 @@ def bench_summary(tenants, by_tenant, total_events: int, runs: int):
             d = by_tenant[t_id]
             cur.execute(f"""
                 INSERT INTO {ev} (tenant_id, deployment_id, event_id, ts, input_tokens, output_tokens, requests,
-                                  received_at)
+                                  received_at, adapter)
                 SELECT %s, (ARRAY[%s, %s, %s])[1 + g %% 3], 'raw-' || g,
                        %s::timestamptz + ((g * 2592000::bigint) / %s) * interval '1 second',
-                       100 + g %% 900, 10 + g %% 290, 1 + g %% 2, now()
+                       100 + g %% 900, 10 + g %% 290, 1 + g %% 2, now(), ''
                 FROM generate_series(0, %s - 1) g""", [t_id, *d, start, n, n])
             cur.execute(f"""
                 INSERT INTO {hr} (tenant_id, deployment_id, hour, input_tokens, output_tokens, requests, events,
-                                  billed_input_tokens, billed_output_tokens, billed_requests, updated_at)
+                                  billed_input_tokens, billed_output_tokens, billed_requests, updated_at, adapter)
                 SELECT tenant_id, deployment_id, date_trunc('hour', ts AT TIME ZONE 'UTC') AT TIME ZONE 'UTC',
-                       sum(input_tokens), sum(output_tokens), sum(requests), count(*), 0, 0, 0, now()
+                       sum(input_tokens), sum(output_tokens), sum(requests), count(*), 0, 0, 0, now(), ''
                 FROM {ev} WHERE tenant_id = %s GROUP BY 1, 2, 3""", [t_id])
         raw_hours = sum(raw_sizes.values())
         # synthetic hour rows for every other tenant: 3 deployments x 720 hours, events 4 or 5 per row
@@ -234,9 +232,9 @@ def bench_summary(tenants, by_tenant, total_events: int, runs: int):
         per, extra = divmod(remaining, n_rows) if n_rows else (0, 0)
         cur.execute(f"""
             INSERT INTO {hr} (tenant_id, deployment_id, hour, input_tokens, output_tokens, requests, events,
-                              billed_input_tokens, billed_output_tokens, billed_requests, updated_at)
+                              billed_input_tokens, billed_output_tokens, billed_requests, updated_at, adapter)
             SELECT d.tenant_id, d.id, %s::timestamptz + h * interval '1 hour',
-                   e * 400, e * 120, e, e, 0, 0, 0, now()
+                   e * 400, e * 120, e, e, 0, 0, 0, now(), ''
             FROM (SELECT id, tenant_id, row_number() OVER (ORDER BY id) - 1 AS k
                   FROM marketplace_modeldeployment WHERE tenant_id = ANY(%s)) d
             CROSS JOIN generate_series(0, 719) h
