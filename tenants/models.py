@@ -123,6 +123,12 @@ class Tenant(models.Model):
 
     max_concurrent_requests = models.PositiveIntegerField(
         default=64, help_text="inference requests in flight at once through the gateway, all keys together")
+    max_key_requests_per_minute = models.PositiveIntegerField(
+        null=True, blank=True,
+        help_text="the most requests per minute the tenant's admins may give one API key; empty: TESSERA_GATEWAY_RPM")
+    max_key_tokens_per_minute = models.PositiveIntegerField(
+        null=True, blank=True,
+        help_text="the most tokens per minute the tenant's admins may give one API key; empty: TESSERA_GATEWAY_TPM")
 
     objects = TenantScopedQuerySet.as_manager()
     tenant_path = "pk"

@@ -10,6 +10,7 @@ from django.contrib.auth.password_validation import validate_password
 from django.core.exceptions import ValidationError
 from django.core.mail import send_mail
 from django.db import IntegrityError, transaction
+from django.db.models import Q
 from django.template.loader import render_to_string
 from django.urls import reverse
 from django.utils import timezone
@@ -27,7 +28,13 @@ TENANT_PROFILE_FIELDS = {"name", "billing_email"}
 TENANT_QUOTA_FIELDS = {"currency",
     "max_slices", "max_slices_per_tier", "max_memory_gb",
     "monthly_spend_limit", "spend_warn_ratio", "spend_block_ratio",
+    "max_concurrent_requests", "max_key_requests_per_minute", "max_key_tokens_per_minute",
 }
+#: an API key's gateway limit -> (the tenant's ceiling for it, the installation's default when the key sets none)
+KEY_LIMITS = {"requests_per_minute": ("max_key_requests_per_minute", "TESSERA_GATEWAY_RPM"),
+              "tokens_per_minute": ("max_key_tokens_per_minute", "TESSERA_GATEWAY_TPM")}
+#: limits that must be whole numbers of at least 1 when set (0 would refuse everything: suspend a tenant instead)
+POSITIVE_LIMITS = ("max_concurrent_requests", "max_key_requests_per_minute", "max_key_tokens_per_minute")
 
 
 def _require(principal: Principal, capability: str, tenant_id: int | None) -> None:
@@ -36,6 +43,12 @@ def _require(principal: Principal, capability: str, tenant_id: int | None) -> No
 
 
 def _check_quota_values(values: dict) -> None:
+    for name in POSITIVE_LIMITS:
+        value = values.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ServiceError("must be a whole number of at least 1", field=name)
+    if values.get("max_concurrent_requests", 1) is None:
+        raise ServiceError("may not be empty", field="max_concurrent_requests")
     total = values.get("max_slices")
     per_tier = values.get("max_slices_per_tier")
     if total is not None and per_tier is not None and per_tier > total:
@@ -84,7 +97,9 @@ def update_tenant(principal: Principal, tenant: Tenant, **fields) -> Tenant:
     for name, value in fields.items():
         setattr(tenant, name, value)
     tenant.save(update_fields=list(fields))
-    audit.record(principal, "tenant.update", f"tenant:{tenant.slug}", tenant, fields=fields)
+    clamped = _clamp_keys(tenant, fields)
+    audit.record(principal, "tenant.update", f"tenant:{tenant.slug}", tenant, fields=fields,
+                 **({"keys_clamped": clamped} if clamped else {}))
     return tenant
 
 
@@ -286,6 +301,72 @@ def revoke_invitation(principal: Principal, invitation: Invitation) -> Invitatio
 
 # --- API keys ---------------------------------------------------------------------------------
 
+def key_limit_ceiling(tenant: Tenant, limit: str) -> int:
+    """The most `limit` (requests_per_minute or tokens_per_minute) a tenant's admins may give one of its keys: the
+    tenant's ceiling, else the installation's default (what a key without its own value gets)."""
+    ceiling, default = KEY_LIMITS[limit]
+    value = getattr(tenant, ceiling)
+    return int(value if value is not None else getattr(settings, default))
+
+
+def _key_limits(principal: Principal, tenant: Tenant | None, limits: dict) -> dict:
+    """The gateway limits to store on a key of `tenant` (the rule, in one place): whole numbers of at least 1, or
+    None for the installation's default. An operator may give any value; a tenant's admin at most the tenant's
+    ceiling, and a key it leaves empty gets the ceiling itself when that is below the default (so no key of the
+    tenant exceeds its ceiling, whoever made it)."""
+    out = {}
+    for attr, value in limits.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ServiceError("must be a whole number of at least 1 (empty: the gateway's default)", field=attr)
+        if tenant is not None and not principal.is_operator:
+            ceiling, default = key_limit_ceiling(tenant, attr), getattr(settings, KEY_LIMITS[attr][1])
+            if value is not None and value > ceiling:
+                raise ServiceError(f"at most {ceiling:,} (the ceiling your provider set for this tenant's keys)",
+                                   field=attr)
+            if value is None and ceiling < default:
+                value = ceiling
+        out[attr] = value
+    return out
+
+
+def _clamp_keys(tenant: Tenant, fields: dict) -> int:
+    """After an operator sets a tenant's key ceilings: its live keys above a ceiling (or without a value while the
+    ceiling is below the default) are lowered to it. Returns how many key limits changed."""
+    changed = 0
+    for attr, (ceiling, default) in KEY_LIMITS.items():
+        if ceiling not in fields or fields[ceiling] is None:
+            continue
+        value = fields[ceiling]
+        over = Q(**{f"{attr}__gt": value})
+        if value < getattr(settings, default):
+            over |= Q(**{f"{attr}__isnull": True})
+        changed += ApiKey.objects.filter(over, tenant=tenant, revoked_at__isnull=True).update(**{attr: value})
+    return changed
+
+
+@transaction.atomic
+def update_api_key_limits(principal: Principal, key: ApiKey, **limits) -> ApiKey:
+    """Set a key's gateway limits (requests_per_minute, tokens_per_minute; None: the installation's default) within
+    the tenant's ceiling (`_key_limits`). The gateway applies them at its next snapshot refresh."""
+    if principal.api_key is not None:
+        raise Forbidden("API keys cannot change API keys; sign in as a user")
+    _require(principal, "operate" if key.tenant_id is None else "manage_keys", key.tenant_id)
+    unknown = set(limits) - set(KEY_LIMITS)
+    if unknown:
+        raise ServiceError(f"cannot be changed here: {', '.join(sorted(unknown))}")
+    key = ApiKey.objects.select_for_update().select_related("tenant").get(pk=key.pk)
+    if key.revoked_at is not None:
+        raise Conflict("this key is revoked")
+    values = _key_limits(principal, key.tenant, limits)
+    if not values:
+        return key
+    for attr, value in values.items():
+        setattr(key, attr, value)
+    key.save(update_fields=list(values))
+    audit.record(principal, "api_key.limits", f"key:{key.prefix}", key.tenant_id, **values)
+    return key
+
+
 @transaction.atomic
 def create_api_key(principal: Principal, *, tenant: Tenant | None, name: str, scopes: list[str],
                    expires_at=None, requests_per_minute: int | None = None,
@@ -305,9 +386,8 @@ def create_api_key(principal: Principal, *, tenant: Tenant | None, name: str, sc
     if tenant is not None and operator_only:
         raise ServiceError(f"{', '.join(operator_only)} is for operator keys only: Tessera meters what its inference "
                            f"gateway serves, so tenants do not report usage", field="scopes")
-    for attr, value in (("requests_per_minute", requests_per_minute), ("tokens_per_minute", tokens_per_minute)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ServiceError("must be a whole number of at least 1 (empty: the gateway's default)", field=attr)
+    limits = _key_limits(principal, tenant, {"requests_per_minute": requests_per_minute,
+                                             "tokens_per_minute": tokens_per_minute})
     if expires_at is not None and expires_at <= timezone.now():
         raise ServiceError("must be in the future", field="expires_at")
     if not name.strip():
@@ -315,8 +395,7 @@ def create_api_key(principal: Principal, *, tenant: Tenant | None, name: str, sc
     secret, prefix, hashed = keys.generate()
     key = ApiKey.objects.create(
         tenant=tenant, name=name.strip(), prefix=prefix, hashed_key=hashed, scopes=scopes,
-        created_by=principal.user, expires_at=expires_at, requests_per_minute=requests_per_minute,
-        tokens_per_minute=tokens_per_minute,
+        created_by=principal.user, expires_at=expires_at, **limits,
     )
     audit.record(principal, "api_key.create", f"key:{prefix}", tenant, name=key.name, scopes=scopes)
     log.info("api key created", extra={"prefix": prefix, "tenant": tenant.slug if tenant else None})

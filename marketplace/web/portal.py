@@ -45,6 +45,7 @@ from .portal_forms import (
     ApiKeyForm,
     DeploymentForm,
     InviteForm,
+    KeyLimitsForm,
     OrderForm,
     RepositoryForm,
     RoleForm,
@@ -454,7 +455,8 @@ def invoice_download(request, pk):
 # --- API keys -----------------------------------------------------------------------------------
 
 KEY_COLUMNS = [Column("name", "Name"), Column("prefix", "Prefix"), Column("", "Scopes"), Column("", "Status"),
-               Column("created_at", "Created"), Column("last_used_at", "Last used"), Column("", "")]
+               Column("", "Limits (per minute)"), Column("created_at", "Created"), Column("last_used_at", "Last used"),
+               Column("", "")]
 
 
 @portal_view
@@ -466,8 +468,12 @@ def _keys(request, form=None, status=200):
     qs = ApiKey.objects.visible_to(request.principal, "manage_keys").filter(tenant=request.tenant) \
         .select_related("created_by")
     tbl = table(request, qs, KEY_COLUMNS, default_sort="-created_at")
-    return render(request, "portal/keys.html", ctx(request, table=tbl, scopes=TENANT_SCOPES, form=form or ApiKeyForm(),
-                                                   tomorrow=timezone.now().date() + timedelta(days=1)), status=status)
+    tenant = request.tenant
+    return render(request, "portal/keys.html", ctx(
+        request, table=tbl, scopes=TENANT_SCOPES, form=form or ApiKeyForm(),
+        tomorrow=timezone.now().date() + timedelta(days=1),
+        ceilings={"rpm": tenant_services.key_limit_ceiling(tenant, "requests_per_minute"),
+                  "tpm": tenant_services.key_limit_ceiling(tenant, "tokens_per_minute")}), status=status)
 
 
 @require_POST
@@ -479,13 +485,34 @@ def key_create(request):
         d = form.cleaned_data
         with service_errors(form, "name", aliases={"expires_at": "expires_on"}):
             key, secret = tenant_services.create_api_key(request.principal, tenant=request.tenant, name=d["name"],
-                                                         scopes=d["scopes"], expires_at=form.expires_at)
+                                                         scopes=d["scopes"], expires_at=form.expires_at,
+                                                         requests_per_minute=d["requests_per_minute"],
+                                                         tokens_per_minute=d["tokens_per_minute"])
     if not form.is_valid():
         messages.error(request, f"The key was not created — {error_summary(form)}")
         return _keys(request, form=form, status=400)
     response = render(request, "portal/key_created.html", ctx(request, key=key, secret=secret))
     response["Cache-Control"] = "no-store"
     return response
+
+
+@require_POST
+@portal_view
+def key_limits(request, pk):
+    key = get_object_or_404(ApiKey.objects.visible_to(request.principal, "manage_keys"), pk=pk)
+    use_tenant(request, key.tenant_id)
+    form = KeyLimitsForm(request.POST)
+    if not form.is_valid():
+        messages.error(request, f"The limits of {key.name} were not changed — {error_summary(form)}")
+        return redirect("portal:keys")
+    with service_errors() as failed:
+        tenant_services.update_api_key_limits(request.principal, key, **form.cleaned_data)
+    if failed:
+        messages.error(request, f"The limits of {key.name} were not changed — {failed.text}")
+    else:
+        messages.success(request, f"Limits of {key.name} ({key.prefix}…) saved; the gateway applies them within "
+                                  f"seconds.")
+    return redirect("portal:keys")
 
 
 @require_POST

@@ -152,10 +152,20 @@ class ApiKeyForm(forms.Form):
             raise forms.ValidationError("must be a day after today")
         return day
 
+    requests_per_minute = _whole("Requests per minute", min_value=1)
+    tokens_per_minute = _whole("Tokens per minute", min_value=1)
+
     @property
     def expires_at(self) -> datetime | None:
         day = self.cleaned_data.get("expires_on")
         return datetime.combine(day, time(0), tzinfo=UTC) if day else None
+
+
+class KeyLimitsForm(forms.Form):
+    """A key's gateway limits (empty: the provider's default, or the tenant's ceiling when lower)."""
+
+    requests_per_minute = _whole("Requests per minute", min_value=1)
+    tokens_per_minute = _whole("Tokens per minute", min_value=1)
 
 
 class InviteForm(forms.Form):

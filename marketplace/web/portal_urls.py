@@ -31,6 +31,7 @@ urlpatterns = [
     path("keys/", portal.keys, name="keys"),
     path("keys/new/", portal.key_create, name="key_create"),
     path("keys/<int:pk>/revoke/", portal.key_revoke, name="key_revoke"),
+    path("keys/<int:pk>/limits/", portal.key_limits, name="key_limits"),
     path("members/", portal.members, name="members"),
     path("members/invite/", portal.member_invite, name="member_invite"),
     path("members/<int:pk>/role/", portal.member_role, name="member_role"),

@@ -25,6 +25,7 @@ class TenantSerializer(serializers.ModelSerializer):
             "suspended_at", "suspended_reason",
             "max_slices", "max_slices_per_tier", "max_memory_gb",
             "monthly_spend_limit", "spend_warn_ratio", "spend_block_ratio",
+            "max_concurrent_requests", "max_key_requests_per_minute", "max_key_tokens_per_minute",
             "member_count", "active_key_count", "owner_email",
         ]
         read_only_fields = ["id", "status", "created_at", "suspended_at", "suspended_reason"]
@@ -106,11 +107,34 @@ class ApiKeySerializer(serializers.ModelSerializer):
     status = serializers.CharField(read_only=True)
     created_by = serializers.EmailField(source="created_by.email", read_only=True, default=None)
 
+    requests_per_minute = serializers.IntegerField(
+        required=False, allow_null=True, min_value=1,
+        help_text="the gateway's requests per minute for this key; empty: the installation's default. A tenant's "
+                  "admins may set at most the tenant's max_key_requests_per_minute")
+    tokens_per_minute = serializers.IntegerField(
+        required=False, allow_null=True, min_value=1,
+        help_text="the gateway's tokens (input + output) per minute for this key; empty: the installation's default. "
+                  "A tenant's admins may set at most the tenant's max_key_tokens_per_minute")
+
     class Meta:
         model = ApiKey
         fields = ["id", "tenant", "name", "prefix", "scopes", "status", "created_by", "created_at",
-                  "expires_at", "last_used_at", "revoked_at"]
+                  "expires_at", "last_used_at", "revoked_at", "requests_per_minute", "tokens_per_minute"]
         read_only_fields = ["id", "prefix", "status", "created_by", "created_at", "last_used_at", "revoked_at"]
+
+
+class ApiKeyLimitsSerializer(serializers.Serializer):
+    """PATCH a key: its gateway limits only (a key's name, scopes and expiry are fixed once made)."""
+
+    requests_per_minute = serializers.IntegerField(required=False, allow_null=True, min_value=1)
+    tokens_per_minute = serializers.IntegerField(required=False, allow_null=True, min_value=1)
+
+    def validate(self, attrs):
+        unknown = sorted(set(self.initial_data) - set(self.fields))
+        if unknown:
+            raise serializers.ValidationError({f: ["cannot be changed: revoke the key and make another"]
+                                               for f in unknown})
+        return attrs
 
 
 class ApiKeyCreatedSerializer(ApiKeySerializer):

@@ -130,7 +130,8 @@ class AcceptInvitationView(APIView):
 
 class ApiKeyViewSet(ScopedViewSetMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin,
                     mixins.CreateModelMixin, mixins.DestroyModelMixin, viewsets.GenericViewSet):
-    """API keys. Create returns the secret once (field `key`); DELETE or POST .../revoke/ revokes."""
+    """API keys. Create returns the secret once (field `key`); PATCH sets its gateway limits; DELETE or
+    POST .../revoke/ revokes."""
 
     queryset_model = ApiKey
     selector = selectors.api_keys
@@ -140,7 +141,7 @@ class ApiKeyViewSet(ScopedViewSetMixin, mixins.ListModelMixin, mixins.RetrieveMo
     ordering_fields = ["created_at", "name", "last_used_at", "expires_at"]
     ordering = ["-created_at"]
     capabilities = {"list": "manage_keys", "retrieve": "manage_keys", "create": "manage_keys",
-                    "destroy": "manage_keys", "revoke": "manage_keys"}
+                    "destroy": "manage_keys", "revoke": "manage_keys", "partial_update": "manage_keys"}
 
     @extend_schema(responses={201: serializers.ApiKeyCreatedSerializer})
     def create(self, request, *args, **kwargs):
@@ -149,7 +150,8 @@ class ApiKeyViewSet(ScopedViewSetMixin, mixins.ListModelMixin, mixins.RetrieveMo
         data = serializer.validated_data
         key, secret = services.create_api_key(
             self.principal, tenant=data.get("tenant"), name=data["name"], scopes=data["scopes"],
-            expires_at=data.get("expires_at"),
+            expires_at=data.get("expires_at"), requests_per_minute=data.get("requests_per_minute"),
+            tokens_per_minute=data.get("tokens_per_minute"),
         )
         key.key = secret
         return Response(serializers.ApiKeyCreatedSerializer(key, context=self.get_serializer_context()).data,
@@ -157,6 +159,13 @@ class ApiKeyViewSet(ScopedViewSetMixin, mixins.ListModelMixin, mixins.RetrieveMo
 
     def perform_destroy(self, instance):
         services.revoke_api_key(self.principal, instance)
+
+    @extend_schema(request=serializers.ApiKeyLimitsSerializer, responses=serializers.ApiKeySerializer)
+    def partial_update(self, request, pk=None):
+        body = serializers.ApiKeyLimitsSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        key = services.update_api_key_limits(self.principal, self.get_object(), **body.validated_data)
+        return Response(self.get_serializer(key).data)
 
     @extend_schema(request=None, responses=serializers.ApiKeySerializer)
     @action(detail=True, methods=["post"])

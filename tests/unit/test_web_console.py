@@ -186,7 +186,8 @@ def test_suspend_and_activate(op_client, world):
 def _quota_data(t: Tenant, **over) -> dict:
     data = {"max_slices": t.max_slices, "max_slices_per_tier": t.max_slices_per_tier,
             "max_memory_gb": t.max_memory_gb, "monthly_spend_limit": "", "spend_warn_ratio": t.spend_warn_ratio,
-            "spend_block_ratio": t.spend_block_ratio}
+            "spend_block_ratio": t.spend_block_ratio, "max_concurrent_requests": t.max_concurrent_requests,
+            "max_key_requests_per_minute": "", "max_key_tokens_per_minute": ""}
     return data | over
 
 
