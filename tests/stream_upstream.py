@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 
 from aiohttp import web
 
@@ -21,14 +22,12 @@ from tests.gateway_fixtures import free_port
 
 
 class StreamUpstream:
-    def __init__(self, *, hold_after: int | None = None, pace_s: float = 0.005) -> None:
-        self.hold_after, self.pace_s = hold_after, pace_s
+    def __init__(self, *, hold_after: int | None = None, pace_s: float = 0.005, poll_s: float = 0.01) -> None:
+        self.hold_after, self.pace_s, self.poll_s = hold_after, pace_s, poll_s
         self.port = free_port()
-        self.sent = 0
         self.requests = 0
-        self.cancelled = threading.Event()
-        self.finished = threading.Event()  # the stream ended, by its last event or by a cancel
         self._release = threading.Event()
+        self.reset()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
         self._thread = threading.Thread(target=self._serve, daemon=True)
@@ -39,8 +38,19 @@ class StreamUpstream:
         assert self._ready.wait(10), "the stream upstream did not start"
         return self
 
-    def release(self) -> None:
+    def reset(self) -> None:
+        """Forget the last request (one request at a time)."""
+        self.sent = 0
+        self.dropped_at: float | None = None  # time.monotonic() when the drop was seen (within poll_s or pace_s)
+        self.cancelled = threading.Event()
+        self.finished = threading.Event()  # the stream ended, by its last event or by a cancel
+
+    def release(self, held: bool = False) -> None:
+        """Let a held stream go on (``held``: hold the next one again)."""
         self._release.set()
+        if held:
+            self.finished.wait(30)
+            self._release.clear()
 
     def point(self, deployment) -> None:
         TritonServer.objects.filter(allocation_id=deployment.allocation_id).update(address="127.0.0.1",
@@ -77,18 +87,20 @@ class StreamUpstream:
             for i in range(n):
                 if i == self.hold_after:  # a model between two tokens (a long step, a tool call): nothing to read
                     while not self._release.is_set() and not self._dropped(request):
-                        await asyncio.sleep(0.01)
+                        await asyncio.sleep(self.poll_s)
                 if self._dropped(request):
+                    self.dropped_at = time.monotonic()
                     self.cancelled.set()
                     break
                 event = {"model_name": request.match_info["name"], "text": f" w{i + 1}", "input_tokens": 5,
                          "output_tokens": i + 1}
                 await resp.write(b"data: " + json.dumps(event).encode() + b"\n\n")
                 self.sent += 1
-                await asyncio.sleep(self.pace_s)
+                await asyncio.sleep(self.pace_s)  # 0: as fast as the connection takes them
             else:
                 await resp.write_eof()
         except (ConnectionError, asyncio.CancelledError):
+            self.dropped_at = time.monotonic()
             self.cancelled.set()
             raise
         finally:

@@ -13,8 +13,8 @@ import socket
 
 import pytest
 
-from marketplace.gateway import metering
-from marketplace.gateway.metering import RedisStreamSink, SpoolSink
+from marketplace.gateway import metering, signing
+from marketplace.gateway.metering import RedisStreamSink, SpoolSink, UsageSink
 from telemetry.models import UsageEvent
 from tests.gateway_fixtures import run_async
 from tests.stream_upstream import StreamUpstream
@@ -49,7 +49,7 @@ def read_words(s: socket.socket, n: int) -> list[str]:
         assert data, f"the stream ended after {words}"
         got += data
         words = []
-        for line in got.split(b"\n"):
+        for line in got.split(b"\n")[:-1]:  # whole lines only
             if not line.startswith(b"data: {"):
                 continue
             obj = json.loads(line[6:])
@@ -102,6 +102,41 @@ def test_a_stream_read_whole_is_billed_whole(gateway_fleet, gateway_factory, ups
     assert not upstream.cancelled.is_set() and upstream.sent == 40
     metering.consume(budget_s=10)
     assert UsageEvent.objects.get(tenant=gateway_fleet["a"]).output_tokens == 40
+
+
+class HangingSink(UsageSink):
+    """A sink whose store never answers (a Redis behind a network that drops packets)."""
+
+    async def _write(self, events):
+        import asyncio
+
+        await asyncio.Event().wait()
+
+
+def test_a_stream_the_sink_does_not_answer_for_ends_with_an_error_event_and_is_kept_in_the_fallback(
+        gateway_fleet, gateway_factory, upstream, tmp_path):
+    upstream.release()
+    fallback = tmp_path / "fallback"
+    gw = gateway_factory(sink=HangingSink(), fallback=SpoolSink(fallback))
+    s = open_stream(gw, gateway_fleet["key_a"], "/v1/chat/completions",
+                    {"model": "tiny-chat", "messages": [{"role": "user", "content": "x"}], "max_tokens": 6,
+                     "stream": True})
+    got = b""
+    while not got.endswith(b"\r\n0\r\n\r\n"):
+        data = s.recv(65536)
+        assert data, got[-300:]
+        got += data
+    s.close()
+    events = [json.loads(line[6:]) for line in got.split(b"\n") if line.startswith(b"data: {")]
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events if e.get("choices")) == \
+        " w1 w2 w3 w4 w5 w6"
+    assert events[-1]["error"]["code"] == "metering_unavailable" and b"[DONE]" not in got
+    (kept,) = fallback.glob("*.jsonl")
+    (line,) = kept.read_bytes().splitlines()
+    e, reason = signing.keyring().open(signing.spool_fields(line))
+    assert reason is None
+    assert (e["id"], e["t"], e["d"], e["i"], e["o"]) == (events[0]["id"].removeprefix("chatcmpl-"),
+                                                         gateway_fleet["a"].pk, gateway_fleet["chat"].pk, 5, 6)
 
 
 def test_the_fallback_is_replayed_once_and_a_changed_line_is_not_billed(settings, gateway_fleet, tmp_path):
