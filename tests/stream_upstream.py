@@ -25,7 +25,6 @@ class StreamUpstream:
     def __init__(self, *, hold_after: int | None = None, pace_s: float = 0.005, poll_s: float = 0.01) -> None:
         self.hold_after, self.pace_s, self.poll_s = hold_after, pace_s, poll_s
         self.port = free_port()
-        self.requests = 0
         self._release = threading.Event()
         self.reset()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -79,7 +78,6 @@ class StreamUpstream:
 
     async def _stream(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
-        self.requests += 1
         n = int(body.get("max_tokens") or 16)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)

@@ -13,8 +13,8 @@ streamed ``/v1/completions`` request, reads until it has three words, and closes
 - held: three tokens, then it waits, polling every millisecond for its connection to drop: the time from the
   client's close to the upstream seeing its request dropped.
 
-Prints, per upstream: words the client received (in the reads it made) and tokens billed (p50 / max), tokens the
-upstream produced, and (held) the drop latency p50 / p95 / max.
+Prints, per upstream: words the client received (in the reads it made) and tokens billed (p50 / max), the most
+billed beyond what one client received, tokens the upstream produced, and (held) the drop latency p50 / p95 / max.
 """
 
 from __future__ import annotations
@@ -92,8 +92,10 @@ def main() -> None:
             metering.consume(budget_s=20)
             billed = dict(UsageEvent.objects.filter(event_id__in=ids).values_list("event_id", "output_tokens"))
             b = [billed[i] for i in ids if i in billed]
+            over = [billed[i] - w for i, w in zip(ids, received, strict=True) if i in billed]
             line = (f"{label:18} words received p50 {statistics.median(received):.0f} max {max(received)} | "
-                    f"billed p50 {statistics.median(b):.0f} max {max(b)} ({len(b)}/{len(ids)} metered) | "
+                    f"billed p50 {statistics.median(b):.0f} max {max(b)} ({len(b)}/{len(ids)} metered), "
+                    f"beyond the words received max {max(over)} | "
                     f"upstream produced p50 {statistics.median(produced):.0f} max {max(produced)}")
             if hold:
                 line += (f" | dropped {len(latency)}/{len(ids)}, {pct(latency, 0.5):.1f} ms p50, "
