@@ -312,8 +312,10 @@ class Gateway:
         assert self.sink is not None
         ms = (time.perf_counter() - _started.get(time.perf_counter())) * 1000
         e = event(rid, caller.tenant.id, up.deployment_id, n_in, n_out, ms=ms, adapter=up.adapter)
+        appended = asyncio.ensure_future(self.sink.append(e))
+        appended.add_done_callback(_retrieved)  # a late failure after the timeout is not logged as unretrieved
         try:
-            await asyncio.wait_for(asyncio.shield(self.sink.append(e)), STREAM_METER_TIMEOUT_S)
+            await asyncio.wait_for(asyncio.shield(appended), STREAM_METER_TIMEOUT_S)
             return None
         except (MeteringUnavailable, TimeoutError) as exc:  # a late append and the fallback: one id, billed once
             reason = str(exc) or "timed out"
@@ -398,12 +400,12 @@ class Gateway:
     async def _text_stream(self, receive: Receive, send: Send, caller: Caller, up: Upstream, req: TextRequest,
                            body: dict[str, Any], rid: str) -> int:
         served, created, started = Served(stops=req.stop), int(time.time()), False
-        gone = _Disconnect(receive, send)
+        gone, unbound = _Disconnect(receive, send), _nothing
         try:
             async for chunk in self._chunks(up, req.model, body, gone):
                 if not started:
                     await _start_stream(send, rid)
-                    _bound_sends(send)
+                    unbound = _bound_sends(send)
                     started = True
                     if req.chat:
                         await _chunk(send, protocol.chunk_object(req, rid, created, text="", role=True))
@@ -424,6 +426,7 @@ class Gateway:
             return served_in + served_out
         finally:
             gone.stop()
+            unbound()
         held = "" if gone.happened else served.flush()  # text held back in case it began a stop sequence
         n_in, n_out = served.usage(req.prompt)
         failed = None
@@ -499,7 +502,7 @@ class Gateway:
         await self._serve(caller, model, rid, work)
 
     async def _generate_stream(self, receive, send, caller, up, model, body, prompt, stream, rid) -> int:
-        served, started, gone = Served(), False, _Disconnect(receive, send)
+        served, started, gone, unbound = Served(), False, _Disconnect(receive, send), _nothing
         merged: dict[str, Any] = {}
         error: GatewayError | None = None
         try:
@@ -507,7 +510,7 @@ class Gateway:
                 if stream:
                     if not started:
                         await _start_stream(send, rid)
-                        _bound_sends(send)
+                        unbound = _bound_sends(send)
                         started = True
                     if gone.happened:  # counted: only what was written before the disconnect was seen
                         break
@@ -522,6 +525,7 @@ class Gateway:
             error = err
         finally:
             gone.stop()
+            unbound()
         n_in, n_out = served.usage(prompt) if up.io.generative else _reported(served)
         if started:
             failed = await self._meter_sent(caller, up, rid, n_in, n_out)
@@ -657,21 +661,45 @@ async def _chunk(send: Send, obj: dict[str, Any]) -> None:
     await send({"type": "http.response.body", "body": protocol.sse(obj), "more_body": True})
 
 
-def _bound_sends(send: Send) -> None:
+def _nothing() -> None:
+    return None
+
+
+def _retrieved(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
+def _bound_sends(send: Send) -> Callable[[], None]:
     """Keep a stream's writes close to what the client takes: a small socket send buffer (``STREAM_SNDBUF``) and
     no buffering in the server's transport beyond one event (each ``send`` then waits for the previous events to
     reach the socket). The transport is uvicorn's (its ``send`` is a method of the request's cycle, which holds
-    it); under another server nothing changes."""
+    it); under another server nothing changes. Returns what puts the connection's buffers back (a keep-alive
+    connection's next answer may be a large one); the kernel keeps the size it had, no longer tuned up."""
     transport = getattr(getattr(send, "__self__", None), "transport", None)
     if transport is None:
-        return
+        return _nothing
     try:
-        transport.set_write_buffer_limits(high=0)
         sock = transport.get_extra_info("socket")
+        before = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) if sock is not None else None
+        transport.set_write_buffer_limits(high=0)
         if sock is not None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_SNDBUF)
     except (AttributeError, OSError, ValueError) as exc:  # a transport without these: the usual buffers
         log.debug("stream send buffer not bounded", extra={"error": str(exc)})
+        return _nothing
+
+    def restore() -> None:  # never raises: it runs before the stream is metered
+        try:
+            if transport.is_closing():
+                return
+            transport.set_write_buffer_limits()
+            if sock is not None and before:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, before // 2)  # Linux doubles what it is given
+        except (AttributeError, OSError, ValueError, RuntimeError):  # closed meanwhile (uvloop: RuntimeError)
+            pass
+
+    return restore
 
 
 class _Disconnect:

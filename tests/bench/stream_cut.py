@@ -101,6 +101,9 @@ def main() -> None:
                 line += (f" | dropped {len(latency)}/{len(ids)}, {pct(latency, 0.5):.1f} ms p50, "
                          f"{pct(latency, 0.95):.1f} ms p95, {max(latency):.1f} ms max after the close")
             print(line, flush=True)
+    except BaseException:
+        print(gw.log.read_text(errors="replace")[-3000:], file=sys.stderr)
+        raise
     finally:
         gw.stop()
         up.stop()

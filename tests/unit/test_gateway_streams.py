@@ -9,15 +9,18 @@ tests/faults/test_stream_metering.py.
 from __future__ import annotations
 
 import json
+import os
 import socket
+import uuid
 
 import pytest
 
 from marketplace.gateway import metering, signing
 from marketplace.gateway.metering import RedisStreamSink, SpoolSink, UsageSink
 from telemetry.models import UsageEvent
-from tests.gateway_fixtures import run_async
+from tests.gateway_fixtures import GatewayProcess, run_async
 from tests.stream_upstream import StreamUpstream
+from tests.worker_process import test_database_url as database_url
 
 pytestmark = pytest.mark.django_db(transaction=True)
 # Events the gateway may write after the client's close reached it: the one in hand when it is seen (measured in
@@ -85,6 +88,41 @@ def test_a_cut_stream_cancels_the_upstream_and_bills_what_was_written(gateway_fl
     ev = UsageEvent.objects.get(tenant=gateway_fleet["a"])
     assert ev.deployment_id == gateway_fleet["chat"].pk
     assert 3 <= ev.output_tokens <= 3 + CUT_BOUND, ev.output_tokens
+
+
+def test_a_cut_stream_under_the_production_server(gateway_fleet, upstream, settings, tmp_path):
+    """The same under ``manage.py gateway`` (uvloop and httptools: their transport is not asyncio's)."""
+    settings.TESSERA_USAGE_STREAM = f"tessera:test-usage:{uuid.uuid4().hex[:8]}"
+    settings.TESSERA_USAGE_SPOOL_DIR = tmp_path / "spool"
+    env = {**os.environ, "DATABASE_URL": database_url(), "REDIS_URL": settings.REDIS_URL,
+           "TESSERA_USAGE_STREAM": settings.TESSERA_USAGE_STREAM, "TESSERA_USAGE_SPOOL_DIR": str(tmp_path / "spool"),
+           "SECRET_KEY": settings.SECRET_KEY, "TESSERA_GATEWAY_REFRESH_S": "0.5", "LOG_FORMAT": "text",
+           "LOG_LEVEL": "WARNING"}
+    gw = GatewayProcess(env, tmp_path).start()
+    try:
+        s = open_stream(gw, gateway_fleet["key_a"], *ROUTES[1])
+        assert read_words(s, 3) == ["w1", "w2", "w3"]
+        s.close()
+        assert upstream.cancelled.wait(20), "the upstream request was not cancelled when the client left"
+        upstream.release(held=True)
+        upstream.reset()
+        s = open_stream(gw, gateway_fleet["key_a"], "/v1/completions",  # the next one on a fresh upstream
+                        {"model": "tiny-chat", "prompt": "x", "max_tokens": 2, "stream": True})
+        got = b""
+        while not got.endswith(b"\r\n0\r\n\r\n"):
+            data = s.recv(65536)
+            assert data, got[-300:]
+            got += data
+        s.close()
+        assert b"data: [DONE]" in got
+    finally:
+        gw.stop()
+    assert metering.consume(budget_s=10)["new"] == 2
+    assert sorted(UsageEvent.objects.values_list("output_tokens", flat=True)) == [2, 3]
+    if settings.REDIS_URL:
+        import redis
+
+        redis.Redis.from_url(settings.REDIS_URL).delete(settings.TESSERA_USAGE_STREAM)
 
 
 def test_a_stream_read_whole_is_billed_whole(gateway_fleet, gateway_factory, upstream):
