@@ -101,7 +101,11 @@ class Gateway:
         await self.sink.start()
         if isinstance(self.sink, RedisStreamSink):
             if self.fallback is None:
-                self.fallback = SpoolSink(fallback_dir())
+                try:
+                    self.fallback = SpoolSink(fallback_dir())
+                except OSError as exc:  # no gateway that could serve a stream it cannot meter
+                    raise RuntimeError(f"the usage fallback folder cannot be created ({exc}): set "
+                                       "TESSERA_USAGE_SPOOL_DIR to a folder the gateway can write") from exc
             await self.fallback.start()
             self._replayer = asyncio.create_task(self._replay_loop(self.sink, self.fallback))
         await self.client.start()
