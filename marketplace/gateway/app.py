@@ -11,6 +11,13 @@ model: see ``state``):
   errors in KServe's JSON. ``GET /v2/health/live`` and ``/v2/health/ready`` are the gateway's own health.
 
 Every answer carries ``x-request-id``: the id of the usage event the request made.
+
+Streams (server-sent events) are written one event at a time through a small send buffer (``_bound_sends``), so
+the gateway runs at most that far ahead of what the client's TCP stack took. A client that goes away cancels
+the upstream request at once (its response is closed: Triton sees the connection drop) and the request is
+metered for the events written before the disconnect was seen. A stream whose usage event cannot be appended
+to the sink once its text has gone out is kept in the local fallback (``metering``: replayed into the stream
+once Redis is back) and ends with an error event, ``metering_unavailable``, instead of its end.
 """
 
 from __future__ import annotations
@@ -19,15 +26,18 @@ import asyncio
 import contextvars
 import json
 import logging
+import socket
 import time
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import aiohttp
+
 from . import protocol
 from . import upstream as upstream_mod
 from .limits import Limiter, LocalLimiter, RedisLimiter
-from .metering import MeteringUnavailable, RedisStreamSink, SpoolSink, UsageSink, event
+from .metering import FALLBACK_REPLAY_S, MeteringUnavailable, RedisStreamSink, SpoolSink, UsageSink, event, fallback_dir
 from .protocol import GatewayError, Served, TextRequest
 from .state import Caller, Tables, Upstream, load_snapshot, mark_used
 
@@ -38,6 +48,8 @@ Receive = Callable[[], Awaitable[dict[str, Any]]]
 JSON = [(b"content-type", b"application/json")]
 SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
                (b"x-accel-buffering", b"no")]
+STREAM_METER_TIMEOUT_S = 2.0  # a stream's event not in Redis by then goes to the local fallback
+STREAM_SNDBUF = 4096  # a stream's socket send buffer (SO_SNDBUF; Linux doubles it for its bookkeeping)
 
 
 _started: contextvars.ContextVar[float] = contextvars.ContextVar("started")
@@ -51,11 +63,13 @@ def _dumps(obj: Any) -> bytes:
 class Gateway:
     def __init__(self, *, tables: Tables | None = None, sink: UsageSink | None = None,
                  limiter: Limiter | None = None, refresh_s: float | None = None, max_body: int | None = None,
-                 timeout_s: float | None = None) -> None:
+                 timeout_s: float | None = None, fallback: SpoolSink | None = None) -> None:
         from django.conf import settings
 
         self.tables = tables or Tables()
         self.sink, self.limiter = sink, limiter
+        self.fallback = fallback  # a stream's event the sink did not take (with Redis; replayed into it)
+        self._replayer: asyncio.Task | None = None
         self.refresh_s = settings.TESSERA_GATEWAY_REFRESH_S if refresh_s is None else refresh_s
         self.max_body = max_body or settings.TESSERA_GATEWAY_MAX_BODY
         self.client = upstream_mod.Client(timeout_s or settings.TESSERA_GATEWAY_UPSTREAM_TIMEOUT_S)
@@ -85,6 +99,15 @@ class Gateway:
         if self.limiter is None:
             self.limiter = RedisLimiter(self._redis) if self._redis is not None else LocalLimiter()
         await self.sink.start()
+        if isinstance(self.sink, RedisStreamSink):
+            if self.fallback is None:
+                try:
+                    self.fallback = SpoolSink(fallback_dir())
+                except OSError as exc:  # no gateway that could serve a stream it cannot meter
+                    raise RuntimeError(f"the usage fallback folder cannot be created ({exc}): set "
+                                       "TESSERA_USAGE_SPOOL_DIR to a folder the gateway can write") from exc
+            await self.fallback.start()
+            self._replayer = asyncio.create_task(self._replay_loop(self.sink, self.fallback))
         await self.client.start()
         if self.refresh_s > 0:
             await self.refresh()
@@ -94,8 +117,12 @@ class Gateway:
     async def shutdown(self) -> None:
         if self._refresher is not None:
             self._refresher.cancel()
+        if self._replayer is not None:
+            self._replayer.cancel()
         if self.sink is not None:
             await self.sink.close()
+        if self.fallback is not None:
+            await self.fallback.close()
         if self.limiter is not None:
             await self.limiter.close()
         await self.client.close()
@@ -114,6 +141,15 @@ class Gateway:
                 await self.refresh()
             except Exception as exc:  # keep serving from the last snapshot
                 log.error("gateway refresh failed; serving from the last snapshot", extra={"error": str(exc)})
+
+    async def _replay_loop(self, sink: RedisStreamSink, fallback: SpoolSink) -> None:
+        """The fallback's events into the stream, as soon as Redis takes them (and what a previous process left)."""
+        while True:
+            try:
+                await sink.replay(fallback.dir, writing=fallback.writing)
+            except Exception as exc:  # Redis still down: the lines stay, next round
+                log.warning("usage fallback not replayed yet", extra={"error": str(exc)})
+            await asyncio.sleep(FALLBACK_REPLAY_S)
 
     # --- ASGI -----------------------------------------------------------------------------------------------
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
@@ -273,6 +309,33 @@ class Gateway:
                                "answer is withheld; retry shortly.", kind="server_error",
                                headers={"Retry-After": "1"}) from None
 
+    async def _meter_sent(self, caller: Caller, up: Upstream, rid: str, n_in: int, n_out: int) -> GatewayError | None:
+        """A stream's event, once its text has gone out (it cannot be withheld any more): into the sink, else
+        (Redis down, or no answer within STREAM_METER_TIMEOUT_S) into the local fallback, which is replayed into
+        the sink once it is back. Returns the error the stream must end with (None: metered as usual)."""
+        assert self.sink is not None
+        ms = (time.perf_counter() - _started.get(time.perf_counter())) * 1000
+        e = event(rid, caller.tenant.id, up.deployment_id, n_in, n_out, ms=ms, adapter=up.adapter)
+        appended = asyncio.ensure_future(self.sink.append(e))
+        appended.add_done_callback(_retrieved)  # a late failure after the timeout is not logged as unretrieved
+        try:
+            await asyncio.wait_for(asyncio.shield(appended), STREAM_METER_TIMEOUT_S)
+            return None
+        except (MeteringUnavailable, TimeoutError) as exc:  # a late append and the fallback: one id, billed once
+            reason = str(exc) or "timed out"
+        try:
+            if self.fallback is None:
+                raise MeteringUnavailable("no fallback")
+            await self.fallback.append(e)
+            log.warning("stream metered into the local fallback", extra={"request_id": rid, "error": reason})
+        except MeteringUnavailable as exc:
+            log.error("stream served and NOT metered", extra={"request_id": rid, "tenant": caller.tenant.id,
+                                                              "deployment": up.deployment_id, "input_tokens": n_in,
+                                                              "output_tokens": n_out, "error": str(exc)})
+        return GatewayError(503, "metering_unavailable", "The metering service did not record this answer, so the "
+                            "stream ends here without its end; the gateway keeps the usage of what was sent and "
+                            "records it when the service is back. Retry shortly.", kind="server_error")
+
     # --- text generation (OpenAI) ---------------------------------------------------------------------------
     async def _text(self, receive: Receive, send: Send, caller: Caller, req: TextRequest, rid: str) -> None:
         async def work(up: Upstream) -> int:
@@ -304,9 +367,13 @@ class Gateway:
         served.flush()
         return served
 
-    async def _chunks(self, up: Upstream, model: str, body: dict[str, Any]):
+    async def _chunks(self, up: Upstream, model: str, body: dict[str, Any], gone: _Disconnect | None = None):
+        """The upstream's stream events. ``gone``: the client's disconnect closes the upstream response at once
+        (the pending read ends; Triton sees the connection drop and cancels the request) and ends the events."""
         resp = await self.client.request(up, "POST", f"/v2/models/{up.name}/generate_stream", body=_dumps(body),
                                          headers={"Content-Type": "application/json"})
+        if gone is not None:
+            gone.on_gone(resp.close)
         try:
             if resp.status != 200:
                 raw = await resp.read()
@@ -316,49 +383,71 @@ class Gateway:
                     out = {"error": raw.decode("utf-8", "replace")[:500]}
                 _check_model_answer(model, resp.status, out)
             buffer = bytearray()
-            async for data in resp.content.iter_any():
-                buffer.extend(data)
-                for chunk in protocol.parse_sse_lines(buffer):
-                    _check_model_answer(model, 200, chunk)
-                    yield chunk
+            try:
+                async for data in resp.content.iter_any():
+                    buffer.extend(data)
+                    for i, chunk in enumerate(protocol.parse_sse_lines(buffer)):
+                        if gone is not None:
+                            if i:  # several events in one read: let the loop see a disconnect meanwhile
+                                await asyncio.sleep(0)
+                            if gone.happened:
+                                return
+                        _check_model_answer(model, 200, chunk)
+                        yield chunk
+            except (aiohttp.ClientError, TimeoutError):
+                if gone is not None and gone.happened:
+                    return
+                raise upstream_mod.unavailable(model) from None  # cut mid-stream: what was sent is metered
         finally:
             resp.close()
 
     async def _text_stream(self, receive: Receive, send: Send, caller: Caller, up: Upstream, req: TextRequest,
                            body: dict[str, Any], rid: str) -> int:
         served, created, started = Served(stops=req.stop), int(time.time()), False
-        gone = _Disconnect(receive)
+        gone, unbound = _Disconnect(receive, send), _nothing
         try:
-            async for chunk in self._chunks(up, req.model, body):
-                piece = served.add(up.io, chunk)
+            async for chunk in self._chunks(up, req.model, body, gone):
                 if not started:
                     await _start_stream(send, rid)
+                    unbound = _bound_sends(send)
                     started = True
                     if req.chat:
                         await _chunk(send, protocol.chunk_object(req, rid, created, text="", role=True))
+                if gone.happened:  # counted: only what was written before the disconnect was seen
+                    break
+                piece = served.add(up.io, chunk)
                 if piece:
                     await _chunk(send, protocol.chunk_object(req, rid, created, text=piece))
-                if gone.happened or served.stopped:
+                if served.stopped:
                     break
         except GatewayError as err:
             if not started:
                 raise
-            await _chunk(send, err.openai_body())  # the stream already began: the error is its last event
             served_in, served_out = served.usage(req.prompt)
-            await self._meter(caller, up, rid, served_in, served_out)
+            failed = await self._meter_sent(caller, up, rid, served_in, served_out)
+            await _chunk(send, (failed or err).openai_body())  # the stream already began: the error is its last event
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             return served_in + served_out
         finally:
             gone.stop()
+            unbound()
         held = "" if gone.happened else served.flush()  # text held back in case it began a stop sequence
         n_in, n_out = served.usage(req.prompt)
-        await self._meter(caller, up, rid, n_in, n_out)  # durable before the end of the stream is sent
-        if gone.happened:
-            return n_in + n_out
+        failed = None
         if not started:
+            await self._meter(caller, up, rid, n_in, n_out)  # nothing sent yet: withheld (503) if not durable
             await _start_stream(send, rid)
+        else:
+            failed = await self._meter_sent(caller, up, rid, n_in, n_out)  # durable before the end is sent
+            if gone.happened:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                return n_in + n_out
         if held:
             await _chunk(send, protocol.chunk_object(req, rid, created, text=held))
+        if failed is not None:  # the text went out, its end does not: the error is the last event
+            await _chunk(send, failed.openai_body())
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return n_in + n_out
         await _chunk(send, protocol.chunk_object(req, rid, created,
                                                  finish=protocol.finish_reason(req, served, n_out)))
         if req.include_usage:
@@ -417,31 +506,40 @@ class Gateway:
         await self._serve(caller, model, rid, work)
 
     async def _generate_stream(self, receive, send, caller, up, model, body, prompt, stream, rid) -> int:
-        served, started, gone = Served(), False, _Disconnect(receive)
+        served, started, gone, unbound = Served(), False, _Disconnect(receive, send), _nothing
         merged: dict[str, Any] = {}
+        error: GatewayError | None = None
         try:
-            async for chunk in self._chunks(up, model, body):
-                served.add(up.io, chunk)
+            async for chunk in self._chunks(up, model, body, gone):
                 if stream:
                     if not started:
                         await _start_stream(send, rid)
+                        unbound = _bound_sends(send)
                         started = True
-                    await _chunk(send, chunk)
-                    if gone.happened:
+                    if gone.happened:  # counted: only what was written before the disconnect was seen
                         break
+                    served.add(up.io, chunk)
+                    await _chunk(send, chunk)
                 else:
+                    served.add(up.io, chunk)
                     merged.update({k: v for k, v in chunk.items() if k != (up.io.text or "")})
         except GatewayError as err:
             if not started:
                 raise
-            await _chunk(send, err.kserve_body())
+            error = err
         finally:
             gone.stop()
+            unbound()
         n_in, n_out = served.usage(prompt) if up.io.generative else _reported(served)
-        await self._meter(caller, up, rid, n_in, n_out)
+        if started:
+            failed = await self._meter_sent(caller, up, rid, n_in, n_out)
+            if (failed or error) is not None and not gone.happened:
+                await _chunk(send, (failed or error).kserve_body())  # type: ignore[union-attr]
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return n_in + n_out
+        await self._meter(caller, up, rid, n_in, n_out)  # nothing sent yet: withheld (503) if not durable
         if stream:
-            if not started:
-                await _start_stream(send, rid)
+            await _start_stream(send, rid)
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         else:
             if up.io.text:
@@ -567,18 +665,71 @@ async def _chunk(send: Send, obj: dict[str, Any]) -> None:
     await send({"type": "http.response.body", "body": protocol.sse(obj), "more_body": True})
 
 
-class _Disconnect:
-    """Watches ``receive`` for the client going away during a stream."""
+def _nothing() -> None:
+    return None
 
-    def __init__(self, receive: Receive) -> None:
-        self.happened = False
+
+def _retrieved(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
+def _bound_sends(send: Send) -> Callable[[], None]:
+    """Keep a stream's writes close to what the client takes: a small socket send buffer (``STREAM_SNDBUF``) and
+    no buffering in the server's transport beyond one event (each ``send`` then waits for the previous events to
+    reach the socket). The transport is uvicorn's (its ``send`` is a method of the request's cycle, which holds
+    it); under another server nothing changes. Returns what puts the connection's buffers back (a keep-alive
+    connection's next answer may be a large one); the kernel keeps the size it had, no longer tuned up."""
+    transport = getattr(getattr(send, "__self__", None), "transport", None)
+    if transport is None:
+        return _nothing
+    try:
+        sock = transport.get_extra_info("socket")
+        before = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) if sock is not None else None
+        transport.set_write_buffer_limits(high=0)
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_SNDBUF)
+    except (AttributeError, OSError, ValueError) as exc:  # a transport without these: the usual buffers
+        log.debug("stream send buffer not bounded", extra={"error": str(exc)})
+        return _nothing
+
+    def restore() -> None:  # never raises: it runs before the stream is metered
+        try:
+            if transport.is_closing():
+                return
+            transport.set_write_buffer_limits()
+            if sock is not None and before:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, before // 2)  # Linux doubles what it is given
+        except (AttributeError, OSError, ValueError, RuntimeError):  # closed meanwhile (uvloop: RuntimeError)
+            pass
+
+    return restore
+
+
+class _Disconnect:
+    """Watches ``receive`` for the client going away during a stream; ``on_gone`` callbacks run at once.
+    ``happened`` also reads uvicorn's own flag (set as the connection is lost, before the watcher runs)."""
+
+    def __init__(self, receive: Receive, send: Send | None = None) -> None:
+        self._seen = False
+        self._cycle = getattr(send, "__self__", None)
+        self._callbacks: list[Callable[[], Any]] = []
         self._task = asyncio.create_task(self._watch(receive))
+
+    @property
+    def happened(self) -> bool:
+        return self._seen or getattr(self._cycle, "disconnected", False) is True
+
+    def on_gone(self, callback: Callable[[], Any]) -> None:
+        self._callbacks.append(callback)
 
     async def _watch(self, receive: Receive) -> None:
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                self.happened = True
+                self._seen = True
+                for callback in self._callbacks:
+                    callback()
                 return
 
     def stop(self) -> None:

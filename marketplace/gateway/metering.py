@@ -15,6 +15,13 @@ Producers (``UsageSink``, async, in the gateway):
   configured to be (production: ``appendonly yes``, ``appendfsync always`` or ``everysec``).
 - ``SpoolSink`` (no Redis: the demo): appended to a local file and ``fsync``-ed before ``append`` returns, one
   JSON object ``{"e", "k", "s"}`` a line.
+- The fallback (with Redis): a stream whose answer has gone out when its event cannot be appended (Redis down,
+  or no answer within ``STREAM_METER_TIMEOUT_S``) is kept in a ``SpoolSink`` of the gateway's own
+  (``fallback_dir()``: signed, fsync-ed, mode 0600), and ``RedisStreamSink.replay`` appends those lines, exactly
+  as signed, to the stream once Redis answers again (the gateway tries every ``FALLBACK_REPLAY_S``). A line
+  replayed twice (a gateway killed between the append and saving its offset; an event that reached Redis after
+  all) has an event id already stored: the idempotent ingest counts it once. The consumer checks its signature
+  like any other entry: a line changed in the folder is refused, never billed.
 
 Consumer (``consume``, sync, Django): a consumer group reads the stream in batches (``XREADGROUP``), claims
 what a killed consumer left pending (``XAUTOCLAIM``), writes each tenant's rows through the idempotent ingest
@@ -56,6 +63,9 @@ SPOOL_IDLE_S = 120.0  # a spool file unchanged this long, fully consumed, is del
 DEAD_LETTER_MAXLEN = 10_000  # refused stream entries kept for forensics (approximately: MAXLEN ~)
 DEAD_LETTER_FIELD_BYTES = 4096  # of each field of a refused entry, this much is kept
 DEAD_SPOOL = "refused.dead"  # in the spool folder; rotated to refused.dead.1 past SPOOL_ROTATE_BYTES
+FALLBACK = "fallback"  # the folder of TESSERA_USAGE_SPOOL_DIR where a gateway keeps what Redis did not take
+FALLBACK_REPLAY_S = 1.0  # how often a gateway with a non-empty fallback tries to replay it into the stream
+FALLBACK_REPLAY_LINES = 5000  # lines appended per round trip
 
 
 class MeteringUnavailable(Exception):
@@ -142,6 +152,73 @@ class RedisStreamSink(UsageSink):
             pipe.xadd(self.stream, seal(e))
         await pipe.execute()
 
+    async def replay(self, directory: Path | None = None, *, writing: Path | None = None) -> int:
+        """Append the fallback's lines (``SpoolSink`` files) to the stream, from each file's saved offset, as they
+        were signed; save the offset after each append; delete a file fully replayed that nobody writes any more
+        (``writing``: this process's open file; the files of another process once idle past ``SPOOL_IDLE_S``).
+        A file another process is replaying (its lock) is skipped. Returns the lines appended; raises when Redis
+        does not take them."""
+        d = Path(directory or fallback_dir())
+        if not d.is_dir():
+            return 0
+        appended = 0
+        for path in sorted(d.glob("*.jsonl")):
+            appended += await self._replay_file(path, writing)
+        return appended
+
+    async def _replay_file(self, path: Path, writing: Path | None) -> int:
+        import fcntl
+
+        try:
+            f = path.open("rb")
+        except FileNotFoundError:  # deleted by another process's replay
+            return 0
+        with f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return 0
+            marker = path.with_suffix(".offset")
+            offset = int(marker.read_text() or 0) if marker.exists() else 0
+            appended = 0
+            while True:
+                f.seek(offset)
+                data = f.read(SPOOL_ROTATE_BYTES)
+                lines = data[:data.rfind(b"\n") + 1].split(b"\n")[:-1][:FALLBACK_REPLAY_LINES]
+                if not lines:
+                    break
+                pipe = self.redis.pipeline(transaction=False)
+                for line in lines:
+                    pipe.xadd(self.stream, _stream_fields(line))
+                await pipe.execute()
+                offset += sum(len(line) + 1 for line in lines)
+                tmp = marker.with_suffix(".offset.tmp")
+                tmp.write_text(str(offset))
+                os.replace(tmp, marker)
+                appended += len(lines)
+            if appended:
+                log.warning("usage events replayed from the gateway's fallback", extra={"events": appended,
+                                                                                        "file": path.name})
+            st = os.fstat(f.fileno())
+            ours = writing is not None and path.name.rsplit("-", 1)[0] == writing.name.rsplit("-", 1)[0]
+            if offset >= st.st_size and path != writing and (ours or time.time() - st.st_mtime > SPOOL_IDLE_S):
+                path.unlink(missing_ok=True)
+                marker.unlink(missing_ok=True)
+        return appended
+
+
+def _stream_fields(line: bytes) -> dict[str, str | bytes]:
+    """A spool line as a stream entry: its three fields as they were signed; anything else kept whole (cut to
+    DEAD_LETTER_FIELD_BYTES) in one field, which the consumer refuses as unsigned and dead-letters."""
+    fields = signing.spool_fields(line)
+    if fields is not None and all(isinstance(fields.get(k), str) for k in ("e", "k", "s")):
+        return {k: fields[k] for k in ("e", "k", "s")}
+    return {"line": line[:DEAD_LETTER_FIELD_BYTES]}
+
+
+def fallback_dir() -> Path:
+    return Path(settings.TESSERA_USAGE_SPOOL_DIR) / FALLBACK
+
 
 class SpoolSink(UsageSink):
     """An append-only local file per gateway process, fsync-ed per batch; rotated by size and age."""
@@ -152,6 +229,7 @@ class SpoolSink(UsageSink):
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._file: Any = None
         self._opened = 0.0
+        self.writing: Path | None = None  # the file appended to now
         self.keyring = signing.keyring()
 
     def _target(self) -> Any:
@@ -164,6 +242,7 @@ class SpoolSink(UsageSink):
             fd = os.open(self.dir / name, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
             self._file = os.fdopen(fd, "ab")
             self._opened = time.monotonic()
+            self.writing = self.dir / name
         return self._file
 
     def _write_sync(self, events: list[dict[str, Any]]) -> None:
@@ -181,6 +260,7 @@ class SpoolSink(UsageSink):
         if self._file is not None:
             self._file.close()
             self._file = None
+            self.writing = None
 
 
 # --- the consumer (sync, Django) ----------------------------------------------------------------------------
