@@ -472,8 +472,14 @@ def _keys(request, form=None, status=200):
     return render(request, "portal/keys.html", ctx(
         request, table=tbl, scopes=TENANT_SCOPES, form=form or ApiKeyForm(),
         tomorrow=timezone.now().date() + timedelta(days=1),
-        ceilings={"rpm": tenant_services.key_limit_ceiling(tenant, "requests_per_minute"),
-                  "tpm": tenant_services.key_limit_ceiling(tenant, "tokens_per_minute")}), status=status)
+        ceilings=_ceilings(tenant)), status=status)
+
+
+def _ceilings(tenant) -> dict:
+    """The most a tenant admin may give a key, for the keys page (raw for the inputs' max, grouped for the text)."""
+    rpm = tenant_services.key_limit_ceiling(tenant, "requests_per_minute")
+    tpm = tenant_services.key_limit_ceiling(tenant, "tokens_per_minute")
+    return {"rpm": rpm, "tpm": tpm, "rpm_text": f"{rpm:,}", "tpm_text": f"{tpm:,}"}
 
 
 @require_POST
