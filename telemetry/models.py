@@ -25,6 +25,9 @@ class UsageEvent(models.Model):
                                              help_text="the gateway's time to the last byte; empty: reported usage")
     adapter = models.CharField(max_length=64, blank=True, default="",
                                help_text="the LoRA adapter the request selected (its name); empty: the base model")
+    api_key = models.CharField(max_length=16, blank=True, default="",
+                               help_text="the prefix of the API key the gateway served the request for; empty: "
+                                         "none (reported usage, a portal session)")
 
     objects = TenantScopedQuerySet.as_manager()
     tenant_path = "tenant_id"
@@ -44,9 +47,10 @@ class UsageEvent(models.Model):
 
 
 class UsageHourly(models.Model):
-    """Usage per (tenant, deployment, LoRA adapter, hour), kept up to date as events arrive. `billed_*` is what a
-    finalized invoice has charged for this hour; a late event makes the totals exceed it and the
-    difference goes onto the next invoice as an adjustment."""
+    """Usage per (tenant, deployment, LoRA adapter, API key, hour), kept up to date as events arrive. `billed_*`
+    is what a finalized invoice has charged for this hour; a late event makes the totals exceed it and the
+    difference goes onto the next invoice as an adjustment. The API key (its prefix; empty: none) only splits the
+    usage: the invoice's lines are per deployment and adapter, whatever the keys."""
 
     id = models.BigAutoField(primary_key=True)
     tenant = models.ForeignKey("tenants.Tenant", on_delete=models.PROTECT, related_name="usage_hours")
@@ -54,6 +58,8 @@ class UsageHourly(models.Model):
     hour = models.DateTimeField(help_text="start of the UTC hour")
     adapter = models.CharField(max_length=64, blank=True, default="",
                                help_text="the LoRA adapter's name; empty: the base model (an adapter is its own line)")
+    api_key = models.CharField(max_length=16, blank=True, default="",
+                               help_text="the prefix of the API key the usage was served for; empty: none")
     input_tokens = models.BigIntegerField(default=0)
     output_tokens = models.BigIntegerField(default=0)
     requests = models.BigIntegerField(default=0)
@@ -67,7 +73,7 @@ class UsageHourly(models.Model):
     tenant_path = "tenant_id"
 
     class Meta:
-        constraints = [models.UniqueConstraint(fields=["tenant", "deployment", "adapter", "hour"],
+        constraints = [models.UniqueConstraint(fields=["tenant", "deployment", "adapter", "api_key", "hour"],
                                                name="usage_hour_unique")]
         indexes = [models.Index(fields=["tenant", "hour"]), models.Index(fields=["hour"])]
 

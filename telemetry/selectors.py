@@ -15,7 +15,7 @@ from telemetry.models import TritonServedHourly, UsageEvent, UsageHourly
 from tenants.models import Tenant
 from tenants.scoping import Principal
 
-GROUPS = ("tenant", "deployment", "tier", "hour", "day")
+GROUPS = ("tenant", "deployment", "tier", "hour", "day", "key")
 SUMS = ("input_tokens", "output_tokens", "requests", "events", "billed_input_tokens", "billed_output_tokens",
         "billed_requests")
 
@@ -64,8 +64,8 @@ def _apply_filters(qs: QuerySet, filters: dict | None) -> QuerySet:
 def usage_summary(principal: Principal, start: datetime, end: datetime, group_by: str = "deployment",
                   filters: dict | None = None, *, capabilities: tuple[str, ...] = ("billing",)) -> list[dict]:
     """Usage totals (and what was billed) over hours in [start, end), grouped by tenant, deployment,
-    tier, hour or day (UTC). `filters`: tenant (Tenant, id or slug), deployment (id), model (name),
-    tier (id or key). Reads UsageHourly only."""
+    tier, hour, day (UTC) or API key (the key the gateway served the usage for). `filters`: tenant (Tenant, id or
+    slug), deployment (id), model (name), tier (id or key). Reads UsageHourly only."""
     if group_by not in GROUPS:
         raise ValueError(f"group_by must be one of {', '.join(GROUPS)}")
     qs = _visible(UsageHourly.objects.all(), principal, capabilities).filter(hour__gte=start, hour__lt=end)
@@ -76,6 +76,7 @@ def usage_summary(principal: Principal, start: datetime, end: datetime, group_by
         "tier": ["tenant_id", "deployment__allocation__tier_id"],
         "hour": ["tenant_id", "hour"],
         "day": ["tenant_id", "day"],
+        "key": ["tenant_id", "api_key"],
     }[group_by]
     if group_by == "day":
         qs = qs.annotate(day=TruncDay("hour", tzinfo=UTC))
@@ -104,6 +105,12 @@ def usage_summary(principal: Principal, start: datetime, end: datetime, group_by
 
         tiers = dict(Tier.objects.filter(pk__in={r["deployment__allocation__tier_id"] for r in rows})
                      .values_list("pk", "key"))
+    key_names: dict[str, str] = {}
+    if group_by == "key":
+        from tenants.models import ApiKey
+
+        key_names = dict(ApiKey.objects.filter(prefix__in={r["api_key"] for r in rows if r["api_key"]})
+                         .values_list("prefix", "name"))
     out = []
     for r in rows:
         row: dict[str, object] = {"tenant": tenants.get(r.pop("tenant_id"))}
@@ -117,6 +124,9 @@ def usage_summary(principal: Principal, start: datetime, end: datetime, group_by
             row["hour"] = r.pop("hour")
         elif group_by == "day":
             row["day"] = r.pop("day")
+        elif group_by == "key":  # the key's prefix and name; none: usage served for no key (a portal session,
+            prefix = r.pop("api_key")  # usage reported through the API)
+            row.update(key=prefix or None, key_name=key_names.get(prefix))
         sums = {s: int(r[s] or 0) for s in SUMS}
         row.update(sums)
         row["unbilled_input_tokens"] = sums["input_tokens"] - sums["billed_input_tokens"]

@@ -203,6 +203,9 @@ class UsageRowSerializer(serializers.Serializer):
     tier = serializers.CharField(required=False, allow_null=True, help_text="group_by=deployment or tier")
     hour = serializers.DateTimeField(required=False, help_text="group_by=hour")
     day = serializers.DateTimeField(required=False, help_text="group_by=day")
+    key = serializers.CharField(required=False, allow_null=True,
+                                help_text="group_by=key: the API key's prefix; null: usage served for no key")
+    key_name = serializers.CharField(required=False, allow_null=True, help_text="group_by=key: the key's name")
     input_tokens = serializers.IntegerField()
     output_tokens = serializers.IntegerField()
     requests = serializers.IntegerField()
@@ -487,7 +490,8 @@ class SpendView(GenericAPIView):
 class UsageSummaryQuery(serializers.Serializer):
     start = serializers.DateTimeField(required=False, help_text="default: start of this month (UTC)")
     end = serializers.DateTimeField(required=False, help_text="default: now")
-    group_by = serializers.ChoiceField(choices=["tenant", "deployment", "tier", "hour", "day"], default="deployment")
+    group_by = serializers.ChoiceField(choices=["tenant", "deployment", "tier", "hour", "day", "key"],
+                                       default="deployment")
     tenant = serializers.CharField(required=False, help_text="tenant slug")
     deployment = serializers.IntegerField(required=False)
     model = serializers.CharField(required=False)

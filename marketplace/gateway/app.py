@@ -303,7 +303,7 @@ class Gateway:
         try:
             ms = (time.perf_counter() - _started.get(time.perf_counter())) * 1000
             await self.sink.append(event(rid, caller.tenant.id, up.deployment_id, n_in, n_out, ms=ms,
-                                         adapter=up.adapter))
+                                         adapter=up.adapter, key=caller.key_prefix))
         except MeteringUnavailable:
             raise GatewayError(503, "metering_unavailable", "The request could not be recorded for billing, so its "
                                "answer is withheld; retry shortly.", kind="server_error",
@@ -315,7 +315,8 @@ class Gateway:
         the sink once it is back. Returns the error the stream must end with (None: metered as usual)."""
         assert self.sink is not None
         ms = (time.perf_counter() - _started.get(time.perf_counter())) * 1000
-        e = event(rid, caller.tenant.id, up.deployment_id, n_in, n_out, ms=ms, adapter=up.adapter)
+        e = event(rid, caller.tenant.id, up.deployment_id, n_in, n_out, ms=ms, adapter=up.adapter,
+                  key=caller.key_prefix)
         appended = asyncio.ensure_future(self.sink.append(e))
         appended.add_done_callback(_retrieved)  # a late failure after the timeout is not logged as unretrieved
         try:

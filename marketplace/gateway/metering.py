@@ -73,11 +73,15 @@ class MeteringUnavailable(Exception):
 
 
 def event(request_id: str, tenant_id: int, deployment_id: int, n_in: int, n_out: int,
-          ts: float | None = None, ms: float | None = None, adapter: str | None = None) -> dict[str, Any]:
+          ts: float | None = None, ms: float | None = None, adapter: str | None = None,
+          key: str | None = None) -> dict[str, Any]:
+    """One usage event; `key`: the prefix of the API key the request was served for (none: a portal session)."""
     e = {"id": request_id, "t": tenant_id, "d": deployment_id, "ts": round(ts or time.time(), 6), "i": n_in,
          "o": n_out}
     if adapter:
         e["a"] = adapter
+    if key:
+        e["k"] = key
     if ms is not None:
         e["ms"] = max(0, round(ms))
     return e
@@ -271,7 +275,7 @@ def _rows(events: list[dict[str, Any]]) -> dict[int, list[tuple]]:
         try:
             ms = e.get("ms")
             row = (str(e["id"]), int(e["d"]), datetime.fromtimestamp(float(e["ts"]), UTC), int(e["i"]), int(e["o"]), 1,
-                   int(ms) if ms is not None else None, str(e.get("a") or "")[:64])
+                   int(ms) if ms is not None else None, str(e.get("a") or "")[:64], str(e.get("k") or "")[:16])
             by_tenant[int(e["t"])].setdefault(row[0], row)
         except (KeyError, TypeError, ValueError):
             log.error("malformed usage event dropped", extra={"event": str(e)[:200]})

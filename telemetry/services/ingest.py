@@ -220,27 +220,31 @@ def _sql() -> tuple[str, str]:
     ev, hr = UsageEvent._meta.db_table, UsageHourly._meta.db_table
     stage = (f"CREATE TEMP TABLE IF NOT EXISTS {STAGE} (event_id text NOT NULL, deployment_id bigint NOT NULL, "
              f"ts timestamptz NOT NULL, input_tokens bigint NOT NULL, output_tokens bigint NOT NULL, "
-             f"requests integer NOT NULL, latency_ms integer, adapter text NOT NULL) ON COMMIT DELETE ROWS")
+             f"requests integer NOT NULL, latency_ms integer, adapter text NOT NULL, api_key text NOT NULL) "
+             f"ON COMMIT DELETE ROWS")
     sums = ", ".join(f"{c} = {hr}.{c} + EXCLUDED.{c}" for c in ("input_tokens", "output_tokens", "requests", "events"))
     upsert = f"""
         WITH ins AS (
             INSERT INTO {ev} (tenant_id, deployment_id, event_id, ts, input_tokens, output_tokens, requests,
-                              received_at, latency_ms, adapter)
+                              received_at, latency_ms, adapter, api_key)
             SELECT %(tenant)s, deployment_id, event_id, ts, input_tokens, output_tokens, requests, %(now)s, latency_ms,
-                   adapter
+                   adapter, api_key
             FROM {STAGE} ORDER BY event_id COLLATE "C"
             ON CONFLICT (tenant_id, event_id) DO NOTHING
-            RETURNING deployment_id, adapter, ts, input_tokens, output_tokens, requests
+            RETURNING deployment_id, adapter, api_key, ts, input_tokens, output_tokens, requests
         ), agg AS (
-            SELECT deployment_id, adapter, date_trunc('hour', ts AT TIME ZONE 'UTC') AT TIME ZONE 'UTC' AS hour,
+            SELECT deployment_id, adapter, api_key,
+                   date_trunc('hour', ts AT TIME ZONE 'UTC') AT TIME ZONE 'UTC' AS hour,
                    sum(input_tokens) AS i, sum(output_tokens) AS o, sum(requests) AS r, count(*) AS n
-            FROM ins GROUP BY 1, 2, 3
+            FROM ins GROUP BY 1, 2, 3, 4
         ), up AS (
-            INSERT INTO {hr} (tenant_id, deployment_id, adapter, hour, input_tokens, output_tokens, requests, events,
+            INSERT INTO {hr} (tenant_id, deployment_id, adapter, api_key, hour, input_tokens, output_tokens, requests,
+                              events,
                               billed_input_tokens, billed_output_tokens, billed_requests, updated_at)
-            SELECT %(tenant)s, deployment_id, adapter, hour, i, o, r, n, 0, 0, 0, %(now)s FROM agg
-            ORDER BY deployment_id, hour, adapter COLLATE "C"  -- (so their days are locked in order: UsageDaily)
-            ON CONFLICT (tenant_id, deployment_id, adapter, hour) DO UPDATE SET {sums}, updated_at = EXCLUDED.updated_at
+            SELECT %(tenant)s, deployment_id, adapter, api_key, hour, i, o, r, n, 0, 0, 0, %(now)s FROM agg
+            ORDER BY deployment_id, hour, adapter COLLATE "C", api_key COLLATE "C"  -- (days in order: UsageDaily)
+            ON CONFLICT (tenant_id, deployment_id, adapter, api_key, hour) DO UPDATE SET {sums},
+                updated_at = EXCLUDED.updated_at
             RETURNING 1
         )
         SELECT coalesce(sum(n), 0)::bigint, (SELECT count(*) FROM up) FROM agg
@@ -256,7 +260,7 @@ def _store_postgresql(tenant_id: int, rows: list[tuple], now: datetime) -> int:
         cur.execute(stage_ddl)
         cur.execute(f"DELETE FROM {STAGE}")  # empty unless an outer transaction (tests) reused it
         with cur.copy(f"COPY {STAGE} (event_id, deployment_id, ts, input_tokens, output_tokens, requests, "
-                      f"latency_ms, adapter) FROM STDIN") as copy:
+                      f"latency_ms, adapter, api_key) FROM STDIN") as copy:
             write = copy.write_row
             for row in rows:
                 write(row)
@@ -275,32 +279,35 @@ def _store_portable(tenant_id: int, rows: list[tuple], now: datetime) -> int:
     new = [r for r in rows if r[0] not in existing]
     UsageEvent.objects.bulk_create(
         [UsageEvent(tenant_id=tenant_id, deployment_id=dep, event_id=eid, ts=ts, input_tokens=i, output_tokens=o,
-                    requests=r, received_at=now, latency_ms=ms, adapter=lora)
-         for eid, dep, ts, i, o, r, ms, lora in new], batch_size=500)
-    agg: dict[tuple[int, str, datetime], list[int]] = defaultdict(lambda: [0, 0, 0, 0])
-    for _eid, dep, ts, i, o, r, _ms, lora in new:
-        a = agg[(dep, lora, _hour(ts))]
+                    requests=r, received_at=now, latency_ms=ms, adapter=lora, api_key=key)
+         for eid, dep, ts, i, o, r, ms, lora, key in new], batch_size=500)
+    agg: dict[tuple[int, datetime, str, str], list[int]] = defaultdict(lambda: [0, 0, 0, 0])
+    for _eid, dep, ts, i, o, r, _ms, lora, key in new:
+        a = agg[(dep, _hour(ts), lora, key)]
         a[0] += i
         a[1] += o
         a[2] += r
         a[3] += 1
-    for (dep, lora, hour), (i, o, r, n) in sorted(agg.items()):
-        updated = UsageHourly.objects.filter(tenant_id=tenant_id, deployment_id=dep, adapter=lora, hour=hour).update(
+    for (dep, hour, lora, key), (i, o, r, n) in sorted(agg.items()):
+        updated = UsageHourly.objects.filter(tenant_id=tenant_id, deployment_id=dep, adapter=lora, api_key=key,
+                                             hour=hour).update(
             input_tokens=F("input_tokens") + i, output_tokens=F("output_tokens") + o, requests=F("requests") + r,
             events=F("events") + n, updated_at=now)
         if not updated:
-            UsageHourly.objects.create(tenant_id=tenant_id, deployment_id=dep, adapter=lora, hour=hour, input_tokens=i,
-                                       output_tokens=o, requests=r, events=n, updated_at=now)
+            UsageHourly.objects.create(tenant_id=tenant_id, deployment_id=dep, adapter=lora, api_key=key, hour=hour,
+                                       input_tokens=i, output_tokens=o, requests=r, events=n, updated_at=now)
     return len(new)
 
 
 def store_rows(tenant_id: int, rows: list[tuple], now: datetime | None = None) -> int:
-    """Store accepted rows (event_id, deployment_id, ts UTC, input, output, requests[, latency_ms[, adapter]]),
-    unique event ids; returns how many were new. One transaction: events and their hours together. Only the
-    gateway measures latency_ms and knows the LoRA adapter a request selected ("": the base model)."""
+    """Store accepted rows (event_id, deployment_id, ts UTC, input, output, requests[, latency_ms[, adapter[,
+    api key prefix]]]), unique event ids; returns how many were new. One transaction: events and their hours
+    together. Only the gateway measures latency_ms and knows the LoRA adapter a request selected ("": the base
+    model) and the API key it served it for ("": none)."""
     if not rows:
         return 0
-    rows = [(*r, None, "")[:8] if len(r) == 6 else (*r, "")[:8] if len(r) == 7 else r for r in rows]
+    rows = [(*r, None, "", "")[:9] if len(r) == 6 else (*r, "", "")[:9] if len(r) == 7 else (*r, "")[:9]
+            if len(r) == 8 else r for r in rows]
     now = now or timezone.now()
     store = _store_postgresql if connection.vendor == "postgresql" else _store_portable
     outermost = not connection.in_atomic_block
