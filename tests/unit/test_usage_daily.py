@@ -185,3 +185,17 @@ def test_daily_spans_skip_days_a_price_changes_in_and_short_ranges():
     assert spans == [(T0, T0 + timedelta(days=2)), (T0 + timedelta(days=3), T0 + timedelta(days=6))]
     assert spread_module._daily_spans(book, T0, T0 + timedelta(days=6), 3600) == []  # hourly buckets
     assert spread_module._daily_spans(book, T0 + timedelta(hours=1), T0 + timedelta(days=2), None) == []  # one day
+
+
+@pytest.mark.parametrize("table, prefix", [("telemetry_usagehourly", "telemetry_usage_daily_"),
+                                           ("telemetry_gpusample", "telemetry_node_activity_")])
+def test_the_copies_triggers_survive_every_migration(table, prefix):
+    """SQLite rebuilds a table to alter it, and the rebuilt table has no triggers: a later migration that alters the
+    hourly rollups or the GPU samples must make them again (as telemetry 0015 does), or the copies stop following."""
+    with connection.cursor() as c:
+        if connection.vendor == "postgresql":
+            c.execute("SELECT tgname FROM pg_trigger WHERE tgrelid = %s::regclass AND NOT tgisinternal", [table])
+        else:
+            c.execute("SELECT name FROM sqlite_master WHERE type = 'trigger' AND tbl_name = %s", [table])
+        names = {r[0] for r in c.fetchall()}
+    assert {f"{prefix}{op}" for op in ("ins", "upd", "del")} <= names
