@@ -370,14 +370,20 @@ class QuotaForm(forms.Form):
                                              help_text=SPEND_LIMIT_HELP)
     spend_warn_ratio = forms.DecimalField(min_value=0, max_digits=4, decimal_places=2)
     spend_block_ratio = forms.DecimalField(min_value=0, max_digits=4, decimal_places=2)
-    max_concurrent_requests = forms.IntegerField(min_value=1, help_text="inference requests in flight at once "
-                                                 "through the gateway, all the tenant's keys together")
+    max_concurrent_requests = forms.IntegerField(required=False, min_value=1, help_text="inference requests in "
+                                                 "flight at once through the gateway, all the tenant's keys together")
     max_key_requests_per_minute = forms.IntegerField(
         required=False, min_value=1, help_text="the most requests per minute the tenant's admins may give one key "
         "(keys above it are lowered to it); empty: the gateway's default")
     max_key_tokens_per_minute = forms.IntegerField(
         required=False, min_value=1, help_text="the most tokens per minute the tenant's admins may give one key "
         "(keys above it are lowered to it); empty: the gateway's default")
+
+
+    def clean_max_concurrent_requests(self):
+        """Left out of a post (a form older than the field): unchanged, never empty."""
+        value = self.cleaned_data.get("max_concurrent_requests")
+        return self.initial.get("max_concurrent_requests") if value is None else value
 
 
 def _quota_initial(tenant: Tenant) -> dict:

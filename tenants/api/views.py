@@ -162,9 +162,10 @@ class ApiKeyViewSet(ScopedViewSetMixin, mixins.ListModelMixin, mixins.RetrieveMo
 
     @extend_schema(request=serializers.ApiKeyLimitsSerializer, responses=serializers.ApiKeySerializer)
     def partial_update(self, request, pk=None):
+        key = self.get_object()  # another tenant's key is a 404 whatever the body
         body = serializers.ApiKeyLimitsSerializer(data=request.data)
         body.is_valid(raise_exception=True)
-        key = services.update_api_key_limits(self.principal, self.get_object(), **body.validated_data)
+        key = services.update_api_key_limits(self.principal, key, **body.validated_data)
         return Response(self.get_serializer(key).data)
 
     @extend_schema(request=None, responses=serializers.ApiKeySerializer)
