@@ -180,10 +180,10 @@ class BillingAlertAdmin(admin.ModelAdmin):
     tenant's rating or finalization failing in the beat); resolved by the next successful run. Refused
     usage (unsigned or forged events that claimed the tenant) is resolved here, by the action below."""
 
-    list_display = ["at", "tenant", "period_start", "kind", "message", "resolved_at"]
+    list_display = ["at", "tenant", "period_start", "kind", "message", "resolved_at", "resolution"]
     list_filter = ["kind", "resolved_at"]
     list_select_related = ["tenant"]
-    readonly_fields = ["tenant", "period_start", "kind", "message", "at", "resolved_at"]
+    readonly_fields = ["tenant", "period_start", "kind", "message", "at", "resolved_at", "resolution"]
     actions = ["resolve_refused_usage"]
 
     @admin.action(description="Resolve the selected refused-usage alerts (looked into)", permissions=["change"])
@@ -191,7 +191,7 @@ class BillingAlertAdmin(admin.ModelAdmin):
         """Refused usage (unsigned or forged events) has no next run to resolve it: an operator does, after
         looking; the next refusal opens a new alert."""
         n = queryset.filter(kind=BillingAlert.Kind.REFUSED_USAGE, resolved_at__isnull=True).update(
-            resolved_at=timezone.now())
+            resolved_at=timezone.now(), resolution=f"looked into by {request.user}"[:300])
         self.message_user(request, f"{n} refused-usage alert(s) resolved.")
 
     def has_add_permission(self, request) -> bool:
