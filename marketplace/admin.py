@@ -79,9 +79,20 @@ class GpuInstanceAdmin(admin.ModelAdmin):
 
 
 class PricePlanInline(admin.TabularInline):
+    """The tier's plans, read only: a plan is added in the console (tier page) or the price-plan API, which check
+    what a plan starting in the past may reprice (marketplace.services.offers.add_price_plan); one in force is
+    never edited or removed."""
+
     model = PricePlan
     extra = 0
-    readonly_fields = ["created_at"]
+    fields = readonly_fields = ("kind", "currency", "price_per_slice_hour", "price_per_1m_input_tokens",
+                                "price_per_1m_output_tokens", "monthly_commit", "effective_from", "created_at")
+
+    def has_add_permission(self, request, obj=None) -> bool:
+        return False
+
+    def has_delete_permission(self, request, obj=None) -> bool:
+        return False
 
 
 @admin.register(Tier)
