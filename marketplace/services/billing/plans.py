@@ -86,16 +86,16 @@ class PlanBook:
         """`case` at an hourly rollup's `hour`, except for a late rollup (its hour before `late_before`: usage of a
         finalized month billed later) of a split hour: the plan in force at that hour's end (its last instant),
         which always exists, so that late usage of the hour in which a tier's first plan started is priced."""
-        late = []
-        for h in self.split_hours():
-            if h >= late_before:
-                continue
-            for (tier_id, plan_kind), plans in self.by_key.items():
-                p = in_force(plans, h + HOUR - timedelta(microseconds=1)).get((plan_kind, self.currency))
-                if p is not None:
-                    late.append(When(Q(hour=h, **{tier: tier_id, kind: plan_kind}), then=Value(p.pk)))
+        late = {}  # only where a plan of the row's tier and kind starts inside the hour (elsewhere: the same plan)
+        for (tier_id, plan_kind), plans in self.by_key.items():
+            for h in {hour_of(p.effective_from) for p in plans}:
+                if h < late_before and (h, tier_id, plan_kind) not in late:
+                    p = in_force(plans, h + HOUR - timedelta(microseconds=1)).get((plan_kind, self.currency))
+                    if p is not None and p.effective_from > h:
+                        late[(h, tier_id, plan_kind)] = When(Q(hour=h, **{tier: tier_id, kind: plan_kind}),
+                                                             then=Value(p.pk))
         whens = [When(cond, then=Value(p.pk)) for p, cond in self._in_force(tier, kind, "hour")]
-        return Case(*late, *whens, default=Value(None), output_field=IntegerField())
+        return Case(*late.values(), *whens, default=Value(None), output_field=IntegerField())
 
     def plan(self, pk: int | None) -> PricePlan | None:
         return self.by_pk.get(pk) if pk is not None else None

@@ -183,7 +183,8 @@ def token_groups(rows: QuerySet, book: PlanBook, month_start: datetime, pieces: 
     are left out and their UsageEvent `events` (the same tenants' usage in the same month, unfiltered by time)
     summed instead, each event at the plan in force at its `ts`; a late rollup of a split hour is priced at the
     plan in force at the hour's end (`PlanBook.rollup_case`)."""
-    split = book.split_hours()
+    month_end = bounds(month_of(month_start))[1]
+    split = [h for h in book.split_hours() if month_start <= h < month_end]  # this month's (events: this month's)
     own = Q(hour__gte=month_start) if by_deployment else Q()
     if split:
         rows = rows.exclude(own & Q(hour__in=split))
