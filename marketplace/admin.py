@@ -79,9 +79,20 @@ class GpuInstanceAdmin(admin.ModelAdmin):
 
 
 class PricePlanInline(admin.TabularInline):
+    """The tier's plans, read only: a plan is added in the console (tier page) or the price-plan API, which check
+    what a plan starting in the past may reprice (marketplace.services.offers.add_price_plan); one in force is
+    never edited or removed."""
+
     model = PricePlan
     extra = 0
-    readonly_fields = ["created_at"]
+    fields = readonly_fields = ("kind", "currency", "price_per_slice_hour", "price_per_1m_input_tokens",
+                                "price_per_1m_output_tokens", "monthly_commit", "effective_from", "created_at")
+
+    def has_add_permission(self, request, obj=None) -> bool:
+        return False
+
+    def has_delete_permission(self, request, obj=None) -> bool:
+        return False
 
 
 @admin.register(Tier)
@@ -180,10 +191,10 @@ class BillingAlertAdmin(admin.ModelAdmin):
     tenant's rating or finalization failing in the beat); resolved by the next successful run. Refused
     usage (unsigned or forged events that claimed the tenant) is resolved here, by the action below."""
 
-    list_display = ["at", "tenant", "period_start", "kind", "message", "resolved_at"]
+    list_display = ["at", "tenant", "period_start", "kind", "message", "resolved_at", "resolution"]
     list_filter = ["kind", "resolved_at"]
     list_select_related = ["tenant"]
-    readonly_fields = ["tenant", "period_start", "kind", "message", "at", "resolved_at"]
+    readonly_fields = ["tenant", "period_start", "kind", "message", "at", "resolved_at", "resolution"]
     actions = ["resolve_refused_usage"]
 
     @admin.action(description="Resolve the selected refused-usage alerts (looked into)", permissions=["change"])
@@ -191,7 +202,7 @@ class BillingAlertAdmin(admin.ModelAdmin):
         """Refused usage (unsigned or forged events) has no next run to resolve it: an operator does, after
         looking; the next refusal opens a new alert."""
         n = queryset.filter(kind=BillingAlert.Kind.REFUSED_USAGE, resolved_at__isnull=True).update(
-            resolved_at=timezone.now())
+            resolved_at=timezone.now(), resolution=f"looked into by {request.user}"[:300])
         self.message_user(request, f"{n} refused-usage alert(s) resolved.")
 
     def has_add_permission(self, request) -> bool:

@@ -182,7 +182,8 @@ class WebhookDelivery(models.Model):
 class BillingAlert(models.Model):
     """Something billing could not do and an operator must see: usage with no price in the invoice's
     currency (blocks finalization), a tenant whose rating or finalization failed in the beat. Open
-    while `resolved_at` is empty; the next successful rating or finalization resolves it. And usage events
+    while `resolved_at` is empty; the next successful rating or finalization resolves it, saying why in
+    `resolution` (unpriced usage: once a plan covers it, e.g. one back-dated over it). And usage events
     the consumer refused (unsigned or forged) that claimed this tenant: one open alert per burst, refreshed while
     refusals go on, resolved by an operator (admin action) after looking."""
 
@@ -198,6 +199,8 @@ class BillingAlert(models.Model):
     message = models.CharField(max_length=1000)
     at = models.DateTimeField(default=timezone.now)
     resolved_at = models.DateTimeField(null=True, blank=True)
+    resolution = models.CharField(max_length=300, blank=True, default="",
+                                  help_text="why it was resolved (e.g. the re-rating that found every use priced)")
 
     objects = TenantScopedQuerySet.as_manager()
     tenant_path = "tenant_id"

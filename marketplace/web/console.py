@@ -477,7 +477,7 @@ class PricePlanForm(forms.Form):
     monthly_commit = forms.DecimalField(required=False, min_value=0, max_digits=14, decimal_places=2,
                                         help_text="reserved plans only")
     effective_from = forms.DateTimeField(widget=forms.DateTimeInput(attrs={"type": "datetime-local"}),
-                                         help_text="UTC; not in the past")
+                                         help_text="UTC; in the past only over hours no finalized invoice holds")
 
 
 @operator_required

@@ -16,7 +16,7 @@ from marketplace.services.fleet import NoCapacityError
 from tenants.errors import Forbidden
 from tenants.roles import Role
 from tenants.scoping import principal_for_user
-from tests.factories import MembershipFactory, TenantFactory, make_key
+from tests.factories import InvoiceFactory, InvoiceLineFactory, MembershipFactory, TenantFactory, make_key
 
 pytestmark = pytest.mark.django_db
 S = Allocation.State
@@ -196,12 +196,23 @@ def test_reconcile_recreates_missing_and_requeues_stuck(h100_node, tiers, owner,
 
 
 def test_price_changes_never_rewrite_the_past(tiers, operator):
+    """A plan may start in the past only over hours no finalized invoice holds (of that tier, kind, currency)."""
     op = principal_for_user(operator)
     tier = tiers["1g"]
-    with pytest.raises(Exception, match="past"):
+    in_force = PricePlan.objects.get(tier=tier)
+    held = InvoiceFactory(status="finalized", number="TSR-2026-000042")
+    InvoiceLineFactory(invoice=held, tier=tier, plan=in_force, usage_from=timezone.now() - timedelta(hours=3),
+                       usage_to=timezone.now() - timedelta(hours=2))
+    with pytest.raises(Exception, match="finalized invoices hold: TSR-2026-000042"):
         offers.add_price_plan(op, tier=tier, currency="USD", price_per_slice_hour="2",
                               price_per_1m_input_tokens="0.1", price_per_1m_output_tokens="0.4",
-                              effective_from=timezone.now() - timedelta(days=1))
+                              effective_from=timezone.now() - timedelta(hours=4))
+    # after the finalized usage (a correction of the last two hours): allowed, and in force from then
+    back = offers.add_price_plan(op, tier=tier, currency="USD", price_per_slice_hour="3",
+                                 price_per_1m_input_tokens="0.1", price_per_1m_output_tokens="0.4",
+                                 effective_from=timezone.now() - timedelta(hours=1))
+    assert orders.plan_in_force(tier, "USD", "on_demand") == back
+    back.delete()
     later = timezone.now() + timedelta(days=3)
     new = offers.add_price_plan(op, tier=tier, currency="USD", price_per_slice_hour="2",
                                 price_per_1m_input_tokens="0.1", price_per_1m_output_tokens="0.4",

@@ -104,3 +104,44 @@ def test_in_force_takes_plans_in_any_order_and_says_nothing_before_the_first():
         assert in_force(order, T0 - timedelta(seconds=1)) == {}
         assert in_force(order, T0) == {("on_demand", "USD"): old}
         assert in_force(order, new.effective_from) == {("on_demand", "USD"): new}
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(plans=plans, late_before=st.integers(-12, 12))
+def test_split_hours_and_the_rollups_plan_are_the_rule(two_tiers, plans, late_before):
+    """An hour outside `PlanBook.split_hours` has one plan in force at its every instant (its rollup stands for its
+    events); `PlanBook.rollup_case` (SQL) gives a rollup the plan in force at its hour's start, and a late one (before
+    `late_before`) of a split hour the plan in force at the hour's end."""
+    from telemetry.models import UsageHourly
+    from tests.factories import DeploymentFactory
+
+    with transaction.atomic():
+        made = [PricePlanFactory(tier=two_tiers[tier_i], kind=kind, currency=currency,
+                                 effective_from=T0 + timedelta(minutes=start))
+                for tier_i, kind, currency, start in dict.fromkeys(plans)]
+        tenant = TenantFactory()
+        hours = [T0 + timedelta(hours=h) for h in range(-11, 12)]
+        rows = {}
+        for tier in two_tiers:
+            for kind in KINDS:
+                a = AllocationFactory(order=OrderFactory(tenant=tenant, tier=tier, plan_kind=kind), tenant=tenant)
+                dep = DeploymentFactory(allocation=a, tenant=tenant, backend="python", spec={}, memory_mb=10)
+                for h in hours:
+                    rows[UsageHourly.objects.create(tenant=tenant, deployment=dep, hour=h).pk] = (tier, kind, h)
+        cut = T0 + timedelta(hours=late_before)
+        for currency in CURRENCIES:
+            book = PlanBook(currency)
+            split = set(book.split_hours())
+            starts = {p.effective_from for p in made if p.currency == currency}
+            assert split == {h for h in hours if any(h < s < h + timedelta(hours=1) for s in starts)}
+            sql = dict(UsageHourly.objects.filter(pk__in=rows).annotate(
+                plan_id=book.rollup_case("deployment__allocation__tier_id", "deployment__allocation__order__plan_kind",
+                                         cut)).values_list("pk", "plan_id"))
+            for pk, (tier, kind, h) in rows.items():
+                end = h + timedelta(hours=1) - timedelta(microseconds=1)
+                at_start, at_end = (in_force(made_of(made, tier), t).get((kind, currency)) for t in (h, end))
+                if h not in split:  # one plan the whole hour (at its start, its end, and each plan start inside)
+                    assert at_start == at_end
+                want = at_end if h in split and h < cut else at_start
+                assert sql[pk] == (want.pk if want else None), (tier.key, kind, currency, h, cut)
+        transaction.set_rollback(True)

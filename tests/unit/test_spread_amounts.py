@@ -11,12 +11,14 @@ from decimal import Decimal
 
 import pytest
 from django.db import transaction
+from django.db.models.functions import TruncHour
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from marketplace.models import Allocation, Order, PricePlan
 from marketplace.services import billing
-from telemetry.models import UsageDaily, UsageHourly
+from telemetry.models import UsageDaily, UsageEvent, UsageHourly
+from telemetry.services.ingest import store_rows
 from tests.billing_reference import rated_lines_many
 from tests.factories import (
     AllocationFactory,
@@ -60,9 +62,12 @@ minutes = st.integers(min_value=-3 * 24 * 60, max_value=4 * 24 * 60)  # around T
 price = st.integers(min_value=1, max_value=3_000_000).map(lambda n: D(n) / 10_000)
 plans = st.lists(st.tuples(st.sampled_from([("on_demand", "USD"), ("reserved", "USD"), ("on_demand", "EUR")]),
                            minutes, price, price, price, st.integers(0, 5000)), min_size=1, max_size=6)
-#: (tenant, deployment, hour: from the range's first hour less one, adapter, input tokens, output tokens)
+#: (tenant, deployment, hour: from the range's first hour less one, adapter, input tokens, output tokens, second
+#: of the hour)
 usage = st.lists(st.tuples(st.integers(0, 2), st.integers(0, 1), st.integers(0, 125), st.sampled_from(["", "x"]),
-                           st.integers(0, 5_000_000), st.integers(0, 900_000)), max_size=25)
+                           st.integers(0, 5_000_000), st.integers(0, 900_000), st.integers(0, 3599)), max_size=25)
+#: per plan: usage this many seconds before and after its start (plans start mid-hour: tokens on both sides)
+around = st.tuples(st.integers(1, 3599), st.integers(0, 3599), st.integers(1, 900_000))
 spans = st.lists(st.tuples(minutes, st.one_of(st.none(), st.integers(1, 5 * 24 * 60)), st.booleans()),
                  min_size=3, max_size=3)
 
@@ -70,11 +75,20 @@ spans = st.lists(st.tuples(minutes, st.one_of(st.none(), st.integers(1, 5 * 24 *
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                   HealthCheck.too_slow])
 @given(plans=plans, usage=usage, spans=spans, start=minutes, length=st.integers(1, 5 * 24 * 60),
-       seconds_off=st.integers(0, 59), now_after=st.integers(-600, 40 * 24 * 60))
-def test_spread_amounts_equal_the_invoices_lines(fleet, plans, usage, spans, start, length, seconds_off, now_after):
+       seconds_off=st.integers(0, 59), now_after=st.integers(-600, 40 * 24 * 60), around=around)
+def test_spread_amounts_equal_the_invoices_lines(fleet, plans, usage, spans, start, length, seconds_off, now_after,
+                                                 around):
+    """The usage is ingested as events (their hourly rollups kept by ingest); plans start at any minute, and
+    tokens are served just before and after each plan's start, often inside the same hour (a split hour: priced
+    from its events, each at the plan in force at its time)."""
     tier, tenants = fleet
+    served: list[tuple[int, int, datetime, str, int, int]] = []  # (tenant, deployment, ts, adapter, in, out)
     with transaction.atomic():
-        for (kind, currency), at, hour, ins, outs, commit in plans:
+        for i, ((kind, currency), at, hour, ins, outs, commit) in enumerate(plans):
+            starts = T0 + timedelta(minutes=at)
+            who = [0, 1, 0, 2][i % 4] if currency == "USD" else 2
+            served += [(who, 0, starts - timedelta(seconds=around[0]), "", around[2], around[2] // 3),
+                       (who, 1, starts + timedelta(seconds=around[1]), "", around[2] // 2, around[2])]
             PricePlan.objects.get_or_create(
                 tier=tier, kind=kind, currency=currency, effective_from=T0 + timedelta(minutes=at),
                 defaults={"price_per_slice_hour": hour, "price_per_1m_input_tokens": ins,
@@ -91,14 +105,14 @@ def test_spread_amounts_equal_the_invoices_lines(fleet, plans, usage, spans, sta
         b = a + timedelta(minutes=length)
         first = a.replace(minute=0, second=0) - timedelta(hours=1)
         last = b.replace(minute=0, second=0)
-        edges = [(who, 0, h, "", 1_234_567, 89_123) for who in range(3)
+        edges = [(who, 0, h, "", 1_234_567, 89_123, 1799) for who in range(3)
                  for h in (1, (last - first) // timedelta(hours=1))]
-        for who, dep, h, adapter, ins, outs in edges + usage:  # always the range's edge hours, and random ones
+        for who, dep, h, adapter, ins, outs, sec in edges + usage:  # always the range's edge hours, and random ones
+            served.append((who, dep, min(first + timedelta(hours=h), last + timedelta(hours=1))
+                           + timedelta(seconds=sec), adapter, ins, outs))
+        for n, (who, dep, ts, adapter, ins, outs) in enumerate(served):
             t, _, deps = tenants[who]
-            row, _ = UsageHourly.objects.get_or_create(tenant=t, deployment=deps[dep], adapter=adapter,
-                                                       hour=min(first + timedelta(hours=h), last + timedelta(hours=1)))
-            UsageHourly.objects.filter(pk=row.pk).update(input_tokens=row.input_tokens + ins,
-                                                         output_tokens=row.output_tokens + outs, requests=3)
+            store_rows(t.pk, [(f"e{n}", deps[dep].pk, ts, ins, outs, 3, None, adapter)])
         now = b + timedelta(minutes=now_after)
         people = [t for t, _, _ in tenants]
         for step in (None, 3600, 86400):
@@ -203,17 +217,19 @@ def test_raw_rows_are_the_querysets_own_rows(fleet, usage, step, by_tier, edges)
     tier, tenants = fleet
     with transaction.atomic():
         first = T0 - timedelta(hours=1)
-        for who, dep, h, adapter, ins, outs in usage:
+        for n, (who, dep, h, adapter, ins, outs, sec) in enumerate(usage):
             t, _, deps = tenants[who]
-            row, _ = UsageHourly.objects.get_or_create(tenant=t, deployment=deps[dep], adapter=adapter,
-                                                       hour=first + timedelta(hours=h))
-            UsageHourly.objects.filter(pk=row.pk).update(input_tokens=row.input_tokens + ins,
-                                                         output_tokens=row.output_tokens + outs, requests=2)
+            store_rows(t.pk, [(f"e{n}", deps[dep].pk, first + timedelta(hours=h, seconds=sec), ins, outs, 2, None,
+                               adapter)])
         lo = T0 + timedelta(hours=edges[0])
         pieces = (step, lo, lo + timedelta(hours=edges[1]))
         for currency in ("USD", "EUR"):
             qs, _ = token_sums(UsageHourly.objects.all(), PlanBook(currency), piece_case(pieces), by_tier)
             assert _numbers(_raw_rows(qs)) == _numbers(qs)
+            events = UsageEvent.objects.annotate(hour=TruncHour("ts", tzinfo=UTC))  # (split hours: their events)
+            ev, _ = token_sums(events, PlanBook(currency), piece_case(pieces), by_tier, at="ts")
+            assert _numbers(_raw_rows(ev)) == _numbers(ev)
+            assert sorted(r[:-1] for r in _numbers(ev)) == sorted(r[:-1] for r in _numbers(qs))  # same pieces, sums
             daily, _ = token_sums(UsageDaily.objects.all(), PlanBook(currency), EpochBucket("day", step), by_tier,
                                   at="day")
             assert _numbers(_raw_rows(daily)) == _numbers(daily)

@@ -17,7 +17,7 @@ from marketplace.services import orders
 from tenants.models import Tenant
 from tenants.roles import Role
 from tenants.scoping import principal_for_user
-from tests.factories import TenantFactory
+from tests.factories import InvoiceFactory, InvoiceLineFactory, TenantFactory
 from tests.fleet_fixtures import make_node
 
 pytestmark = pytest.mark.django_db
@@ -234,7 +234,6 @@ def test_add_future_price_plan(op_client, tiers):
 
 
 @pytest.mark.parametrize("over, message", [
-    ({"effective_from": "2020-01-01T00:00"}, "cannot start in the past"),
     ({"kind": "reserved"}, "needs a monthly commit"),
     ({"price_per_slice_hour": "-1"}, "greater than or equal to 0"),
 ])
@@ -244,6 +243,18 @@ def test_bad_price_plan_shows_error(op_client, tiers, over, message):
     assert resp.status_code == 400
     assert message in resp.content.decode()
     assert PricePlan.objects.filter(tier=tier).count() == 1
+
+
+def test_backdated_price_plan_over_a_finalized_invoice_shows_error(op_client, tiers):
+    tier = tiers["1g"]
+    held = InvoiceFactory(status="finalized", number="TSR-2026-000007")
+    InvoiceLineFactory(invoice=held, tier=tier, usage_from=timezone.now() - timedelta(days=400),
+                       usage_to=timezone.now() - timedelta(days=399))
+    resp = op_client.post(reverse("console:tier_detail", args=[tier.pk]),
+                          _plan_data(effective_from=(timezone.now() - timedelta(days=500)).strftime("%Y-%m-%dT%H:%M")))
+    assert resp.status_code == 400
+    assert "would reprice hours that finalized invoices hold: TSR-2026-000007" in resp.content.decode()
+    assert PricePlan.objects.filter(tier=tier).count() == 2  # the tier's, and the invoice line's own plan
 
 
 def test_invoice_csv_and_finalize(op_client, world, tiers):

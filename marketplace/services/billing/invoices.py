@@ -117,7 +117,8 @@ def finalize(invoice: Invoice, *, now: datetime | None = None, force: bool = Fal
         invoice.finalized_at = now
         invoice.rated_at = now
         invoice.save()
-        resolve_alerts(invoice.tenant, invoice.period_start, BillingAlert.Kind.UNPRICED)
+        resolve_alerts(invoice.tenant, invoice.period_start, BillingAlert.Kind.UNPRICED,
+                       f"finalized as {invoice.number} with every use priced")
         audit.record(principal if principal is not None else "system:beat", "invoice.finalize",
                      f"invoice:{invoice.number}", invoice.tenant, total=invoice.total, currency=invoice.currency,
                      forced=force)

@@ -10,13 +10,20 @@ tests/unit/test_price_in_force.py:
   speed: the database groups and prices the hourly rollups by the plan in force instead of returning every hour;
 * `marketplace.services.orders.plan_in_force`: the ORM's (latest `effective_from` at or before the time), for one
   tier, kind and currency when an order is placed.
+
+Tokens are priced at the plan in force at the instant they were served (their usage event's `ts`). The hourly
+rollups stand for their events wherever no plan starts inside the hour (then every instant of the hour has the
+plan in force at its start); the few **split hours** (`PlanBook.split_hours`: a plan of the book starts after the
+hour's start) are priced from their events instead (billing.rating.token_groups, billing.spread.token_sums). Late
+usage of a split hour (tokens that arrived after its month was finalized) cannot be told apart from the events
+already billed: it is priced at the plan in force at the hour's end (`PlanBook.rollup_case`), which always exists.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
 from django.db.models import Case, DecimalField, F, IntegerField, Q, Value, When
@@ -25,6 +32,13 @@ from django.db.models.functions import Cast
 from marketplace.models import PricePlan
 
 from .units import MILLION
+
+HOUR = timedelta(hours=1)
+
+
+def hour_of(t: datetime) -> datetime:
+    """The start of the UTC hour that holds t."""
+    return t.astimezone(UTC).replace(minute=0, second=0, microsecond=0)
 
 
 def in_force(plans: Iterable[PricePlan], at: datetime) -> dict[tuple[str, str], PricePlan]:
@@ -61,6 +75,27 @@ class PlanBook:
         for p in PricePlan.objects.filter(currency__in=currencies).order_by("effective_from", "pk"):
             plans[p.currency].append(p)
         return {c: cls(c, ps) for c, ps in plans.items()}
+
+    def split_hours(self) -> list[datetime]:
+        """The UTC hours in which a plan of this book starts after the hour's start: their tokens are priced at
+        two plans (or none, then one), so they are priced from their usage events, not from the hourly rollups."""
+        return sorted({hour_of(p.effective_from) for p in self.by_pk.values()
+                       if hour_of(p.effective_from) != p.effective_from})
+
+    def rollup_case(self, tier: str, kind: str, late_before: datetime) -> Case:
+        """`case` at an hourly rollup's `hour`, except for a late rollup (its hour before `late_before`: usage of a
+        finalized month billed later) of a split hour: the plan in force at that hour's end (its last instant),
+        which always exists, so that late usage of the hour in which a tier's first plan started is priced."""
+        late = {}  # only where a plan of the row's tier and kind starts inside the hour (elsewhere: the same plan)
+        for (tier_id, plan_kind), plans in self.by_key.items():
+            for h in {hour_of(p.effective_from) for p in plans}:
+                if h < late_before and (h, tier_id, plan_kind) not in late:
+                    p = in_force(plans, h + HOUR - timedelta(microseconds=1)).get((plan_kind, self.currency))
+                    if p is not None and p.effective_from > h:
+                        late[(h, tier_id, plan_kind)] = When(Q(hour=h, **{tier: tier_id, kind: plan_kind}),
+                                                             then=Value(p.pk))
+        whens = [When(cond, then=Value(p.pk)) for p, cond in self._in_force(tier, kind, "hour")]
+        return Case(*late.values(), *whens, default=Value(None), output_field=IntegerField())
 
     def plan(self, pk: int | None) -> PricePlan | None:
         return self.by_pk.get(pk) if pk is not None else None

@@ -2,11 +2,13 @@
 
 Rating turns what a tenant used in a calendar month into priced lines, with the plan that was in
 force at the time of each use: slice-hours of its allocations while active (per second, split at
-every price change) and input/output tokens of its deployments per hour, each LoRA adapter on its own
-line (from the hourly rollups, never the raw events). `rate_month` is the rule (no queries); `rate` loads one
-tenant-month for it, `rate_months_many` many tenants at once; the charts' money is its second copy, kept for speed
-(billing.spread, named there and held equal by a property test). Usage that arrives later for a finalized month goes
-onto the next invoice as adjustment lines.
+every price change) and input/output tokens of its deployments, each LoRA adapter on its own line, each token
+at the plan in force when it was served: from the hourly rollups, except in the rare split hours (a plan starts
+after the hour's start: `PlanBook.split_hours`), priced from their usage events (`token_groups`), so that the
+tokens served in the hour a tier's first plan starts are priced from that instant, and none twice. `rate_month`
+is the rule (no queries); `rate` loads one tenant-month for it, `rate_months_many` many tenants at once; the
+charts' money is its second copy, kept for speed (billing.spread, named there and held equal by a property test).
+Usage that arrives later for a finalized month goes onto the next invoice as adjustment lines.
 
 Reserved plans carry a monthly commitment (`PricePlan.monthly_commit`, a minimum billed per month).
 It is owed per tenant, month and reserved plan (one plan row: tier, currency, from its
@@ -64,15 +66,15 @@ from django.db.models import (
     Value,
     When,
 )
-from django.db.models.functions import TruncMonth
+from django.db.models.functions import TruncHour, TruncMonth
 from django.utils import timezone
 
 from marketplace.models import Allocation, CreditNote, Invoice, InvoiceLine, ModelDeployment, PricePlan, Tier
-from telemetry.models import UsageHourly
+from telemetry.models import UsageEvent, UsageHourly
 from telemetry.sqlbuckets import EpochBucket
 from tenants.models import Tenant
 
-from .plans import PlanBook
+from .plans import HOUR, PlanBook, hour_of
 from .units import CENT, MILLION, QTY, bounds, money, month_of, seconds
 
 log = logging.getLogger("tessera.billing")
@@ -159,30 +161,66 @@ def piece_case(pieces: Pieces) -> Case:
 TIER, PLAN_KIND = "deployment__allocation__tier_id", "deployment__allocation__order__plan_kind"
 
 
+def in_hours(field: str, hours: list[datetime]) -> Q:
+    """`field` (a time) inside any of the UTC `hours`."""
+    q = Q()
+    for h in hours:
+        q |= Q(**{f"{field}__gte": h, f"{field}__lt": h + HOUR})
+    return q
+
+
 def token_groups(rows: QuerySet, book: PlanBook, month_start: datetime, pieces: Pieces | None = None, *,
-                 by_tenant: bool = False, by_deployment: bool = True):
+                 events: QuerySet, by_tenant: bool = False, by_deployment: bool = True):
     """UsageHourly `rows` summed by the database per (deployment, adapter, tier, plan kind, plan in force,
     late: before `month_start`, month[, piece]): the rating's token input, however many hours there are.
     pieces = (step, lo, hi): also per UTC time bucket of `step` seconds inside [lo, hi), each hour a period's
     edges cut (just outside [lo, hi)) its own piece (-its epoch), and the hours before and after in one
-    piece each (-1, -2). Yields dicts with the sums, first/last hour and the number of hours.
+    piece each (-1, -2). Yields dicts with the sums, first/last hour and the number of hours (or events).
     by_deployment=False: only the token sums per tier, plan kind, plan in force[, tenant][, piece] (what
-    spreading a month's lines over time needs; `rows` within one month)."""
-    qs = rows.annotate(plan_id=book.case(TIER, PLAN_KIND, "hour"))
+    spreading a month's lines over time needs; `rows` within one month).
+
+    Split hours (`PlanBook.split_hours`: a plan starts inside the hour): the month's own rollups of those hours
+    are left out and their UsageEvent `events` (the same tenants' usage in the same month, unfiltered by time)
+    summed instead, each event at the plan in force at its `ts`; a late rollup of a split hour is priced at the
+    plan in force at the hour's end (`PlanBook.rollup_case`)."""
+    month_end = bounds(month_of(month_start))[1]
+    split = [h for h in book.split_hours() if month_start <= h < month_end]  # this month's (events: this month's)
+    own = Q(hour__gte=month_start) if by_deployment else Q()
+    if split:
+        rows = rows.exclude(own & Q(hour__in=split))
+    yield from _token_groups(rows.annotate(plan_id=book.rollup_case(TIER, PLAN_KIND, month_start)), month_start,
+                             pieces, by_tenant=by_tenant, by_deployment=by_deployment)
+    if split:
+        ev = events.filter(in_hours("ts", split)).annotate(hour=TruncHour("ts", tzinfo=UTC),
+                                                           plan_id=book.case(TIER, PLAN_KIND, "ts"))
+        yield from _token_groups(ev, month_start, pieces, by_tenant=by_tenant, by_deployment=by_deployment,
+                                 billed=False)
+
+
+def _token_groups(qs: QuerySet, month_start: datetime, pieces: Pieces | None, *, by_tenant: bool,
+                  by_deployment: bool, billed: bool = True):
+    """token_groups of rollups (`billed`) or of one month's usage events (not `billed`: annotated with their
+    `hour`; none billed, never late), `qs` annotated with `plan_id`."""
     keys = [TIER, PLAN_KIND, "plan_id"] + (["tenant_id"] if by_tenant else [])
     sums: dict[str, Aggregate] = {"input_tokens": Sum("input_tokens"), "output_tokens": Sum("output_tokens")}
     if by_deployment:  # what an invoice needs besides: the line keys, late usage, what was billed before
+        at = "hour" if billed else "ts"
         qs = qs.annotate(
             late=Case(When(hour__lt=month_start, then=Value(True)), default=Value(False), output_field=BooleanField()),
-            month=TruncMonth("hour", tzinfo=UTC))
+            month=TruncMonth(at, tzinfo=UTC))
         keys = ["deployment_id", "adapter", *keys, "late", "month"]
-        sums.update(billed_input_tokens=Sum("billed_input_tokens"), billed_output_tokens=Sum("billed_output_tokens"),
-                    requests=Sum("requests"), first=Min("hour"), last=Max("hour"), hours=Count("pk"))
+        sums.update(requests=Sum("requests"), first=Min(at), last=Max(at), hours=Count("pk"))
+        if billed:
+            sums.update(billed_input_tokens=Sum("billed_input_tokens"),
+                        billed_output_tokens=Sum("billed_output_tokens"))
     if pieces:
         qs = qs.annotate(piece=piece_case(pieces))
         keys.append("piece")
     for g in qs.values(*keys).annotate(**sums).order_by(*keys):
         g["tier_id"], g["plan_kind"] = g.pop(TIER), g.pop(PLAN_KIND)
+        if by_deployment and not billed:
+            g["billed_input_tokens"] = g["billed_output_tokens"] = 0
+            g["first"], g["last"] = hour_of(g["first"]), hour_of(g["last"])
         yield g
 
 
@@ -252,7 +290,8 @@ def rate(tenant: Tenant, period_start: date, now: datetime | None = None, curren
     pending_late = Q(input_tokens__gt=F("billed_input_tokens")) | Q(output_tokens__gt=F("billed_output_tokens"))
     rows = UsageHourly.objects.filter(tenant=tenant).filter(this_month | (late & pending_late) if finalized
                                                              else this_month)
-    groups = list(token_groups(rows, book, start, pieces))
+    events = UsageEvent.objects.filter(tenant=tenant, ts__gte=start, ts__lt=end)
+    groups = list(token_groups(rows, book, start, pieces, events=events))
     tiers = Tier.objects.in_bulk({g["tier_id"] for g in groups} | {a.tier_id for a in allocs})
     names = dict(ModelDeployment.objects.filter(pk__in={g["deployment_id"] for g in groups})
                  .values_list("pk", "name"))
@@ -266,9 +305,10 @@ def rate(tenant: Tenant, period_start: date, now: datetime | None = None, curren
 def rate_month(inp: MonthInputs, start: datetime, end: datetime, now: datetime
                ) -> tuple[list[Draft], list[str], dict[tuple[date, int], Decimal]]:
     """The rating rule itself (no queries): slice-hours of every allocation while active, per second,
-    each plan span at its own price; tokens at the plan in force at their hour (late usage of finalized
-    months as adjustments); reserved commitments topped up. Returns the month's drafts, what had no
-    price, and late usage at reserved plans per (month, plan) for the commitment credits.
+    each plan span at its own price; tokens at the plan in force when served (`token_groups`: at their hour, or
+    their event's time in a split hour; late usage of finalized months as adjustments); reserved commitments
+    topped up. Returns the month's drafts, what had no price, and late usage at reserved plans per (month, plan)
+    for the commitment credits.
 
     Its linear part has a SECOND COPY kept for speed, the charts' money (billing.spread.spread_amounts: the same
     prices over a range and its buckets without a line per deployment), held equal to this rule's lines by the
@@ -350,7 +390,10 @@ def rate_months_many(tenants: list[Tenant], period_start: date, now: datetime,
     for cur, book in books.items():
         mine = [t for t in ids if currency[t] == cur]
         rows = UsageHourly.objects.filter(tenant_id__in=mine, hour__gte=start, hour__lt=end)
-        for g in token_groups(rows if tokens is None else rows.filter(tokens), book, start, pieces, by_tenant=True):
+        events = UsageEvent.objects.filter(tenant_id__in=mine, ts__gte=start, ts__lt=end)
+        if tokens is not None:
+            rows, events = rows.filter(tokens), events.filter(tokens)
+        for g in token_groups(rows, book, start, pieces, events=events, by_tenant=True):
             groups[g.pop("tenant_id")].append(g)
     every = [g for gs in groups.values() for g in gs]
     tiers = Tier.objects.in_bulk({g["tier_id"] for g in every} | {a.tier_id for al in allocs.values() for a in al})

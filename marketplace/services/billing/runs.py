@@ -34,7 +34,7 @@ def rate_tenant(tenant: Tenant, now: datetime | None = None) -> list[str]:
         if inv is not None and inv.status == Invoice.Status.DRAFT:
             refresh(inv, now)
         fired = spend.evaluate_spend(tenant, now)
-    resolve_alerts(tenant, period, BillingAlert.Kind.RATING_FAILED)
+    resolve_alerts(tenant, period, BillingAlert.Kind.RATING_FAILED, "the next rating succeeded")
     return fired
 
 

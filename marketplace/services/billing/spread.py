@@ -21,11 +21,11 @@ from functools import lru_cache
 
 from django.db import connections
 from django.db.models import Case, Count, DateTimeField, Expression, F, Q, QuerySet, Sum, Value, When
-from django.db.models.functions import Coalesce, Greatest, Least
+from django.db.models.functions import Coalesce, Greatest, Least, TruncHour
 from django.utils import timezone
 
 from marketplace.models import Allocation, PricePlan
-from telemetry.models import UsageDaily, UsageHourly
+from telemetry.models import UsageDaily, UsageEvent, UsageHourly
 from telemetry.rollups import ceil_day, floor_day
 from telemetry.sqlbuckets import EpochBucket
 from tenants.models import Tenant
@@ -38,6 +38,7 @@ from .rating import (
     L,
     active_allocations,
     books_of_month,
+    in_hours,
     piece_case,
     rate_months_many,
 )
@@ -69,7 +70,9 @@ def spread_amounts(tenants: list[Tenant], start: datetime, end: datetime, now: d
     tier (None unless by_tier) and part, without building a line per deployment or token group.
 
     * tokens: priced straight from the database's sums per tenant, tier, plan in force and piece (tokens x the
-      plan's prices, an edge hour in proportion to its time in [start, end));
+      plan's prices, an edge hour in proportion to its time in [start, end)), from the hourly rollups (whole days
+      from the daily ones) except in split hours (a plan starts inside the hour: `PlanBook.split_hours`), which
+      are priced from their usage events at each event's time, as the rating prices them (`token_groups`);
     * slice-hours of tenants that hold no reserved capacity in the month: each allocation's active time (as
       `rate_month` clips it) split at the price changes (`PlanBook.spans`), swept per tenant as one price per
       hour that changes at span ends;
@@ -150,8 +153,16 @@ def spread_amounts(tenants: list[Tenant], start: datetime, end: datetime, now: d
             days = _daily_spans(book, max(m_start, lo), min(m_end, hi), step)
             if days:
                 rows = rows.exclude(_any_span("hour", days))
+            # split hours (a plan starts inside the hour): priced from their usage events, at each event's time
+            split = [h for h in book.split_hours() if max(m_start, lo - hour) <= h < min(m_end, hi + hour)]
+            if split:
+                rows = rows.exclude(hour__in=split)
             qs, divisor = token_sums(rows, book, piece_case((piece_step, lo, hi)), by_tier)
             queries = [qs]
+            if split:
+                events = (UsageEvent.objects.filter(in_hours("ts", split), tenant_id__in=mine)
+                          .annotate(hour=TruncHour("ts", tzinfo=UTC)))
+                queries.append(token_sums(events, book, piece_case((piece_step, lo, hi)), by_tier, at="ts")[0])
             if days:
                 daily = UsageDaily.objects.filter(_any_span("day", days), tenant_id__in=mine)
                 queries.append(token_sums(daily, book, EpochBucket("day", piece_step), by_tier, at="day")[0])
@@ -187,11 +198,11 @@ def spread_amounts(tenants: list[Tenant], start: datetime, end: datetime, now: d
 
 def token_sums(rows: QuerySet, book: PlanBook, piece: Expression, by_tier: bool, at: str = "hour"
                ) -> tuple[QuerySet, Decimal]:
-    """The database prices the tokens of the rollup `rows` (hourly; daily with at="day") at the plan in force at
-    each row's time `at` and sums them per tenant[, tier] and `piece` (`rating.piece_case` of the hour, or a day's
-    bucket): one row per bucket, whatever the plans, deployments and hours. Rows (read with `_raw_rows`): tenant
-    id[, tier id], piece, input tokens, output tokens, requests, money x the divisor returned (null: no price in
-    force)."""
+    """The database prices the tokens of the rollup `rows` (hourly; daily with at="day"; usage events annotated
+    with their `hour`, at="ts") at the plan in force at each row's time `at` and sums them per tenant[, tier] and
+    `piece` (`rating.piece_case` of the hour, or a day's bucket): one row per bucket, whatever the plans,
+    deployments and hours. Rows (read with `_raw_rows`): tenant id[, tier id], piece, input tokens, output tokens,
+    requests, money x the divisor returned (null: no price in force)."""
     priced, divisor = book.token_money(TIER, PLAN_KIND, at)
     keys = ["tenant_id", TIER] if by_tier else ["tenant_id"]
     qs = (rows.annotate(piece=piece).values_list(*keys, "piece")
