@@ -354,7 +354,7 @@ def update_api_key_limits(principal: Principal, key: ApiKey, **limits) -> ApiKey
     unknown = set(limits) - set(KEY_LIMITS)
     if unknown:
         raise ServiceError(f"cannot be changed here: {', '.join(sorted(unknown))}")
-    key = ApiKey.objects.select_for_update().select_related("tenant").get(pk=key.pk)
+    key = ApiKey.objects.select_for_update(of=("self",)).select_related("tenant").get(pk=key.pk)
     if key.revoked_at is not None:
         raise Conflict("this key is revoked")
     values = _key_limits(principal, key.tenant, limits)
