@@ -151,12 +151,14 @@ class _Rows:
         self.rows: dict[int, dict[int, tuple[str, Any]]] = {}  # bucket -> {pk: (row fingerprint, built value)}
         self.fps: dict[int, str] = {}  # bucket -> fingerprint of the rows held
         self.reread = 0  # rows read by the last sync (a full read: all of them)
+        self._sql: tuple[int, str, Any] | None = None  # (buckets, the fingerprint query, its parameters)
 
     def values(self) -> list[Any]:
         return [v for pk, v in sorted((pk, v) for bucket in self.rows.values() for pk, (_fp, v) in bucket.items())]
 
     def sync(self, qs: QuerySet) -> bool:
-        """Bring the held rows up to date with ``qs``; True when anything changed."""
+        """Bring the held rows up to date with ``qs`` (the same query at every call: its SQL is kept); True when
+        anything changed."""
         from django.db import connection
 
         held = sum(len(b) for b in self.rows.values())
@@ -165,11 +167,13 @@ class _Rows:
             self.buckets = max(1, min(MAX_BUCKETS, max(held, qs.count()) // BUCKET_ROWS))
             self.rows, self.fps = {}, {}
         qs = qs.annotate(gw_pk=F("pk"), gw_b=F("pk") % self.buckets, gw_fp=_fingerprint(self.fields))
-        inner, params = qs.values("gw_b", "gw_pk", "gw_fp").order_by("pk").query.sql_with_params()
-        agg = ("md5(string_agg(s.gw_fp, '' ORDER BY s.gw_pk))" if connection.vendor == "postgresql"
-               else "MD5(group_concat(s.gw_fp, ''))")  # SQLite: in the subquery's order (else only re-read more)
+        if self._sql is None or self._sql[0] != self.buckets:  # compiled once: the ORM's compiling cost most
+            inner, params = qs.values("gw_b", "gw_pk", "gw_fp").order_by("pk").query.sql_with_params()
+            agg = ("md5(string_agg(s.gw_fp, '' ORDER BY s.gw_pk))" if connection.vendor == "postgresql"
+                   else "MD5(group_concat(s.gw_fp, ''))")  # SQLite: in the subquery's order (else only re-read more)
+            self._sql = (self.buckets, f"SELECT s.gw_b, {agg} FROM ({inner}) s GROUP BY s.gw_b", params)
         with connection.cursor() as cur:
-            cur.execute(f"SELECT s.gw_b, {agg} FROM ({inner}) s GROUP BY s.gw_b", params)
+            cur.execute(self._sql[1], self._sql[2])
             now = dict(cur.fetchall())
         changed = [b for b in now.keys() | self.fps.keys() if now.get(b) != self.fps.get(b)]
         self.reread = 0
