@@ -120,7 +120,7 @@ class Result:
     ok_total: int = 0  # every 200, warm-up and tail included (each one must have its usage event)
     bad: dict[int, int] = field(default_factory=dict)
     errors: int = 0
-    cpu_gateway_s: float = 0.0
+    cpu_gateway_s: float = 0.0  # the proxy in front: the gateway, or the bare proxy
     cpu_triton_s: float = 0.0
     metering: tuple[int, int, int, int] | None = None  # stream length before, after; events stored before, after
 
@@ -188,6 +188,50 @@ def run_load(result: Result, url: str, body: dict, headers: dict[str, str], *, s
         runner.run(_load(result, url, body, headers, stream, warmup))
     result.cpu_gateway_s, result.cpu_triton_s = session_cpu_s(gw_sid) - g0, session_cpu_s(triton_sid) - t0
     return result
+
+
+# --- the baseline: a bare aiohttp proxy (no auth, no limits, no metering) ----------------------------------
+
+def serve_bare_proxy(port: int, upstream: str, secret: str) -> None:
+    """Forward every request as it came (method, path, body, Content-Type) to ``upstream`` with the server's
+    secret header, over one pooled aiohttp session set up as the gateway's; the answer streamed back as it comes.
+    What any proxy in front of Triton costs: the gateway's overhead is measured against this."""
+    import aiohttp
+    import uvloop
+    from aiohttp import web
+
+    from marketplace.hardware.runtime import SECRET_HEADER
+
+    async def make_app() -> web.Application:
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=512, keepalive_timeout=60, ttl_dns_cache=None)
+        session = aiohttp.ClientSession(connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",),
+                                        timeout=aiohttp.ClientTimeout(total=300, sock_connect=5))
+        extra = {"Accept-Encoding": "identity", SECRET_HEADER: secret}
+
+        async def forward(request: web.Request) -> web.StreamResponse:
+            headers = {"Content-Type": request.headers.get("Content-Type", "application/json"), **extra}
+            async with session.request(request.method, upstream + request.path_qs, data=await request.read(),
+                                       headers=headers) as up:
+                if request.path.endswith("_stream"):
+                    resp = web.StreamResponse(status=up.status, headers={"Content-Type": up.content_type})
+                    await resp.prepare(request)
+                    async for chunk in up.content.iter_any():
+                        await resp.write(chunk)
+                    await resp.write_eof()
+                    return resp
+                return web.Response(status=up.status, body=await up.read(),
+                                    headers={"Content-Type": up.headers.get("Content-Type", "application/json")})
+
+        async def close(_app: web.Application) -> None:
+            await session.close()
+
+        app = web.Application(client_max_size=16 * 2**20)
+        app.router.add_route("*", "/{tail:.*}", forward)
+        app.on_cleanup.append(close)
+        return app
+
+    web.run_app(make_app(), host="127.0.0.1", port=port, print=None, access_log=None,
+                loop=uvloop.new_event_loop())
 
 
 # --- set-up: a slice pointed at the real tritonserver ------------------------------------------------------
@@ -441,7 +485,14 @@ def main() -> None:
     ap.add_argument("--deployments", type=int, default=2_000)
     ap.add_argument("--tenants", type=int, default=1_000)
     ap.add_argument("--slices", type=int, default=20, help="slices the deployments are spread over")
+    ap.add_argument("--rounds", type=int, default=1, help="times each run list is repeated, interleaved")
+    ap.add_argument("--serve-bare-proxy", nargs=3, metavar=("PORT", "UPSTREAM", "SECRET"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.serve_bare_proxy:
+        port, upstream, secret = args.serve_bare_proxy
+        os.environ.setdefault("DJANGO_SETTINGS_MODULE", "marketplace.settings")
+        serve_bare_proxy(int(port), upstream, secret)
+        return
     if args.only == "snapshot":
         snapshot_bench(args)
         return
@@ -486,36 +537,47 @@ def main() -> None:
             wait_http(f"{gw_url}/v2/health/ready", gw.proc, gw.log)
             consumer = Child([sys.executable, "manage.py", "usage_consumer"], scratch / "consumer.log", env)
             children.append(consumer)
-            cpu_of = (gw.proc.pid, triton_proc.pid)
+            bare_port = free_port()
+            bare = Child([sys.executable, __file__, "--serve-bare-proxy", str(bare_port), triton_url, secret],
+                         scratch / "bare.log", env)
+            children.append(bare)
+            bare_url = f"http://127.0.0.1:{bare_port}"
+            wait_http(f"{bare_url}/v2/health/ready", bare.proc, bare.log)
+            gw_sid, bare_sid = gw.proc.pid, bare.proc.pid
             direct_h = {SECRET_HEADER: secret}
             gw_h = {"Authorization": f"Bearer {key}"}
             n = args.max_tokens
             chat_prompt = f"user: {PROMPT}\nassistant:"  # what /v1/chat/completions sends the model
             plain = [
                 ("direct Triton /v2 generate", f"{triton_url}/v2/models/tiny-gen/generate", direct_h,
-                 {"prompt": PROMPT, "max_tokens": n}, False),
+                 {"prompt": PROMPT, "max_tokens": n}, False, gw_sid),
+                ("bare aiohttp proxy /v2 generate", f"{bare_url}/v2/models/tiny-gen/generate", {},
+                 {"prompt": PROMPT, "max_tokens": n}, False, bare_sid),
                 ("gateway /v1/completions", f"{gw_url}/v1/completions", gw_h,
-                 {"model": "tiny-gen", "prompt": PROMPT, "max_tokens": n}, True),
+                 {"model": "tiny-gen", "prompt": PROMPT, "max_tokens": n}, True, gw_sid),
                 ("gateway /v2 generate", f"{gw_url}/v2/models/tiny-gen/generate", gw_h,
-                 {"prompt": PROMPT, "max_tokens": n}, True),
+                 {"prompt": PROMPT, "max_tokens": n}, True, gw_sid),
             ]
             streaming = [
                 ("direct Triton /v2 generate_stream", f"{triton_url}/v2/models/tiny-chat/generate_stream", direct_h,
-                 {"prompt": chat_prompt, "max_tokens": n}, False),
+                 {"prompt": chat_prompt, "max_tokens": n}, False, gw_sid),
+                ("bare aiohttp proxy /v2 generate_stream", f"{bare_url}/v2/models/tiny-chat/generate_stream", {},
+                 {"prompt": chat_prompt, "max_tokens": n}, False, bare_sid),
                 ("gateway /v1/chat/completions stream", f"{gw_url}/v1/chat/completions", gw_h,
                  {"model": "tiny-chat", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": n,
-                  "stream": True}, True),
+                  "stream": True}, True, gw_sid),
                 ("gateway /v2 generate_stream", f"{gw_url}/v2/models/tiny-chat/generate_stream", gw_h,
-                 {"prompt": chat_prompt, "max_tokens": n}, True),
+                 {"prompt": chat_prompt, "max_tokens": n}, True, gw_sid),
             ]
             groups = [g for g in (("plain", plain, False), ("stream", streaming, True))
                       if args.only in (None, g[0])]
             for kind, runs, is_stream in groups:
                 for c in clients:
-                    for label, url, headers, body, through_gateway in runs:
+                    for label, url, headers, body, through_gateway, proxy_sid in runs * args.rounds:
                         res = Result(label, c, args.duration)
                         before = (r.xlen(stream), UsageEvent.objects.count())
-                        run_load(res, url, body, headers, stream=is_stream, warmup=args.warmup, cpu_of=cpu_of)
+                        run_load(res, url, body, headers, stream=is_stream, warmup=args.warmup,
+                                 cpu_of=(proxy_sid, triton_proc.pid))
                         if through_gateway:
                             res.metering = (before[0], r.xlen(stream), before[1], UsageEvent.objects.count())
                         results.append(res)
@@ -542,8 +604,7 @@ def main() -> None:
 
 
 def report(results: list[Result], clients: list[int], answered: int, stored: int, args) -> None:
-    direct = {(x.label.split()[-1].replace("generate_stream", "stream"), x.clients): x for x in results
-              if x.label.startswith("direct")}
+    direct: dict[tuple[str, int], Result] = {}  # the latest direct run before each row (same round)
     cpus = os.cpu_count()
     print(f"\nGateway vs direct Triton: one CPU tritonserver (python backend, tiny-gen / decoupled tiny-chat, "
           f"max_tokens {args.max_tokens}), one `manage.py gateway` process (uvloop, httptools), Redis AOF "
@@ -553,8 +614,10 @@ def report(results: list[Result], clients: list[int], answered: int, stored: int
           "added p50 ms (goal <= 2) | added p95 ms (goal <= 8) | CPU/request gateway, Triton | errors |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for x in results:
+        is_direct = x.label.startswith("direct")
+        if is_direct:
+            direct[("stream" if "stream" in x.label else "generate", x.clients)] = x
         base = direct[("stream" if "stream" in x.label else "generate", x.clients)]
-        is_direct = x is base
         fb = f"{statistics.median(x.first_byte):.2f}" if x.first_byte else "—"
         n = max(1, len(x.latencies))
         cpu = (f"{x.cpu_gateway_s / n * 1e6:.0f} µs, " if not is_direct else "—, ") + \
@@ -569,6 +632,26 @@ def report(results: list[Result], clients: list[int], answered: int, stored: int
         print(f"| {x.label} | {x.clients} | {x.rps:.0f} | {x.p50:.2f} | {x.p95:.2f} | {fb} | "
               f"{ratio:.2f} {'ok' if ratio >= 0.8 else 'MISS'} | {d50:+.2f} {'ok' if d50 <= 2 else 'MISS'} | "
               f"{d95:+.2f} {'ok' if d95 <= 8 else 'MISS'} | {cpu} | {errs} |")
+    print(f"\nCPU per request of the proxy in front of Triton, over {args.rounds} interleaved round(s): the gateway "
+          f"(auth, limits, metering) against a bare aiohttp proxy (no auth, limits or metering; same upstream, same "
+          f"requests, same run); load average {os.getloadavg()[0]:.2f}.\n")
+    print("| run | clients | CPU/request | ratio to the bare proxy (goal <= 1.2) |")
+    print("|---|---|---|---|")
+    totals: dict[tuple[str, int], list[float]] = {}
+    for x in results:
+        if not x.label.startswith("direct"):
+            t = totals.setdefault((x.label, x.clients), [0.0, 0])
+            t[0] += x.cpu_gateway_s
+            t[1] += x.ok_total + sum(x.bad.values())
+    for (label, c), (cpu_s, n) in totals.items():
+        if label.startswith("bare"):
+            continue
+        kind = "generate_stream" if "stream" in label else "generate"
+        b_cpu, b_n = totals.get((f"bare aiohttp proxy /v2 {kind}", c), (float("nan"), 1))
+        per, base = cpu_s / max(1, n), b_cpu / max(1, b_n)
+        ratio = per / base if base else float("nan")
+        print(f"| {label} (bare proxy: {base * 1e6:.0f} µs) | {c} | {per * 1e6:.0f} µs | {ratio:.2f} "
+              f"{'ok' if ratio <= 1.2 else 'MISS'} |")
     print("\nMetering (the usage consumer writing the stream into the database during the load)\n")
     print("| run | clients | answers/s | events stored/s | stream length before -> after |")
     print("|---|---|---|---|---|")
