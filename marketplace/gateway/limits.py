@@ -1,6 +1,6 @@
 """Limits every gateway process shares: requests and tokens per key per minute, concurrent requests per tenant.
 
-Windows are fixed UTC minutes. Admission is one Lua script (one Redis round trip): it refuses when the
+Windows are fixed UTC minutes. Admission is one Lua script (EVALSHA: one Redis command): it refuses when the
 tenant already has ``max_concurrent`` requests in flight, when the key's tokens this minute already reached
 its limit, or when this request would exceed the key's requests this minute; otherwise it counts the request
 and records it as in flight. Tokens are known only once the answer is served, so they are added after it: a
@@ -24,6 +24,7 @@ from collections import defaultdict
 from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .protocol import GatewayError
@@ -171,11 +172,17 @@ class RedisLimiter(Limiter):
                 request_id, stale_s()]
 
         def add(pipe: Any) -> None:
-            pipe.scripts.add(self._admit)  # the pipeline loads the script first where Redis lacks it (a restart)
+            # EVALSHA alone: a pipeline given the script (pipe.scripts) asks SCRIPT EXISTS first, one more round
+            # trip on every pipeline; where Redis lacks the script (a restart, SCRIPT FLUSH) it is loaded and the
+            # admission retried once
             pipe.evalsha(self._admit.sha, len(keys), *keys, *args)
 
         try:
-            (verdict,) = await self._pipe.run(add, 1)
+            try:
+                (verdict,) = await self._pipe.run(add, 1)
+            except NoScriptError:
+                await self.redis.script_load(ADMIT)
+                (verdict,) = await self._pipe.run(add, 1)
             verdict = int(verdict)
         except REDIS_DOWN:
             raise GatewayError(503, "limits_unavailable", "The gateway cannot check this key's limits right now; "
