@@ -5,6 +5,7 @@ requests per minute, tokens per minute, concurrent requests per tenant, shared b
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 
 import pytest
@@ -104,5 +105,32 @@ def test_request_token_and_concurrency_limits_hold_under_concurrent_admissions()
             await limiter.admit(caller, "t2")
         assert _code(exc) == "token_rate_limit"
         assert await r.zcard(f"{PREFIX}conc:{caller.tenant.id}") == 0  # nothing left in flight
+
+    _run(test)
+
+
+def test_a_requests_end_reaches_redis_within_defer_s_without_another_admission():
+    async def test(r, limiter):
+        caller = _caller(tpm=1000, conc=5)
+        await limiter.admit(caller, "x")
+        conc = f"{PREFIX}conc:{caller.tenant.id}"
+        assert await r.zcard(conc) == 1
+        minute = int(time.time() // 60)
+        await limiter.done(caller, "x", 42)  # nothing awaited: sent with the next pipeline or after DEFER_S
+        await asyncio.sleep(limits.DEFER_S + 0.05)
+        assert await r.zcard(conc) == 0  # what other gateway processes see
+        if int(time.time() // 60) == minute:
+            assert int(await r.get(f"{PREFIX}tpm:{caller.key_prefix}:{minute}")) == 42
+
+    _run(test)
+
+
+def test_close_sends_the_ends_not_yet_sent():
+    async def test(r, limiter):
+        caller = _caller(conc=5)
+        await limiter.admit(caller, "y")
+        await limiter.done(caller, "y", 0)
+        await limiter.close()
+        assert await r.zcard(f"{PREFIX}conc:{caller.tenant.id}") == 0
 
     _run(test)
