@@ -1,9 +1,12 @@
 """The gateway's tables: keys, tenants and routes, loaded from the database by a background refresh.
 
 The hot path never queries the database: it looks callers and models up in the ``Tables`` of this process,
-which ``refresh()`` replaces every ``TESSERA_GATEWAY_REFRESH_S`` seconds (default 2) with a new snapshot
-read in five queries whatever the size of the fleet. A revoked key, a suspended tenant, a spend block or a
-model that became ready or was removed is therefore seen within that interval (the README promises 5 s). The
+which ``refresh()`` replaces every ``TESSERA_GATEWAY_REFRESH_S`` seconds (default 2) with a new snapshot. The
+``Loader`` keeps what it read: each refresh asks the database for per-bucket fingerprints of the four queries
+(keys, tenants with their spend figure, ready deployments with their servers, their LoRA adapters) and re-reads
+only the buckets that changed (see ``_Rows``), so an unchanged world builds nothing and a revoked key re-reads a
+handful of rows. A revoked key, a suspended tenant, a spend block or a model that became ready or was removed is
+therefore seen within that interval (plus the refresh's own time), whoever wrote it and however. The
 spend block is billing.spend's figure and rule (the month's invoice as last rated, the one orders, the API, the
 console and the portal read), so the gateway's view of it lags the stored figure by at most the interval;
 an expiry is checked against the clock on each request. Per-upstream counters (outstanding requests, health)
@@ -187,8 +190,8 @@ class _Rows:
             self.reread += 1
         for b in changed:
             if b in self.rows:
-                held = self.rows[b]
-                self.fps[b] = hashlib.md5("".join(held[pk][0] for pk in sorted(held)).encode()).hexdigest()
+                kept = self.rows[b]
+                self.fps[b] = hashlib.md5("".join(kept[pk][0] for pk in sorted(kept)).encode()).hexdigest()
         return True
 
 
@@ -284,11 +287,6 @@ class Loader:
             routes.setdefault((base.tenant_id, adapter), []).append(Upstream(
                 dep_id, base.tenant_id, base.name, base.base_url, base.headers, base.io, adapter=adapter))
         return routes
-
-
-def load_snapshot() -> Snapshot:
-    """Read keys, tenants, routes and LoRA adapters in full (a fresh ``Loader``)."""
-    return Loader().load()
 
 
 class Tables:

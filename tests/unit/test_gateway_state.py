@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from django.utils import timezone
 
-from marketplace.gateway.state import Loader, Snapshot, Tables, load_snapshot
+from marketplace.gateway.state import Loader, Snapshot, Tables
 from marketplace.models import ModelDeployment, TritonServer
 from tenants.models import ApiKey, Tenant
 from tests.factories import make_key
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.django_db
 
 
 def _same_as_full(snap: Snapshot) -> None:
-    full = load_snapshot()
+    full = Loader().load()  # a full read
     assert snap.keys == full.keys
     assert snap.tenants == full.tenants
     assert {r: [(u.deployment_id, u.base_url, u.adapter, u.headers, u.io) for u in ups]
