@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -219,6 +220,7 @@ class Loader:
                               lambda r: (r["modeldeployment_id"], r["loraadapter__name"]))
         self.month: Any = None
         self.last: Snapshot | None = None
+        self._lock = threading.Lock()
 
     def _key(self, r: dict[str, Any]) -> KeyInfo:
         rpm, tpm = r["requests_per_minute"], r["tokens_per_minute"]
@@ -248,6 +250,17 @@ class Loader:
         return Upstream(r["gw_pk"], r["tenant_id"], r["name"], url, {SECRET_HEADER: secret_for(server)}, io)
 
     def load(self) -> Snapshot:
+        """The current snapshot; one load at a time (refreshes run in worker threads). A load that fails part-way
+        (the database away) leaves the next one to rebuild every dictionary from what is held: a group brought up
+        to date before the failure is not then taken for unchanged."""
+        with self._lock:
+            try:
+                return self._load()
+            except BaseException:
+                self.last = None
+                raise
+
+    def _load(self) -> Snapshot:
         from marketplace.models import Allocation, ModelDeployment, TritonServer
         from marketplace.services.billing import spend
         from marketplace.services.billing.units import month_of

@@ -118,3 +118,22 @@ def test_a_table_that_outgrows_its_buckets_is_rebucketed(gateway_fleet):
     _same_as_full(snap)
     loader.load()
     assert loader.keys.reread == 0
+
+
+def test_a_refresh_that_fails_part_way_loses_no_change(gateway_fleet, monkeypatch):
+    key, _ = make_key(gateway_fleet["a"], ["inference"])
+    loader = Loader()
+    loader.load()
+    ApiKey.objects.filter(pk=key.pk).update(revoked_at=timezone.now())
+    real = loader.tenants.sync
+
+    def down(qs):
+        raise OSError("the database went away")
+
+    monkeypatch.setattr(loader.tenants, "sync", down)  # keys are brought up to date, then the refresh fails
+    with pytest.raises(OSError):
+        loader.load()
+    monkeypatch.setattr(loader.tenants, "sync", real)
+    snap = loader.load()  # the keys' fingerprints now match: their dictionary must be rebuilt all the same
+    assert snap.keys[key.prefix].revoked
+    _same_as_full(snap)
