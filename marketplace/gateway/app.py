@@ -39,7 +39,7 @@ from . import upstream as upstream_mod
 from .limits import Limiter, LocalLimiter, RedisLimiter
 from .metering import FALLBACK_REPLAY_S, MeteringUnavailable, RedisStreamSink, SpoolSink, UsageSink, event, fallback_dir
 from .protocol import GatewayError, Served, TextRequest
-from .state import Caller, Tables, Upstream, load_snapshot, mark_used
+from .state import Caller, Loader, Tables, Upstream, mark_used
 
 log = logging.getLogger("tessera.gateway")
 
@@ -75,6 +75,7 @@ class Gateway:
         self.client = upstream_mod.Client(timeout_s or settings.TESSERA_GATEWAY_UPSTREAM_TIMEOUT_S)
         self._redis: Any = None
         self._refresher: asyncio.Task | None = None
+        self._loader: Loader | None = None  # keeps what it read between refreshes: each reads only what changed
         self.loop: asyncio.AbstractEventLoop | None = None
         self.started = False
 
@@ -131,7 +132,9 @@ class Gateway:
 
     async def refresh(self) -> None:
         used, self.tables.used_keys = self.tables.used_keys, set()
-        snap = await asyncio.to_thread(_load, used)
+        if self._loader is None:
+            self._loader = Loader()
+        snap = await asyncio.to_thread(_load, self._loader, used)
         self.tables.replace(snap)
 
     async def _refresh_loop(self) -> None:
@@ -584,13 +587,13 @@ class Gateway:
         await self._serve(caller, model, rid, work)
 
 
-def _load(used: set[str]):
+def _load(loader: Loader, used: set[str]):
     """In a worker thread: its own database connection, closed after (one connection per refresh, none held)."""
     from django.db import connection
 
     try:
         mark_used(used)
-        return load_snapshot()
+        return loader.load()
     finally:
         connection.close()
 

@@ -1,12 +1,13 @@
 """Limits every gateway process shares: requests and tokens per key per minute, concurrent requests per tenant.
 
-Windows are fixed UTC minutes. Admission is one Lua script (one Redis round trip): it refuses when the
+Windows are fixed UTC minutes. Admission is one Lua script (EVALSHA: one Redis command): it refuses when the
 tenant already has ``max_concurrent`` requests in flight, when the key's tokens this minute already reached
 its limit, or when this request would exceed the key's requests this minute; otherwise it counts the request
 and records it as in flight. Tokens are known only once the answer is served, so they are added after it: a
 request admitted under the token limit may take the key past it, and the next ones wait for the next minute.
-An in-flight entry is removed when its request ends; one left by a killed gateway expires after
-``stale_s()``: the longest a request may take upstream (``TESSERA_GATEWAY_UPSTREAM_TIMEOUT_S``) plus 30 s.
+An in-flight entry is removed when its request ends (with its tokens: in the next pipeline this process sends,
+ahead of the admissions in it, and within ``DEFER_S`` when none comes sooner); one left by a killed gateway
+expires after ``stale_s()``: the longest a request may take upstream (``TESSERA_GATEWAY_UPSTREAM_TIMEOUT_S``) plus 30 s.
 Refusals are HTTP 429 with ``Retry-After`` (seconds to the next minute, or 1 for concurrency). Requests that
 arrive while a Redis round trip is in flight share the next pipeline; Redis away is a 503 ``limits_unavailable``.
 
@@ -24,6 +25,7 @@ from collections import defaultdict
 from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .protocol import GatewayError
@@ -32,6 +34,8 @@ from .state import Caller
 log = logging.getLogger("tessera.gateway")
 
 REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, OSError)
+#: a request's end (in flight no more, its tokens) reaches Redis with the next admission, or within this
+DEFER_S = 0.005
 PREFIX = "tessera:gw:"
 
 ADMIT = """
@@ -96,24 +100,44 @@ class Limiter(ABC):
 
 class _Pipeliner:
     """Redis commands of requests that arrive while a round trip is in flight go together in the next pipeline
-    (one write, one read, however many requests): the per-request round trips were most of the gateway's CPU."""
+    (one write, one read, however many requests): the per-request round trips were most of the gateway's CPU.
+
+    Commands nobody waits for (``defer``: a request's end) are not a round trip of their own: they go first in the
+    next pipeline, so any later admission of this process sees them, and at most ``DEFER_S`` after they were
+    queued when no admission comes sooner."""
 
     def __init__(self, redis: Any) -> None:
         self.redis = redis
-        self._queue: list[tuple[Any, int, asyncio.Future]] = []
+        self._queue: list[tuple[Any, int, asyncio.Future | None]] = []
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
+        self._timer: asyncio.TimerHandle | None = None
 
-    async def run(self, add: Any, n: int) -> list[Any]:
-        """``add(pipe)`` queues ``n`` commands; returns their results (raises the first error among them)."""
+    def _started(self) -> asyncio.Event:
         if self._task is None:
             self._wake = asyncio.Event()
             self._task = asyncio.create_task(self._loop())
+        assert self._wake is not None
+        return self._wake
+
+    async def run(self, add: Any, n: int) -> list[Any]:
+        """``add(pipe)`` queues ``n`` commands; returns their results (raises the first error among them)."""
+        wake = self._started()
         fut = asyncio.get_running_loop().create_future()
         self._queue.append((add, n, fut))
-        assert self._wake is not None
-        self._wake.set()
+        wake.set()
         return await fut
+
+    def defer(self, add: Any, n: int) -> None:
+        """``add(pipe)`` queues ``n`` commands sent with the next pipeline, within ``DEFER_S``; errors are logged."""
+        wake = self._started()
+        self._queue.append((add, n, None))
+        if self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(DEFER_S, wake.set)
+
+    async def flush(self) -> None:
+        if self._queue:
+            await self.run(lambda pipe: None, 0)
 
     async def _loop(self) -> None:
         assert self._wake is not None
@@ -121,6 +145,9 @@ class _Pipeliner:
             await self._wake.wait()
             self._wake.clear()
             batch, self._queue = self._queue, []
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
             if not batch:
                 continue
             pipe = self.redis.pipeline(transaction=False)
@@ -130,13 +157,19 @@ class _Pipeliner:
                 results = await pipe.execute(raise_on_error=False)
             except Exception as exc:  # every waiter learns the round trip failed
                 for _add, _n, fut in batch:
-                    if not fut.done():
+                    if fut is None:
+                        log.warning("gateway limits not updated after a request", extra={"error": str(exc)})
+                    elif not fut.done():
                         fut.set_exception(exc)
                 continue
             i = 0
             for _add, n, fut in batch:
                 part, i = results[i:i + n], i + n
                 error = next((r for r in part if isinstance(r, Exception)), None)
+                if fut is None:
+                    if error is not None:
+                        log.warning("gateway limits not updated after a request", extra={"error": str(error)})
+                    continue
                 if fut.done():
                     continue
                 if error is not None:
@@ -145,6 +178,9 @@ class _Pipeliner:
                     fut.set_result(part)
 
     def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if self._task is not None:
             self._task.cancel()
             self._task = None
@@ -157,6 +193,10 @@ class RedisLimiter(Limiter):
         self._pipe = _Pipeliner(redis)
 
     async def close(self) -> None:
+        try:  # requests' ends not yet sent
+            await self._pipe.flush()
+        except REDIS_DOWN as exc:
+            log.warning("gateway limits not updated at shutdown", extra={"error": str(exc)})
         self._pipe.close()
 
     @staticmethod
@@ -171,11 +211,17 @@ class RedisLimiter(Limiter):
                 request_id, stale_s()]
 
         def add(pipe: Any) -> None:
-            pipe.scripts.add(self._admit)  # the pipeline loads the script first where Redis lacks it (a restart)
+            # EVALSHA alone: a pipeline given the script (pipe.scripts) asks SCRIPT EXISTS first, one more round
+            # trip on every pipeline; where Redis lacks the script (a restart, SCRIPT FLUSH) it is loaded and the
+            # admission retried once
             pipe.evalsha(self._admit.sha, len(keys), *keys, *args)
 
         try:
-            (verdict,) = await self._pipe.run(add, 1)
+            try:
+                (verdict,) = await self._pipe.run(add, 1)
+            except NoScriptError:
+                await self.redis.script_load(ADMIT)
+                (verdict,) = await self._pipe.run(add, 1)
             verdict = int(verdict)
         except REDIS_DOWN:
             raise GatewayError(503, "limits_unavailable", "The gateway cannot check this key's limits right now; "
@@ -193,10 +239,8 @@ class RedisLimiter(Limiter):
                 pipe.incrby(tpm, tokens)
                 pipe.expire(tpm, 120)
 
-        try:
-            await self._pipe.run(add, 3 if tokens else 1)
-        except REDIS_DOWN as exc:  # the answer has gone out: its in-flight entry expires after stale_s()
-            log.warning("gateway limits not updated after a request", extra={"error": str(exc)})
+        # the answer has gone out: nothing waits for this (if it fails, the in-flight entry expires after stale_s())
+        self._pipe.defer(add, 3 if tokens else 1)
 
 
 class LocalLimiter(Limiter):

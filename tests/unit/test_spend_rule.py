@@ -12,7 +12,7 @@ from django.db import transaction
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from marketplace.gateway.state import load_snapshot
+from marketplace.gateway.state import Loader
 from marketplace.models import Invoice
 from marketplace.services import billing, orders
 from marketplace.services.billing import spend
@@ -84,7 +84,7 @@ def readers(tenant: Tenant, owner, operator, client_for) -> dict[str, bool]:
     page = client_for(user=operator).get(f"/console/tenants/{tenant.pk}/").content.decode()
     return {
         "orders": by_orders,
-        "gateway": load_snapshot().tenants[tenant.pk].spend_blocked,
+        "gateway": Loader().load().tenants[tenant.pk].spend_blocked,
         "api": api[0]["blocked"],
         "console overview": any(s.blocked for s in console.spend_alerts() if s.tenant_id == tenant.pk),
         "console tenant page": '<span class="badge failed">blocked</span>' in page,
@@ -144,7 +144,7 @@ def test_the_answer_says_how_fresh_the_figure_is(acme, operator, client_for):
     assert s.rated_at == rated and "as rated at 2026-12-04 10:30:00 UTC" in s.message
     row = client_for(user=operator).get("/api/v1/billing/spend/?tenant=acme").json()["results"][0]
     assert row["rated_at"] == "2026-12-04T10:30:00Z" and row["blocked"] and row["ratio"] == 2.0
-    assert load_snapshot().tenants[tenant.pk].spend_message == s.message
+    assert Loader().load().tenants[tenant.pk].spend_message == s.message
     Invoice.objects.filter(tenant=tenant).delete()
     assert spend.of(tenant).rated_at is None and spend.of(tenant).as_of == "nothing rated this month yet"
 
