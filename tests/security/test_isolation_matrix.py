@@ -154,7 +154,7 @@ CLASSIFICATION: dict[str, str] = {
     "portal:slice": OBJECT, "portal:slice_status": OBJECT, "portal:slice_release": OBJECT,
     "portal:deployment": OBJECT, "portal:deployment_status": OBJECT, "portal:deployment_remove": OBJECT,
     "portal:deployment_retry": OBJECT, "portal:deployment_try": OBJECT,
-    "portal:invoice": OBJECT, "portal:invoice_csv": OBJECT, "portal:key_revoke": OBJECT,
+    "portal:invoice": OBJECT, "portal:invoice_csv": OBJECT, "portal:key_revoke": OBJECT, "portal:key_limits": OBJECT,
     "portal:invitation_revoke": OBJECT, "portal:member_role": OBJECT, "portal:member_remove": OBJECT,
     "console:allocation_detail": OBJECT, "console:allocation_retry": OBJECT,
     "console:allocation_release": OBJECT, "console:tenant_detail": OBJECT, "console:tenant_suspend": OBJECT,
