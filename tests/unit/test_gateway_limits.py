@@ -15,6 +15,7 @@ from marketplace.gateway import limits
 from marketplace.gateway.limits import PREFIX, RedisLimiter
 from marketplace.gateway.protocol import GatewayError
 from marketplace.gateway.state import Caller, TenantInfo
+from tests.gateway_fixtures import run_async
 
 
 def _caller(rpm: int = 0, tpm: int = 0, conc: int = 0) -> Caller:
@@ -38,7 +39,7 @@ def _run(test) -> None:
             await limiter.close()
             await r.aclose()
 
-    asyncio.run(main())
+    run_async(main)  # (its own thread: a browser test leaves Playwright's loop running in this one)
 
 
 def _code(exc: pytest.ExceptionInfo) -> str:
