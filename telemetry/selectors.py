@@ -105,15 +105,17 @@ def usage_summary(principal: Principal, start: datetime, end: datetime, group_by
 
         tiers = dict(Tier.objects.filter(pk__in={r["deployment__allocation__tier_id"] for r in rows})
                      .values_list("pk", "key"))
-    key_names: dict[str, str] = {}
-    if group_by == "key":
+    key_names: dict[tuple[int, str], str] = {}
+    if group_by == "key":  # a key's name only where the key is the row's tenant's own
         from tenants.models import ApiKey
 
-        key_names = dict(ApiKey.objects.filter(prefix__in={r["api_key"] for r in rows if r["api_key"]})
-                         .values_list("prefix", "name"))
+        key_names = {(t, prefix): name for t, prefix, name in ApiKey.objects.filter(
+            prefix__in={r["api_key"] for r in rows if r["api_key"]}, tenant_id__in=tenants)
+            .values_list("tenant_id", "prefix", "name")}
     out = []
     for r in rows:
-        row: dict[str, object] = {"tenant": tenants.get(r.pop("tenant_id"))}
+        tenant_id = r.pop("tenant_id")
+        row: dict[str, object] = {"tenant": tenants.get(tenant_id)}
         if group_by == "deployment":
             d = deps.get(r["deployment_id"], {})
             row.update(deployment=r.pop("deployment_id"), model=d.get("name"), allocation=d.get("allocation_id"),
@@ -126,7 +128,7 @@ def usage_summary(principal: Principal, start: datetime, end: datetime, group_by
             row["day"] = r.pop("day")
         elif group_by == "key":  # the key's prefix and name; none: usage served for no key (a portal session,
             prefix = r.pop("api_key")  # usage reported through the API)
-            row.update(key=prefix or None, key_name=key_names.get(prefix))
+            row.update(key=prefix or None, key_name=key_names.get((tenant_id, prefix)))
         sums = {s: int(r[s] or 0) for s in SUMS}
         row.update(sums)
         row["unbilled_input_tokens"] = sums["input_tokens"] - sums["billed_input_tokens"]

@@ -299,6 +299,10 @@ def _store_portable(tenant_id: int, rows: list[tuple], now: datetime) -> int:
     return len(new)
 
 
+#: what a row of 6, 7 or 8 values leaves out: latency_ms, adapter, api key prefix
+ROW_DEFAULTS = (None, "", "")
+
+
 def store_rows(tenant_id: int, rows: list[tuple], now: datetime | None = None) -> int:
     """Store accepted rows (event_id, deployment_id, ts UTC, input, output, requests[, latency_ms[, adapter[,
     api key prefix]]]), unique event ids; returns how many were new. One transaction: events and their hours
@@ -306,8 +310,7 @@ def store_rows(tenant_id: int, rows: list[tuple], now: datetime | None = None) -
     model) and the API key it served it for ("": none)."""
     if not rows:
         return 0
-    rows = [(*r, None, "", "")[:9] if len(r) == 6 else (*r, "", "")[:9] if len(r) == 7 else (*r, "")[:9]
-            if len(r) == 8 else r for r in rows]
+    rows = [(*r, *ROW_DEFAULTS[len(r) - 6:]) for r in rows]
     now = now or timezone.now()
     store = _store_postgresql if connection.vendor == "postgresql" else _store_portable
     outermost = not connection.in_atomic_block

@@ -56,3 +56,16 @@ def test_ingest_keeps_keys_apart_in_one_hour_and_usage_without_a_key(gateway_fle
     assert store_rows(a.pk, rows) == 0  # replayed: nothing twice
     got = {r.api_key: (r.input_tokens, r.output_tokens, r.events) for r in UsageHourly.objects.filter(tenant=a)}
     assert got == {"k1": (50, 5, 2), "k2": (20, 2, 1), "": (80, 8, 1)}
+
+
+def test_a_key_is_named_only_in_its_own_tenants_rows(gateway_fleet, operator):
+    """Rows naming another tenant's key prefix (only an operator's reported usage could write one) show the prefix,
+    never that key's name: a tenant's summary does not read another tenant's keys."""
+    a, b, dep = gateway_fleet["a"], gateway_fleet["b"], gateway_fleet["gen"]
+    theirs = ApiKey.objects.get(tenant=b)
+    t = timezone.now().replace(minute=5, second=0, microsecond=0)
+    store_rows(a.pk, [("x1", dep.pk, t, 10, 1, 1, None, "", theirs.prefix)])
+    now = timezone.now()
+    rows = usage_summary(principal_for_user(operator), now - timedelta(hours=2), now + timedelta(hours=1), "key",
+                         {"tenant": a})
+    assert [(r["key"], r["key_name"]) for r in rows] == [(theirs.prefix, None)]
