@@ -50,7 +50,8 @@ class UsageHourly(models.Model):
     """Usage per (tenant, deployment, LoRA adapter, API key, hour), kept up to date as events arrive. `billed_*`
     is what a finalized invoice has charged for this hour; a late event makes the totals exceed it and the
     difference goes onto the next invoice as an adjustment. The API key (its prefix; empty: none) only splits the
-    usage: the invoice's lines are per deployment and adapter, whatever the keys."""
+    usage: the invoice's lines are per deployment and adapter, whatever the keys, each with its shares per key
+    (billing.keys)."""
 
     id = models.BigAutoField(primary_key=True)
     tenant = models.ForeignKey("tenants.Tenant", on_delete=models.PROTECT, related_name="usage_hours")
@@ -75,7 +76,9 @@ class UsageHourly(models.Model):
     class Meta:
         constraints = [models.UniqueConstraint(fields=["tenant", "deployment", "adapter", "api_key", "hour"],
                                                name="usage_hour_unique")]
-        indexes = [models.Index(fields=["tenant", "hour"]), models.Index(fields=["hour"])]
+        # (api_key, hour): a key's month (the gateway's per-key token allowance, at each snapshot refresh)
+        indexes = [models.Index(fields=["tenant", "hour"]), models.Index(fields=["hour"]),
+                   models.Index(fields=["api_key", "hour"], name="usage_hour_key")]
 
     def __str__(self) -> str:
         return f"{self.tenant_id}/{self.deployment_id}@{self.hour:%Y-%m-%d %H}"

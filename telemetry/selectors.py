@@ -31,6 +31,20 @@ def _visible(qs: QuerySet, principal: Principal, capabilities: tuple[str, ...]) 
     return qs.filter(tenant_id__in=union) if union else qs.none()
 
 
+def key_tokens(prefixes, start: datetime, end: datetime) -> dict[str, int]:
+    """Tokens (input + output) served for each of the API keys `prefixes` in [start, end) — for a calendar month,
+    what a key's monthly token allowance is held against (the gateway's refusal, the keys pages) — summed by the
+    database in one query on the (api_key, hour) index; a key without usage is absent. Not scoped: callers pass
+    the keys they may see."""
+    from django.db.models import F
+
+    prefixes = [p for p in prefixes if p]
+    if not prefixes:
+        return {}
+    return dict(UsageHourly.objects.filter(api_key__in=prefixes, hour__gte=start, hour__lt=end).values(
+        "api_key").annotate(tokens=Sum(F("input_tokens") + F("output_tokens"))).values_list("api_key", "tokens"))
+
+
 def usage_hours(principal: Principal) -> QuerySet:
     """UsageHourly rows the principal may see (scope/role read or billing)."""
     return _visible(UsageHourly.objects.all(), principal, ("read", "billing")).select_related(

@@ -227,6 +227,9 @@ class ApiKey(models.Model):
         null=True, blank=True, help_text="gateway requests per minute; empty: TESSERA_GATEWAY_RPM")
     tokens_per_minute = models.PositiveIntegerField(
         null=True, blank=True, help_text="gateway tokens (input + output) per minute; empty: TESSERA_GATEWAY_TPM")
+    monthly_token_allowance = models.PositiveBigIntegerField(
+        null=True, blank=True, help_text="tokens (input + output) this key may be served per calendar month (UTC); "
+                                         "refused at the gateway once reached; empty: no allowance")
 
     objects = TenantScopedQuerySet.as_manager()
     tenant_path = "tenant_id"

@@ -344,20 +344,33 @@ def _clamp_keys(tenant: Tenant, fields: dict) -> int:
     return changed
 
 
+#: what a key's owner may change on it besides its rate limits: its own monthly token allowance (a budget the
+#: tenant sets itself, so no ceiling of the MSP's: it only ever refuses more)
+KEY_ALLOWANCE = "monthly_token_allowance"
+
+
+def _allowance(value):
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ServiceError("must be a whole number of tokens, at least 1 (empty: no allowance)", field=KEY_ALLOWANCE)
+    return value
+
+
 @transaction.atomic
 def update_api_key_limits(principal: Principal, key: ApiKey, **limits) -> ApiKey:
     """Set a key's gateway limits (requests_per_minute, tokens_per_minute; None: the installation's default) within
-    the tenant's ceiling (`_key_limits`). The gateway applies them at its next snapshot refresh."""
+    the tenant's ceiling (`_key_limits`), and its monthly_token_allowance (None: none). The gateway applies them at
+    its next snapshot refresh."""
     if principal.api_key is not None:
         raise Forbidden("API keys cannot change API keys; sign in as a user")
     _require(principal, "operate" if key.tenant_id is None else "manage_keys", key.tenant_id)
-    unknown = set(limits) - set(KEY_LIMITS)
+    unknown = set(limits) - set(KEY_LIMITS) - {KEY_ALLOWANCE}
     if unknown:
         raise ServiceError(f"cannot be changed here: {', '.join(sorted(unknown))}")
+    allowance = {KEY_ALLOWANCE: _allowance(limits.pop(KEY_ALLOWANCE))} if KEY_ALLOWANCE in limits else {}
     key = ApiKey.objects.select_for_update(of=("self",)).select_related("tenant").get(pk=key.pk)
     if key.revoked_at is not None:
         raise Conflict("this key is revoked")
-    values = _key_limits(principal, key.tenant, limits)
+    values = {**_key_limits(principal, key.tenant, limits), **allowance}
     if not values:
         return key
     for attr, value in values.items():
@@ -370,7 +383,8 @@ def update_api_key_limits(principal: Principal, key: ApiKey, **limits) -> ApiKey
 @transaction.atomic
 def create_api_key(principal: Principal, *, tenant: Tenant | None, name: str, scopes: list[str],
                    expires_at=None, requests_per_minute: int | None = None,
-                   tokens_per_minute: int | None = None) -> tuple[ApiKey, str]:
+                   tokens_per_minute: int | None = None,
+                   monthly_token_allowance: int | None = None) -> tuple[ApiKey, str]:
     """Create a key; returns (key, secret). The secret is not stored and cannot be shown again.
     tenant=None makes an MSP operator key (operators only)."""
     if principal.api_key is not None:
@@ -388,6 +402,7 @@ def create_api_key(principal: Principal, *, tenant: Tenant | None, name: str, sc
                            f"gateway serves, so tenants do not report usage", field="scopes")
     limits = _key_limits(principal, tenant, {"requests_per_minute": requests_per_minute,
                                              "tokens_per_minute": tokens_per_minute})
+    limits[KEY_ALLOWANCE] = _allowance(monthly_token_allowance)
     if expires_at is not None and expires_at <= timezone.now():
         raise ServiceError("must be in the future", field="expires_at")
     if not name.strip():

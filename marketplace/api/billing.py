@@ -61,6 +61,28 @@ class InvoiceSerializer(serializers.ModelSerializer):
                   "finalized_at", "lines", "credit_notes"]
 
 
+class InvoiceKeyShareSerializer(serializers.Serializer):
+    key = serializers.CharField(allow_null=True, help_text="the API key's prefix; null: usage served without a key "
+                                "(recorded before keys were metered)")
+    key_name = serializers.CharField(allow_null=True, help_text="the key's name (null: no key)")
+    input_tokens = serializers.IntegerField()
+    output_tokens = serializers.IntegerField()
+    amount = serializers.DecimalField(max_digits=14, decimal_places=2,
+                                      help_text="its share of the invoice's token lines, in the invoice's currency")
+
+
+class InvoiceKeysSerializer(serializers.Serializer):
+    """An invoice's charges per API key: each token line's amount split over the keys served under it in
+    proportion to their tokens, largest remainder to the cent (the shares of a line sum to it); `not_per_key` is the
+    rest (slice-hours, commitments, corrections). keys' amounts + not_per_key = total."""
+
+    invoice = serializers.IntegerField()
+    currency = serializers.CharField()
+    total = serializers.DecimalField(max_digits=14, decimal_places=2)
+    keys = InvoiceKeyShareSerializer(many=True)
+    not_per_key = serializers.DecimalField(max_digits=14, decimal_places=2)
+
+
 class InvoiceListSerializer(InvoiceSerializer):
     class Meta(InvoiceSerializer.Meta):
         fields = [f for f in InvoiceSerializer.Meta.fields if f != "lines"]
@@ -319,7 +341,10 @@ INVOICE_CSV = OpenApiResponse(response=OpenApiTypes.STR, description=(
     "The invoice as CSV (UTF-8): a header row (invoice, its number or `draft`, tenant, period, currency, status), "
     "a column row (kind, tier, deployment, description, quantity, unit, unit_price, amount, usage_from, usage_to), "
     "one row per line (usage first, then commitment top-ups), a `total` row, then one `credit_note` row per credit "
-    "note correcting it (number, reason, the amount credited: positive, issued_at)."))
+    "note correcting it (number, reason, the amount credited: positive, issued_at); then the charges per API key "
+    "(as `keys/`): a `by_key` column row (key, key_name, input_tokens, output_tokens, amount), one `key` row per key "
+    "(an empty key: usage served without one) and a `not_per_key` row (slice-hours, commitments, corrections); the "
+    "keys' amounts and not_per_key sum to the total."))
 CREDIT_NOTE_CSV = OpenApiResponse(response=OpenApiTypes.STR, description=(
     "The credit note as CSV (UTF-8): a header row (credit_note, number, invoice, tenant, currency), a column row "
     "(invoice_line, description, amount), one row per line (the amount credited: positive), a `total` row, then "
@@ -340,7 +365,7 @@ class InvoiceViewSet(JsonErrorsMixin, ScopedViewSetMixin, viewsets.ReadOnlyModel
     ordering_fields = ["period_start", "total", "number"]
     ordering = ["-period_start", "tenant__slug"]
     capabilities = {"list": "billing", "retrieve": "billing", "export": "billing", "export_csv": "billing",
-                    "refresh": "refresh_billing", "finalize": "operate", "credit_note": "operate"}
+                    "keys": "billing", "refresh": "refresh_billing", "finalize": "operate", "credit_note": "operate"}
 
     def get_serializer_class(self):
         return InvoiceListSerializer if self.action == "list" else InvoiceSerializer
@@ -381,6 +406,14 @@ class InvoiceViewSet(JsonErrorsMixin, ScopedViewSetMixin, viewsets.ReadOnlyModel
         if request.accepted_renderer.format == "csv":
             return csv_answer(invoice_csv(invoice), invoice.number or f"draft-{invoice.pk}")
         return Response(billing.invoice_payload(invoice))
+
+    @extend_schema(summary="The invoice's charges per API key", responses=InvoiceKeysSerializer)
+    @action(detail=True, methods=["get"])
+    def keys(self, request, pk=None):
+        invoice = self.get_object()
+        split = selectors.key_breakdown(invoice)
+        return Response(InvoiceKeysSerializer({"invoice": invoice.pk, "currency": invoice.currency,
+                                               "total": invoice.total, **split}).data)
 
     @extend_schema(summary="The invoice as CSV", responses={(200, "text/csv"): INVOICE_CSV})
     @action(detail=True, methods=["get"], url_path="export/csv", url_name="export-csv",

@@ -12,7 +12,7 @@ OPENAI_ERROR = {"type": "object", "required": ["error"], "properties": {"error":
     "properties": {"message": {"type": "string"}, "type": {"type": "string"},
                    "param": {"type": ["string", "null"]}, "code": {"type": "string"},
                    "tessera_code": {"type": "string", "description": "Tessera's own reason where code is OpenAI's "
-                                    "(insufficient_quota: spend_limit_reached)"}}}}}
+                                    "(insufficient_quota: spend_limit_reached, key_allowance_reached)"}}}}}
 KSERVE_ERROR = {"type": "object", "required": ["error"],
                 "properties": {"error": {"type": "string"}, "code": {"type": "string"}}}
 USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
@@ -88,9 +88,9 @@ def _errors(schema: dict, *codes: int) -> dict[str, Any]:
            "the model refused it", 401: "missing, unknown, revoked or expired key",
            403: "the key lacks the inference scope, or the tenant is suspended",
            404: "unknown model, or another tenant's (the same answer)", 413: "body too large",
-           429: "request, token or concurrency limit (Retry-After); or the tenant's monthly spend limit is reached: "
-                "OpenAI's insufficient_quota (type and code), tessera_code spend_limit_reached, "
-                "x-should-retry: false",
+           429: "request, token or concurrency limit (Retry-After); or the tenant's monthly spend limit or the key's "
+                "monthly token allowance is reached: OpenAI's insufficient_quota (type and code), tessera_code "
+                "spend_limit_reached or key_allowance_reached, x-should-retry: false",
            500: "the gateway failed", 502: "the model failed", 503: "the model is not answering, or metering is "
            "unavailable (Retry-After)"}
     return {str(c): {"description": why[c], "content": {"application/json": {"schema": schema}}} for c in codes}

@@ -56,12 +56,13 @@ class GatewayError(Exception):
         return {"error": self.message, "code": self.tessera_code or self.code}
 
 
-def insufficient_quota(message: str) -> GatewayError:
-    """The tenant's spend limit is reached: OpenAI's answer for a spent quota (429 ``insufficient_quota``, which
-    OpenAI's SDKs map to ``RateLimitError``), not retried (``x-should-retry: false``, which the SDKs honour), with
-    Tessera's reason in ``tessera_code``."""
+def insufficient_quota(message: str, reason: str = "spend_limit_reached") -> GatewayError:
+    """A spent quota — the tenant's spend limit (``spend_limit_reached``) or the key's monthly token allowance
+    (``key_allowance_reached``): OpenAI's answer for a spent quota (429 ``insufficient_quota``, which OpenAI's SDKs
+    map to ``RateLimitError``), not retried (``x-should-retry: false``, which the SDKs honour), with Tessera's reason
+    in ``tessera_code``."""
     return GatewayError(429, "insufficient_quota", message, kind="insufficient_quota",
-                        headers={"x-should-retry": "false"}, tessera_code="spend_limit_reached")
+                        headers={"x-should-retry": "false"}, tessera_code=reason)
 
 
 def unknown_model(name: str) -> GatewayError:

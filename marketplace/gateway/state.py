@@ -56,6 +56,7 @@ class KeyInfo:
     revoked: bool
     requests_per_minute: int
     tokens_per_minute: int
+    allowance: int | None = None  # tokens per calendar month (UTC); None: none
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,7 @@ class Snapshot:
     keys: dict[str, KeyInfo] = field(default_factory=dict)
     tenants: dict[int, TenantInfo] = field(default_factory=dict)
     routes: dict[tuple[int, str], list[Upstream]] = field(default_factory=dict)
+    spent_keys: frozenset[str] = frozenset()  # keys whose monthly token allowance is used up (`allowances_used`)
     loaded_at: float = 0.0
 
 
@@ -197,7 +199,7 @@ class _Rows:
 
 
 KEY_FIELDS = ("prefix", "hashed_key", "tenant_id", "scopes", "expires_at", "revoked_at", "requests_per_minute",
-              "tokens_per_minute")
+              "tokens_per_minute", "monthly_token_allowance")
 ROUTE_FIELDS = ("tenant_id", "name", "spec__inputs", "spec__outputs", "spec__decoupled",
                 "allocation__triton_server__pk", "allocation__triton_server__nonce",
                 "allocation__triton_server__address", "allocation__triton_server__http_port")
@@ -227,7 +229,7 @@ class Loader:
         return KeyInfo(r["prefix"], r["hashed_key"], r["tenant_id"], frozenset(r["scopes"] or ()),
                        _epoch(r["expires_at"]), r["revoked_at"] is not None,
                        rpm if rpm is not None else settings.TESSERA_GATEWAY_RPM,
-                       tpm if tpm is not None else settings.TESSERA_GATEWAY_TPM)
+                       tpm if tpm is not None else settings.TESSERA_GATEWAY_TPM, r["monthly_token_allowance"])
 
     def _tenant(self, t: dict[str, Any]) -> TenantInfo:
         from marketplace.services.billing import spend
@@ -284,6 +286,7 @@ class Loader:
         snap.tenants = ({t.id: t for t in self.tenants.values()} if tenants_changed or last is None
                         else last.tenants)
         snap.routes = self._routes() if routes_changed or last is None else last.routes
+        snap.spent_keys = spent_keys(snap.keys, month)
         self.last = snap
         return snap
 
@@ -300,6 +303,22 @@ class Loader:
             routes.setdefault((base.tenant_id, adapter), []).append(Upstream(
                 dep_id, base.tenant_id, base.name, base.base_url, base.headers, base.io, adapter=adapter))
         return routes
+
+
+def spent_keys(keys: dict[str, KeyInfo], month) -> frozenset[str]:
+    """The keys that have used their monthly token allowance: this month's tokens (input + output) served for each
+    key with one, as the hourly rollups hold them (the usage consumer writes them as events arrive), summed by the
+    database in one query over those keys only (none without an allowance). Like the spend limit, it is read at
+    each refresh: requests admitted before the rollups and the next refresh see the last tokens may go past it
+    (README: "Per-key token allowance")."""
+    allowed = {k.prefix: k.allowance for k in keys.values() if k.allowance is not None and not k.revoked}
+    if not allowed:
+        return frozenset()
+    from marketplace.services.billing.units import bounds
+    from telemetry.selectors import key_tokens
+
+    used = key_tokens(allowed, *bounds(month))
+    return frozenset(k for k, tokens in used.items() if tokens >= allowed[k])
 
 
 class Tables:
@@ -344,6 +363,9 @@ class Tables:
             raise GatewayError(403, "insufficient_scope", "This API key lacks the 'inference' scope; create a key "
                                "with it to call models.", kind="permission_error")
         tenant = self._tenant(info.tenant_id)
+        if info.prefix in self.snap.spent_keys:
+            raise insufficient_quota(f"This API key has used its allowance of {info.allowance:,} tokens this month "
+                                     "(UTC); its tenant's admins can raise it.", "key_allowance_reached")
         self.used_keys.add(info.prefix)
         return Caller(tenant, info.prefix, f"key:{info.prefix}", info.requests_per_minute, info.tokens_per_minute)
 

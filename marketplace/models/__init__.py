@@ -5,6 +5,7 @@ from .billing import (
     CreditNoteSequence,
     Invoice,
     InvoiceLine,
+    InvoiceLineKey,
     InvoiceSequence,
     RatingRun,
     RatingRunTenant,
@@ -22,7 +23,7 @@ from .serving import TritonServer
 
 __all__ = ["GpuModel", "MigProfile", "MigPlacement", "ServerPlatform", "Node", "Gpu", "GpuInstance", "GpuSlot",
            "Tier", "PricePlan", "Order", "Allocation", "AllocationEvent", "DriftEvent",
-           "ModelDeployment", "Invoice", "InvoiceLine", "InvoiceSequence", "SpendNotice", "WebhookEndpoint",
-            "WebhookDelivery", "TritonServer", "LibraryModel", "ModelRepository", "LoraAdapter", "UploadState",
-            "BillingAlert",
+           "ModelDeployment", "Invoice", "InvoiceLine", "InvoiceLineKey", "InvoiceSequence", "SpendNotice",
+           "WebhookEndpoint", "WebhookDelivery", "TritonServer", "LibraryModel", "ModelRepository", "LoraAdapter",
+           "UploadState", "BillingAlert",
             "CreditNote", "CreditNoteLine", "CreditNoteSequence", "RatingRun", "RatingRunTenant"]

@@ -84,6 +84,28 @@ class InvoiceLine(models.Model):
         return f"{self.description}: {self.amount}"
 
 
+class InvoiceLineKey(models.Model):
+    """A token line's share per API key: the tokens each key was served under the line and its part of the
+    line's amount (largest remainder to the cent: the shares of a line sum to its amount exactly). Written with
+    the line (billing.keys); frozen with the invoice. `api_key` is the key's prefix; "" for usage that was
+    served without one (recorded before keys were metered)."""
+
+    line = models.ForeignKey(InvoiceLine, on_delete=models.CASCADE, related_name="key_shares")
+    api_key = models.CharField(max_length=16, blank=True, default="")
+    tokens = models.BigIntegerField()
+    amount = models.DecimalField(max_digits=14, decimal_places=2)
+
+    objects = TenantScopedQuerySet.as_manager()
+    tenant_path = "line__invoice__tenant_id"
+
+    class Meta:
+        ordering = ["line_id", "api_key"]
+        constraints = [models.UniqueConstraint(fields=["line", "api_key"], name="one_share_per_line_key")]
+
+    def __str__(self) -> str:
+        return f"{self.api_key or '(no key)'}: {self.amount}"
+
+
 class InvoiceSequence(models.Model):
     """Invoice numbers without gaps: one row per year, locked while a number is taken."""
 

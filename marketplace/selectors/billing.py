@@ -5,11 +5,12 @@ from __future__ import annotations
 from datetime import date
 from decimal import Decimal
 
-from django.db.models import Exists, OuterRef, Prefetch, QuerySet
+from django.db.models import Exists, OuterRef, Prefetch, Q, QuerySet, Sum
 
-from marketplace.models import CreditNote, CreditNoteLine, Invoice, InvoiceLine, WebhookEndpoint
+from marketplace.models import CreditNote, CreditNoteLine, Invoice, InvoiceLine, InvoiceLineKey, WebhookEndpoint
 from marketplace.services.billing import spend as spend_rule
-from tenants.models import Tenant
+from marketplace.services.billing.units import money
+from tenants.models import ApiKey, Tenant
 from tenants.scoping import Principal
 
 
@@ -46,6 +47,27 @@ def invoice_list(principal: Principal) -> QuerySet:
 def invoice_lines(invoice_id: int) -> QuerySet:
     """One invoice's lines as rows (dicts of INVOICE_LINE_ROW), in order."""
     return InvoiceLine.objects.filter(invoice_id=invoice_id).order_by("pk").values(*INVOICE_LINE_ROW)
+
+
+INPUT_KINDS = (InvoiceLine.Kind.INPUT_TOKENS, InvoiceLine.Kind.ADJUSTMENT_INPUT)
+
+
+def key_breakdown(invoice: Invoice) -> dict:
+    """An invoice's charges per API key (its token lines' key shares, billing.keys), in two queries: rows of
+    key (the prefix; None: usage served without a key), key_name (the invoice's tenant's own key, else None),
+    input_tokens, output_tokens and amount, largest amount first; `not_per_key`: the rest of the total (slice-hours,
+    commitment top-ups and credits, corrections: charges of no one key). The rows' amounts and `not_per_key` sum to
+    the invoice's total."""
+    rows = list(InvoiceLineKey.objects.filter(line__invoice_id=invoice.pk).values("api_key").annotate(
+        input_tokens=Sum("tokens", filter=Q(line__kind__in=INPUT_KINDS), default=0),
+        output_tokens=Sum("tokens", filter=~Q(line__kind__in=INPUT_KINDS), default=0),
+        amount=Sum("amount")).order_by("-amount", "api_key"))
+    prefixes = [r["api_key"] for r in rows if r["api_key"]]
+    names = dict(ApiKey.objects.filter(tenant_id=invoice.tenant_id, prefix__in=prefixes).values_list(
+        "prefix", "name")) if prefixes else {}
+    out = [{"key": r["api_key"] or None, "key_name": names.get(r["api_key"]), "input_tokens": r["input_tokens"],
+            "output_tokens": r["output_tokens"], "amount": money(r["amount"])} for r in rows]
+    return {"keys": out, "not_per_key": money(invoice.total - sum((r["amount"] for r in out), Decimal(0)))}
 
 
 def credit_notes_of(invoice_ids) -> dict[int, list[dict]]:

@@ -543,7 +543,8 @@ def invoice_detail(request, pk: int):
     invoice = get_object_or_404(billing_sel.invoices(request.principal), pk=pk)
     return _page(request, "invoice_detail.html", {"invoice": invoice, "lines": invoice.lines.all(),
                                                   "can_finalize": _finalizable(invoice),
-                                                  "credit_notes": invoice.credit_notes.all()})
+                                                  "credit_notes": invoice.credit_notes.all(),
+                                                  "by_key": billing_sel.key_breakdown(invoice)})
 
 
 @require_GET

@@ -32,7 +32,7 @@ from marketplace.services import models as model_svc
 from marketplace.services.billing.plans import in_force
 from marketplace.web.tables import Column, table
 from telemetry import charts
-from telemetry.selectors import deployment_latency, deployment_served, usage_summary
+from telemetry.selectors import deployment_latency, deployment_served, key_tokens, usage_summary
 from tenants import services as tenant_services
 from tenants.errors import Forbidden
 from tenants.models import ApiKey, Invitation, Membership, Tenant
@@ -440,7 +440,8 @@ def _invoice(request, pk):
 def invoice_detail(request, pk):
     inv = _invoice(request, pk)
     return render(request, "portal/invoice.html", ctx(request, invoice=inv, lines=list(inv.lines.all()),
-                                                      credit_notes=list(inv.credit_notes.all())))
+                                                      credit_notes=list(inv.credit_notes.all()),
+                                                      by_key=billing_sel.key_breakdown(inv)))
 
 
 @portal_view
@@ -455,7 +456,8 @@ def invoice_download(request, pk):
 # --- API keys -----------------------------------------------------------------------------------
 
 KEY_COLUMNS = [Column("name", "Name"), Column("prefix", "Prefix"), Column("", "Scopes"), Column("", "Status"),
-               Column("", "Limits (per minute)"), Column("created_at", "Created"), Column("last_used_at", "Last used"),
+               Column("", "Limits (per minute; tokens per month)"), Column("", "Tokens this month"),
+               Column("created_at", "Created"), Column("last_used_at", "Last used"),
                Column("", "")]
 
 
@@ -469,6 +471,9 @@ def _keys(request, form=None, status=200):
         .select_related("created_by")
     tbl = table(request, qs, KEY_COLUMNS, default_sort="-created_at")
     tenant = request.tenant
+    used = key_tokens([k.prefix for k in tbl.page], *billing.bounds(billing.month_of(timezone.now())))
+    for k in tbl.page:
+        k.month_tokens = used.get(k.prefix, 0)
     return render(request, "portal/keys.html", ctx(
         request, table=tbl, scopes=TENANT_SCOPES, form=form or ApiKeyForm(),
         tomorrow=timezone.now().date() + timedelta(days=1),
@@ -493,7 +498,8 @@ def key_create(request):
             key, secret = tenant_services.create_api_key(request.principal, tenant=request.tenant, name=d["name"],
                                                          scopes=d["scopes"], expires_at=form.expires_at,
                                                          requests_per_minute=d["requests_per_minute"],
-                                                         tokens_per_minute=d["tokens_per_minute"])
+                                                         tokens_per_minute=d["tokens_per_minute"],
+                                                         monthly_token_allowance=d["monthly_token_allowance"])
     if not form.is_valid():
         messages.error(request, f"The key was not created — {error_summary(form)}")
         return _keys(request, form=form, status=400)

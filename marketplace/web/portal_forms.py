@@ -154,6 +154,7 @@ class ApiKeyForm(forms.Form):
 
     requests_per_minute = _whole("Requests per minute", min_value=1)
     tokens_per_minute = _whole("Tokens per minute", min_value=1)
+    monthly_token_allowance = _whole("Tokens per month", min_value=1)
 
     @property
     def expires_at(self) -> datetime | None:
@@ -162,10 +163,12 @@ class ApiKeyForm(forms.Form):
 
 
 class KeyLimitsForm(forms.Form):
-    """A key's gateway limits (empty: the provider's default, or the tenant's ceiling when lower)."""
+    """A key's gateway limits (empty: the provider's default, or the tenant's ceiling when lower) and its monthly
+    token allowance (empty: none)."""
 
     requests_per_minute = _whole("Requests per minute", min_value=1)
     tokens_per_minute = _whole("Tokens per minute", min_value=1)
+    monthly_token_allowance = _whole("Tokens per month", min_value=1)
 
 
 class InviteForm(forms.Form):

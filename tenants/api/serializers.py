@@ -115,11 +115,17 @@ class ApiKeySerializer(serializers.ModelSerializer):
         required=False, allow_null=True, min_value=1,
         help_text="the gateway's tokens (input + output) per minute for this key; empty: the installation's default. "
                   "A tenant's admins may set at most the tenant's max_key_tokens_per_minute")
+    monthly_token_allowance = serializers.IntegerField(
+        required=False, allow_null=True, min_value=1,
+        help_text="tokens (input + output) this key may be served per calendar month (UTC); once reached the "
+                  "gateway answers 429 insufficient_quota (tessera_code key_allowance_reached) until the month ends or "
+                  "the allowance is raised; empty: none")
 
     class Meta:
         model = ApiKey
         fields = ["id", "tenant", "name", "prefix", "scopes", "status", "created_by", "created_at",
-                  "expires_at", "last_used_at", "revoked_at", "requests_per_minute", "tokens_per_minute"]
+                  "expires_at", "last_used_at", "revoked_at", "requests_per_minute", "tokens_per_minute",
+                  "monthly_token_allowance"]
         read_only_fields = ["id", "prefix", "status", "created_by", "created_at", "last_used_at", "revoked_at"]
 
 
@@ -128,6 +134,7 @@ class ApiKeyLimitsSerializer(serializers.Serializer):
 
     requests_per_minute = serializers.IntegerField(required=False, allow_null=True, min_value=1)
     tokens_per_minute = serializers.IntegerField(required=False, allow_null=True, min_value=1)
+    monthly_token_allowance = serializers.IntegerField(required=False, allow_null=True, min_value=1)
 
     def validate(self, attrs):
         unknown = sorted(set(self.initial_data) - set(self.fields))

@@ -152,6 +152,7 @@ class ApiKeyViewSet(ScopedViewSetMixin, mixins.ListModelMixin, mixins.RetrieveMo
             self.principal, tenant=data.get("tenant"), name=data["name"], scopes=data["scopes"],
             expires_at=data.get("expires_at"), requests_per_minute=data.get("requests_per_minute"),
             tokens_per_minute=data.get("tokens_per_minute"),
+            monthly_token_allowance=data.get("monthly_token_allowance"),
         )
         key.key = secret
         return Response(serializers.ApiKeyCreatedSerializer(key, context=self.get_serializer_context()).data,

@@ -146,7 +146,7 @@ CLASSIFICATION: dict[str, str] = {
     "api:allocation-detail": OBJECT, "api:allocation-release": OBJECT, "api:allocation-retry": OBJECT,
     "api:deployment-detail": OBJECT, "api:deployment-retry": OBJECT, "api:invoice-detail": OBJECT,
     "api:invoice-export": OBJECT, "api:invoice-export-csv": OBJECT, "api:modelrepository-detail": OBJECT,
-    "api:loraadapter-detail": OBJECT,
+    "api:loraadapter-detail": OBJECT, "api:invoice-keys": OBJECT,
     "api:invoice-finalize": OBJECT, "api:invoice-refresh": OBJECT, "api:webhook-detail": OBJECT,
     "api:invoice-credit-note": OBJECT, "api:creditnote-detail": OBJECT, "api:creditnote-export": OBJECT,
     "api:creditnote-export-csv": OBJECT,

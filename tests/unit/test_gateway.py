@@ -379,3 +379,32 @@ def test_try_it_tokens_are_bound_to_their_tenant_and_cannot_be_forged(fleet, gat
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(req, timeout=10)
     assert err.value.code == 404
+
+
+def test_a_key_past_its_monthly_token_allowance_is_refused_like_a_spent_quota(fleet, gateway_factory):
+    from tenants.models import ApiKey
+
+    tenant = fleet["a"]
+    _, capped = make_key(tenant, ["inference"])
+    prefix = capped.split("_")[1]
+    ApiKey.objects.filter(prefix=prefix).update(monthly_token_allowance=12)
+    gw = gateway_factory()
+    client, other = _client(gw, capped), _client(gw, fleet["key_a"])
+    first = client.completions.create(model="tiny-gen", prompt="one two three", max_tokens=5)
+    assert first.usage.total_tokens == 8  # under the allowance: served
+    _drain()
+    gw.refresh()
+    client.completions.create(model="tiny-gen", prompt="one two three", max_tokens=5)  # 8 of 12 used: served
+    _drain()
+    gw.refresh()  # 16 >= 12: this key is refused, the tenant's other keys are not
+    with pytest.raises(openai.RateLimitError) as quota:
+        client.completions.create(model="tiny-gen", prompt="again", max_tokens=1)
+    assert quota.value.code == "insufficient_quota" and quota.value.body["tessera_code"] == "key_allowance_reached"
+    assert "12 tokens" in quota.value.body["message"] and quota.value.response.headers["x-should-retry"] == "false"
+    assert other.completions.create(model="tiny-gen", prompt="w", max_tokens=1).usage.completion_tokens == 1
+    # the tenant's admin raises it: served again at the next refresh
+    ApiKey.objects.filter(prefix=prefix).update(monthly_token_allowance=100)
+    gw.refresh()
+    assert client.completions.create(model="tiny-gen", prompt="w", max_tokens=1).usage.completion_tokens == 1
+    _drain()
+    assert sum(e.input_tokens + e.output_tokens for e in UsageEvent.objects.filter(api_key=prefix)) == 18

@@ -116,3 +116,47 @@ def test_the_portal_and_the_console_set_the_same_limits(world, members_a, operat
     assert "at most 50" in r.content.decode() and ApiKey.objects.get(pk=key.pk).requests_per_minute == 20
     client.force_login(world["owner_b"])
     assert client.post(reverse("portal:key_limits", args=[key.pk]), {"requests_per_minute": "5"}).status_code == 404
+
+
+def test_a_key_gets_a_monthly_token_allowance_through_the_api_and_the_portal(world, members_a, as_user, client,
+                                                                              tiers):
+    """The allowance is the tenant's own budget for a key: no ceiling of the provider's (it only refuses more);
+    whole numbers of at least 1, empty for none. The keys page shows each key's tokens this month against it."""
+    from datetime import timedelta
+
+    from django.urls import reverse
+    from django.utils import timezone
+
+    from tests.factories import DeploymentFactory, UsageHourlyFactory
+
+    admin = as_user(members_a[Role.ADMIN])
+    r = _create(admin, monthly_token_allowance=2_000_000)
+    assert r.status_code == 201 and r.json()["monthly_token_allowance"] == 2_000_000, r.content
+    key = r.json()["id"]
+    r = admin.patch(f"{KEYS}{key}/", {"monthly_token_allowance": 5_000}, format="json")
+    assert r.status_code == 200 and r.json()["monthly_token_allowance"] == 5_000
+    assert AuditEvent.objects.filter(action="api_key.limits", tenant=world["a"]).latest("at").detail[
+        "monthly_token_allowance"] == 5_000
+    for bad in (0, -5, "many", 1.5):
+        r = admin.patch(f"{KEYS}{key}/", {"monthly_token_allowance": bad}, format="json")
+        assert r.status_code == 400 and "monthly_token_allowance" in r.json(), (bad, r.content)
+    assert ApiKey.objects.get(pk=key).monthly_token_allowance == 5_000
+    r = as_user(members_a[Role.MEMBER]).patch(f"{KEYS}{key}/", {"monthly_token_allowance": None}, format="json")
+    assert r.status_code in (403, 404) and ApiKey.objects.get(pk=key).monthly_token_allowance == 5_000
+
+    obj = ApiKey.objects.get(pk=key)
+    dep = DeploymentFactory(allocation__order__tenant=world["a"], allocation__order__tier=tiers["1g"])
+    hour = timezone.now().replace(minute=0, second=0, microsecond=0)
+    UsageHourlyFactory(tenant=world["a"], deployment=dep, hour=hour, api_key=obj.prefix, input_tokens=4_000,
+                       output_tokens=1_500)
+    UsageHourlyFactory(tenant=world["a"], deployment=dep, hour=hour - timedelta(days=40), api_key=obj.prefix,
+                       input_tokens=9_999)  # another month's: not counted
+    client.force_login(members_a[Role.ADMIN])
+    page = client.get(reverse("portal:keys")).content.decode()
+    assert "5,500" in page and "allowance used" in page and 'name="monthly_token_allowance"' in page
+    r = client.post(reverse("portal:key_limits", args=[key]), {"monthly_token_allowance": ""})
+    assert r.status_code == 302 and ApiKey.objects.get(pk=key).monthly_token_allowance is None
+    assert "allowance used" not in client.get(reverse("portal:keys")).content.decode()
+    r = client.post(reverse("portal:key_create"), {"name": "capped", "scopes": ["inference"],
+                                                   "monthly_token_allowance": "777"})
+    assert r.status_code == 200 and ApiKey.objects.get(name="capped").monthly_token_allowance == 777

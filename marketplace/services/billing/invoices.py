@@ -27,6 +27,7 @@ from tenants.errors import Conflict, ServiceError
 from tenants.models import Tenant
 
 from .alerts import alert, note_unpriced, resolve_alerts
+from .keys import write_shares
 from .rating import L, rate
 from .units import bounds, month_of, months, next_month
 
@@ -51,6 +52,7 @@ def refresh(invoice: Invoice, now: datetime | None = None) -> Invoice:
     rated = rate(invoice.tenant, invoice.period_start, now, invoice.currency, invoice.pk)
     invoice.lines.all().delete()
     lines = InvoiceLine.objects.bulk_create([d.line(invoice) for d in rated.drafts])
+    write_shares(lines, rated.drafts)
     invoice.total = sum((line.amount for line in lines), Decimal(0))
     invoice.rated_at = timezone.now()
     invoice.save(update_fields=["total", "rated_at"])
@@ -106,6 +108,7 @@ def finalize(invoice: Invoice, *, now: datetime | None = None, force: bool = Fal
                                   f"{invoice.currency} from before that usage, then finalize")
         invoice.lines.all().delete()
         lines = InvoiceLine.objects.bulk_create([d.line(invoice) for d in rated.drafts])
+        write_shares(lines, rated.drafts)
         rated.usage_rows.update(
             billed_input_tokens=F("input_tokens"), billed_output_tokens=F("output_tokens"),
             billed_requests=F("requests"))

@@ -97,6 +97,7 @@ class Draft:
     price: Decimal | None = None  # a fixed unit price (commitment top-up); else the plan's price for the kind
     rows: list[int] = field(default_factory=list)
     pieces: list[tuple[datetime, datetime, Decimal]] = field(default_factory=list)  # (from, to, quantity)
+    keys: dict[str, int] = field(default_factory=dict)  # a token line's tokens per API key prefix (invoices)
 
     def add(self, q: Decimal, a: datetime, b: datetime) -> None:
         self.pieces.append((a, b, q))
@@ -170,14 +171,15 @@ def in_hours(field: str, hours: list[datetime]) -> Q:
 
 
 def token_groups(rows: QuerySet, book: PlanBook, month_start: datetime, pieces: Pieces | None = None, *,
-                 events: QuerySet, by_tenant: bool = False, by_deployment: bool = True):
+                 events: QuerySet, by_tenant: bool = False, by_deployment: bool = True, by_key: bool = False):
     """UsageHourly `rows` summed by the database per (deployment, adapter, tier, plan kind, plan in force,
     late: before `month_start`, month[, piece]): the rating's token input, however many hours there are.
     pieces = (step, lo, hi): also per UTC time bucket of `step` seconds inside [lo, hi), each hour a period's
     edges cut (just outside [lo, hi)) its own piece (-its epoch), and the hours before and after in one
     piece each (-1, -2). Yields dicts with the sums, first/last hour and the number of hours (or events).
     by_deployment=False: only the token sums per tier, plan kind, plan in force[, tenant][, piece] (what
-    spreading a month's lines over time needs; `rows` within one month).
+    spreading a month's lines over time needs; `rows` within one month). by_key: also per API key (`api_key`,
+    the key's prefix: what an invoice's per-key breakdown needs).
 
     Split hours (`PlanBook.split_hours`: a plan starts inside the hour): the month's own rollups of those hours
     are left out and their UsageEvent `events` (the same tenants' usage in the same month, unfiltered by time)
@@ -189,19 +191,19 @@ def token_groups(rows: QuerySet, book: PlanBook, month_start: datetime, pieces: 
     if split:
         rows = rows.exclude(own & Q(hour__in=split))
     yield from _token_groups(rows.annotate(plan_id=book.rollup_case(TIER, PLAN_KIND, month_start)), month_start,
-                             pieces, by_tenant=by_tenant, by_deployment=by_deployment)
+                             pieces, by_tenant=by_tenant, by_deployment=by_deployment, by_key=by_key)
     if split:
         ev = events.filter(in_hours("ts", split)).annotate(hour=TruncHour("ts", tzinfo=UTC),
                                                            plan_id=book.case(TIER, PLAN_KIND, "ts"))
         yield from _token_groups(ev, month_start, pieces, by_tenant=by_tenant, by_deployment=by_deployment,
-                                 billed=False)
+                                 by_key=by_key, billed=False)
 
 
 def _token_groups(qs: QuerySet, month_start: datetime, pieces: Pieces | None, *, by_tenant: bool,
-                  by_deployment: bool, billed: bool = True):
+                  by_deployment: bool, by_key: bool = False, billed: bool = True):
     """token_groups of rollups (`billed`) or of one month's usage events (not `billed`: annotated with their
     `hour`; none billed, never late), `qs` annotated with `plan_id`."""
-    keys = [TIER, PLAN_KIND, "plan_id"] + (["tenant_id"] if by_tenant else [])
+    keys = [TIER, PLAN_KIND, "plan_id"] + (["tenant_id"] if by_tenant else []) + (["api_key"] if by_key else [])
     sums: dict[str, Aggregate] = {"input_tokens": Sum("input_tokens"), "output_tokens": Sum("output_tokens")}
     if by_deployment:  # what an invoice needs besides: the line keys, late usage, what was billed before
         at = "hour" if billed else "ts"
@@ -291,7 +293,7 @@ def rate(tenant: Tenant, period_start: date, now: datetime | None = None, curren
     rows = UsageHourly.objects.filter(tenant=tenant).filter(this_month | (late & pending_late) if finalized
                                                              else this_month)
     events = UsageEvent.objects.filter(tenant=tenant, ts__gte=start, ts__lt=end)
-    groups = list(token_groups(rows, book, start, pieces, events=events))
+    groups = list(token_groups(rows, book, start, pieces, events=events, by_key=True))
     tiers = Tier.objects.in_bulk({g["tier_id"] for g in groups} | {a.tier_id for a in allocs})
     names = dict(ModelDeployment.objects.filter(pk__in={g["deployment_id"] for g in groups})
                  .values_list("pk", "name"))
@@ -358,6 +360,8 @@ def rate_month(inp: MonthInputs, start: datetime, end: datetime, now: datetime
                 kind, tier, plan, f"{prefix}{served} on {tier.name}: {what} tokens (per 1M)",
                 "1M tokens", deployment_id=g["deployment_id"]))
             d.add(Decimal(tokens) / MILLION, g["first"], g["last"] + timedelta(hours=1))
+            if "api_key" in g:
+                d.keys[g["api_key"]] = d.keys.get(g["api_key"], 0) + tokens
     out = list(drafts.values())
     out += commitment_topups(book, held, out, start, end)
     return out, list(unpriced), late_reserved
