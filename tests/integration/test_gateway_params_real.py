@@ -173,6 +173,47 @@ def test_a_spend_block_is_openais_insufficient_quota(served, gateway_factory):
     assert err.value.response.headers["x-should-retry"] == "false" and _billed() == {}
 
 
+def test_keys_are_metered_apart_split_on_the_invoice_and_held_to_their_allowance(served, gateway_factory):
+    """Two keys of one tenant through the openai package: the usage per key adds up to the tenant's, the invoice's
+    token lines split over the keys to the cent, and a key past its monthly token allowance is refused as a spent
+    quota while the other key goes on."""
+    from django.utils import timezone
+
+    from marketplace.selectors.billing import key_breakdown
+    from marketplace.services import billing
+    from tenants.models import ApiKey
+
+    tenant = served["tenant"]
+    team, team_secret = make_key(tenant, ["inference"], name="team-b")
+    ApiKey.objects.filter(pk=team.pk).update(monthly_token_allowance=10)
+    gw = gateway_factory()
+    mine, theirs = _client(gw, served["key"]), _client(gw, team_secret)
+    served_to = {served["key"].split("_")[1]: 0, team.prefix: 0}
+    for prefix, client, prompt in ((team.prefix, theirs, "a b c d"), (served["key"].split("_")[1], mine, "a b"),
+                                   (team.prefix, theirs, "e f g")):
+        r = client.completions.create(model="tiny-gen", prompt=prompt, max_tokens=3)
+        served_to[prefix] += r.usage.total_tokens
+    _billed()
+    assert served_to[team.prefix] >= 10
+    gw.refresh()
+    with pytest.raises(openai.RateLimitError) as err:
+        theirs.completions.create(model="tiny-gen", prompt="a", max_tokens=1)
+    assert err.value.code == "insufficient_quota" and err.value.body["tessera_code"] == "key_allowance_reached"
+    assert mine.completions.create(model="tiny-gen", prompt="a", max_tokens=1).usage.total_tokens == 2
+    served_to[served["key"].split("_")[1]] += 2
+    per_event = _billed()
+    assert sum(i + o for i, o in per_event.values()) == sum(served_to.values())
+    by_key = {e.api_key: 0 for e in UsageEvent.objects.all()}
+    for e in UsageEvent.objects.all():
+        by_key[e.api_key] += e.input_tokens + e.output_tokens
+    assert by_key == served_to
+    invoice = billing.current_invoice(tenant, timezone.now())
+    split = key_breakdown(invoice)
+    tokens = {r["key"]: r["input_tokens"] + r["output_tokens"] for r in split["keys"]}
+    assert tokens == served_to
+    assert sum(r["amount"] for r in split["keys"]) + split["not_per_key"] == invoice.total
+
+
 def test_embeddings_for_a_model_that_declares_them(real_serving, tiers, gateway_factory):
     owner = tenant_owner()
     a = order_active(owner, tiers["3g"])
