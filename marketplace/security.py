@@ -23,7 +23,10 @@ def _nonce(request) -> str:
 
 
 def policy(nonce: str) -> str:
-    return "; ".join(f"{name} {value.replace('{nonce}', nonce)}".strip()
+    from tenants.sso import form_action_origins
+
+    extra = {"form-action": " ".join(form_action_origins())}  # the sign-out form ends at the SSO provider
+    return "; ".join(f"{name} {value.replace('{nonce}', nonce)} {extra.get(name, '')}".strip()
                      for name, value in settings.TESSERA_CSP.items())
 
 

@@ -585,7 +585,25 @@ REST_FRAMEWORK["DEFAULT_THROTTLE_RATES"] = {
 # (e-mail, client IP) within the window, that pair is locked for LOCKOUT_MINUTES.
 TESSERA_LOGIN_MAX_FAILURES = env_int("TESSERA_LOGIN_MAX_FAILURES", 5, minimum=1)
 TESSERA_LOGIN_LOCKOUT_MINUTES = env_int("TESSERA_LOGIN_LOCKOUT_MINUTES", 15)
-AUTHENTICATION_BACKENDS = ["tenants.lockout.LockoutModelBackend"]
+AUTHENTICATION_BACKENDS = ["tenants.lockout.LockoutModelBackend", "tenants.sso.Backend"]
+# Single sign-on with OpenID Connect (tenants.sso; README "Single sign-on"): on when a client id is set. The
+# provider's endpoints are given, not discovered (nothing is fetched at start-up).
+OIDC_RP_CLIENT_ID = env_str("TESSERA_OIDC_CLIENT_ID")
+OIDC_RP_CLIENT_SECRET = env_str("TESSERA_OIDC_CLIENT_SECRET")
+OIDC_OP_AUTHORIZATION_ENDPOINT = env_str("TESSERA_OIDC_AUTHORIZATION_ENDPOINT")
+OIDC_OP_TOKEN_ENDPOINT = env_str("TESSERA_OIDC_TOKEN_ENDPOINT")
+OIDC_OP_USER_ENDPOINT = env_str("TESSERA_OIDC_USERINFO_ENDPOINT")
+OIDC_OP_JWKS_ENDPOINT = env_str("TESSERA_OIDC_JWKS_ENDPOINT") or None
+OIDC_RP_SIGN_ALGO = env_str("TESSERA_OIDC_SIGN_ALGO", "RS256")
+OIDC_RP_SCOPES = env_str("TESSERA_OIDC_SCOPES", "openid email profile")
+OIDC_STORE_ID_TOKEN = True  # the hint of the provider's logout
+OIDC_TIMEOUT = 10
+OIDC_AUTHENTICATION_CALLBACK_URL = "oidc_authentication_callback"
+LOGIN_REDIRECT_URL_FAILURE = "/login/"
+TESSERA_OIDC_END_SESSION_ENDPOINT = env_str("TESSERA_OIDC_END_SESSION_ENDPOINT")
+TESSERA_OIDC_GROUPS_CLAIM = env_str("TESSERA_OIDC_GROUPS_CLAIM", "groups")
+TESSERA_OIDC_OPERATOR_GROUP = env_str("TESSERA_OIDC_OPERATOR_GROUP", "tessera-operators")
+TESSERA_OIDC_PROVIDER_NAME = env_str("TESSERA_OIDC_PROVIDER_NAME", "single sign-on")
 # Behind a TLS-terminating proxy the client IP is the first X-Forwarded-For hop when this is on.
 TESSERA_TRUST_X_FORWARDED_FOR = env_bool("TESSERA_TRUST_X_FORWARDED_FOR", False)
 # /metrics for a scraper: "Authorization: Bearer <token>" (empty: staff sessions only).

@@ -129,6 +129,10 @@ class Tenant(models.Model):
     max_key_tokens_per_minute = models.PositiveIntegerField(
         null=True, blank=True,
         help_text="the most tokens per minute the tenant's admins may give one API key; empty: TESSERA_GATEWAY_TPM")
+    sso_email_domain = models.CharField(
+        max_length=253, blank=True, default="",
+        help_text="single sign-on: a person the identity provider signs in with a verified e-mail address at this "
+                  "domain joins this tenant as a member; empty: by invitation only")
 
     objects = TenantScopedQuerySet.as_manager()
     tenant_path = "pk"
@@ -141,6 +145,8 @@ class Tenant(models.Model):
                                    name="tenant_warn_le_block"),
             models.CheckConstraint(condition=models.Q(max_slices_per_tier__lte=models.F("max_slices")),
                                    name="tenant_tier_quota_le_total"),
+            models.UniqueConstraint(fields=["sso_email_domain"], condition=~models.Q(sso_email_domain=""),
+                                    name="tenant_sso_domain_unique"),
         ]
 
     def __str__(self) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from datetime import timedelta
 
 from django.conf import settings
@@ -29,6 +30,7 @@ TENANT_QUOTA_FIELDS = {"currency",
     "max_slices", "max_slices_per_tier", "max_memory_gb",
     "monthly_spend_limit", "spend_warn_ratio", "spend_block_ratio",
     "max_concurrent_requests", "max_key_requests_per_minute", "max_key_tokens_per_minute",
+    "sso_email_domain",
 }
 #: an API key's gateway limit -> (the tenant's ceiling for it, the installation's default when the key sets none)
 KEY_LIMITS = {"requests_per_minute": ("max_key_requests_per_minute", "TESSERA_GATEWAY_RPM"),
@@ -40,6 +42,25 @@ POSITIVE_LIMITS = ("max_concurrent_requests", "max_key_requests_per_minute", "ma
 def _require(principal: Principal, capability: str, tenant_id: int | None) -> None:
     if not principal.can(capability, tenant_id):
         raise Forbidden("Your role or API-key scopes do not allow this.")
+
+
+_DOMAIN = re.compile(r"^(?=.{1,253}$)([a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?\.)+[a-z]{2,63}$")
+
+
+def _sso_domain(fields: dict, tenant_id: int | None) -> None:
+    """sso_email_domain (single sign-on: its people join the tenant): a lower-case DNS name, one tenant's only."""
+    if "sso_email_domain" not in fields:
+        return
+    domain = str(fields["sso_email_domain"] or "").strip().lower().removeprefix("@")
+    if domain and not _DOMAIN.match(domain):
+        raise ServiceError("must be an e-mail domain like example.com (empty: by invitation only)",
+                           field="sso_email_domain")
+    others = Tenant.objects.filter(sso_email_domain=domain)
+    if tenant_id is not None:
+        others = others.exclude(pk=tenant_id)
+    if domain and others.exists():
+        raise Conflict("another tenant signs in people of this domain", field="sso_email_domain")
+    fields["sso_email_domain"] = domain
 
 
 def _check_quota_values(values: dict) -> None:
@@ -67,6 +88,7 @@ def create_tenant(principal: Principal, *, owner_email: str | None = None, **fie
     if Tenant.objects.filter(slug=fields["slug"]).exists():
         raise Conflict("a tenant with this slug exists", field="slug")
     defaults = {f.name: f.get_default() for f in Tenant._meta.fields if f.name in TENANT_QUOTA_FIELDS}
+    _sso_domain(fields, None)
     _check_quota_values({**defaults, **fields})
     tenant = Tenant.objects.create(**fields)
     if owner_email:
@@ -86,6 +108,7 @@ def update_tenant(principal: Principal, tenant: Tenant, **fields) -> Tenant:
     unknown = set(fields) - TENANT_PROFILE_FIELDS - TENANT_QUOTA_FIELDS
     if unknown:
         raise ServiceError(f"cannot be changed here: {', '.join(sorted(unknown))}")
+    _sso_domain(fields, tenant.pk)
     merged = {name: getattr(tenant, name) for name in TENANT_QUOTA_FIELDS} | fields
     _check_quota_values(merged)
     if "currency" in fields and fields["currency"] != tenant.currency:

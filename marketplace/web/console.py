@@ -378,12 +378,21 @@ class QuotaForm(forms.Form):
     max_key_tokens_per_minute = forms.IntegerField(
         required=False, min_value=1, help_text="the most tokens per minute the tenant's admins may give one key "
         "(keys above it are lowered to it); empty: the gateway's default")
-
+    sso_email_domain = forms.CharField(
+        required=False, max_length=253, label="SSO e-mail domain",
+        help_text="single sign-on: people the identity provider signs in with an address at this domain join the "
+        "tenant as members; empty: by invitation only")
 
     def clean_max_concurrent_requests(self):
         """Left out of a post (a form older than the field): unchanged, never empty."""
         value = self.cleaned_data.get("max_concurrent_requests")
         return self.initial.get("max_concurrent_requests") if value is None else value
+
+    def clean_sso_email_domain(self):
+        """Left out of a post (a form older than the field): unchanged."""
+        if "sso_email_domain" not in self.data:
+            return self.initial.get("sso_email_domain", "")
+        return self.cleaned_data.get("sso_email_domain", "")
 
 
 def _quota_initial(tenant: Tenant) -> dict:

@@ -26,10 +26,11 @@ class TenantSerializer(serializers.ModelSerializer):
             "max_slices", "max_slices_per_tier", "max_memory_gb",
             "monthly_spend_limit", "spend_warn_ratio", "spend_block_ratio",
             "max_concurrent_requests", "max_key_requests_per_minute", "max_key_tokens_per_minute",
-            "member_count", "active_key_count", "owner_email",
+            "sso_email_domain", "member_count", "active_key_count", "owner_email",
         ]
         read_only_fields = ["id", "status", "created_at", "suspended_at", "suspended_reason"]
-        extra_kwargs: dict[str, dict[str, Any]] = {"slug": {"validators": []}}  # uniqueness is the service's (409)
+        # uniqueness is the service's (409), after it normalizes the value
+        extra_kwargs: dict[str, dict[str, Any]] = {"slug": {"validators": []}, "sso_email_domain": {"validators": []}}
 
     def get_fields(self):
         fields = super().get_fields()
@@ -43,7 +44,7 @@ class TenantUpdateSerializer(TenantSerializer):
 
     class Meta(TenantSerializer.Meta):
         read_only_fields = [*TenantSerializer.Meta.read_only_fields, "slug"]
-        extra_kwargs: dict[str, dict[str, Any]] = {}
+        extra_kwargs: dict[str, dict[str, Any]] = {"sso_email_domain": {"validators": []}}
 
 
 class SuspendSerializer(serializers.Serializer):
