@@ -341,10 +341,10 @@ INVOICE_CSV = OpenApiResponse(response=OpenApiTypes.STR, description=(
     "The invoice as CSV (UTF-8): a header row (invoice, its number or `draft`, tenant, period, currency, status), "
     "a column row (kind, tier, deployment, description, quantity, unit, unit_price, amount, usage_from, usage_to), "
     "one row per line (usage first, then commitment top-ups), a `total` row, then one `credit_note` row per credit "
-    "note correcting it (number, reason, the amount credited: positive, issued_at); then the charges per API key "
-    "(as `keys/`): a `by_key` column row (key, key_name, input_tokens, output_tokens, amount), one `key` row per key "
-    "(an empty key: usage served without one) and a `not_per_key` row (slice-hours, commitments, corrections); the "
-    "keys' amounts and not_per_key sum to the total."))
+    "note correcting it (number, reason, the amount credited: positive, issued_at); then, when it has token lines, "
+    "the charges per API key (as `keys/`): a `by_key` column row (key, key_name, input_tokens, output_tokens, "
+    "amount), one `key` row per key (an empty key: usage served without one) and a `not_per_key` row (slice-hours, "
+    "commitments, corrections); the keys' amounts and not_per_key sum to the total."))
 CREDIT_NOTE_CSV = OpenApiResponse(response=OpenApiTypes.STR, description=(
     "The credit note as CSV (UTF-8): a header row (credit_note, number, invoice, tenant, currency), a column row "
     "(invoice_line, description, amount), one row per line (the amount credited: positive), a `total` row, then "

@@ -15,8 +15,8 @@ from .billing import key_breakdown
 
 def invoice_csv(invoice: Invoice) -> str:
     """An invoice as CSV: its header, its lines (usage first, then commitment top-ups), the total and its
-    credit notes, each with the amount it credits (positive), then its charges per API key (`key_breakdown`) (the
-    API's export/csv/, the portal's and the console's download)."""
+    credit notes, each with the amount it credits (positive), then (an invoice with token lines) its charges per API
+    key (`key_breakdown`) (the API's export/csv/, the portal's and the console's download)."""
     out = io.StringIO()
     w = csv.writer(out)
     w.writerow(["invoice", invoice.number or "draft", "tenant", invoice.tenant.slug, "period",
@@ -31,10 +31,12 @@ def invoice_csv(invoice: Invoice) -> str:
     for cn in invoice.credit_notes.order_by("pk"):  # corrections: the invoice itself never changes
         w.writerow(["credit_note", cn.number, "", cn.reason, "", "", "", cn.total, cn.issued_at.isoformat(), ""])
     split = key_breakdown(invoice)
-    w.writerow(["by_key", "key", "key_name", "input_tokens", "output_tokens", "amount"])
-    for k in split["keys"]:
-        w.writerow(["key", k["key"] or "", k["key_name"] or "", k["input_tokens"], k["output_tokens"], k["amount"]])
-    w.writerow(["not_per_key", "", "", "", "", split["not_per_key"]])
+    if split["keys"]:  # an invoice with token lines
+        w.writerow(["by_key", "key", "key_name", "input_tokens", "output_tokens", "amount"])
+        for k in split["keys"]:
+            w.writerow(["key", k["key"] or "", k["key_name"] or "", k["input_tokens"], k["output_tokens"],
+                        k["amount"]])
+        w.writerow(["not_per_key", "", "", "", "", split["not_per_key"]])
     return out.getvalue()
 
 

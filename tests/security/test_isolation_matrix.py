@@ -115,6 +115,7 @@ CLASSIFICATION: dict[str, str] = {
     "healthz": PUBLIC, "schema": PUBLIC, "api-docs": PUBLIC, "chart-index": PUBLIC, "login": PUBLIC,
     "password_reset": PUBLIC, "password_reset_done": PUBLIC, "password_reset_confirm": PUBLIC,
     "password_reset_complete": PUBLIC, "invitation": PUBLIC,
+    "oidc_authentication_init": PUBLIC, "oidc_authentication_callback": PUBLIC,  # single sign-on: 404 while off
     "home": SELF, "logout": SELF, "api:me": SELF, "api:root": SELF, "api:invitation-accept": SELF,
     # catalog: any signed-in principal reads, only operators write
     "api:gpumodel-list": CATALOG, "api:gpumodel-detail": CATALOG, "api:migprofile-list": CATALOG,

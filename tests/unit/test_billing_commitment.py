@@ -118,8 +118,12 @@ def test_usage_below_commitment_is_topped_up_to_it(shop, as_key, client, operato
     api = as_key(key)
     text = api.get(f"/api/v1/invoices/{inv.pk}/export/?format=csv").content.decode()
     rows = text.strip().splitlines()
-    assert rows[-2].startswith("commitment_topup,h100-3g,,") and ",254.75," in rows[-2]  # after the usage
-    assert rows[-1].startswith("total") and "1020.50" in rows[-1]
+    total = next(i for i, r in enumerate(rows) if r.startswith("total,"))
+    assert rows[total - 1].startswith("commitment_topup,h100-3g,,") and ",254.75," in rows[total - 1]  # after usage
+    assert "1020.50" in rows[total]
+    # then the charges per key: the tokens (no key in this test's usage) and the rest (capacity, the top-up)
+    assert rows[total + 1].startswith("by_key,") and rows[-2] == "key,,,3000000,1000000,1.75"
+    assert rows[-1] == "not_per_key,,,,,1018.75"
     js = json.loads(api.get(f"/api/v1/invoices/{inv.pk}/export/?format=json").content)
     assert [li["amount"] for li in js["lines"] if li["kind"] == TOPUP] == ["254.75"]
     assert D(js["total"]) == sum(D(li["amount"]) for li in js["lines"])
