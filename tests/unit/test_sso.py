@@ -17,7 +17,8 @@ pytestmark = pytest.mark.django_db
 
 
 def _invite(tenant, email, role="member", days=3):
-    return Invitation.objects.create(tenant=tenant, email=email, role=role, token_hash=f"{abs(hash((email, days))):064x}"[:64],
+    return Invitation.objects.create(tenant=tenant, email=email, role=role,
+                                     token_hash=f"{abs(hash((email, days))):064x}"[:64],
                                      expires_at=timezone.now() + timedelta(days=days))
 
 
