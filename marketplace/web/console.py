@@ -55,14 +55,16 @@ from marketplace.services.billing import spend
 from marketplace.services.billing.plans import in_force
 from marketplace.services.billing.spend import Spend
 from marketplace.services.fleet import DiscoveredGpu
+from marketplace.web.portal_forms import KeyLimitsForm, error_summary
 from marketplace.web.tables import Column, Filtered, Table, filtered, table
 from telemetry.charts import CHARTS
 from telemetry.models import GpuSample
+from telemetry.selectors import key_tokens
 from tenants import selectors as tenant_selectors
 from tenants import services as tenant_services
 from tenants.errors import ServiceError
 from tenants.filters import AuditEventFilter, TenantFilter
-from tenants.models import CURRENCIES, SPEND_LIMIT_HELP, AuditEvent, Tenant
+from tenants.models import CURRENCIES, SPEND_LIMIT_HELP, ApiKey, AuditEvent, Tenant
 from tenants.scoping import principal_for
 
 RELEASABLE = (Allocation.State.PLACED, Allocation.State.PROVISIONING, Allocation.State.READY, Allocation.State.ACTIVE,
@@ -403,10 +405,36 @@ def _tenant_page(request, tenant: Tenant, form: QuotaForm, status: int = 200):
     allocs = (Allocation.objects.filter(tenant=tenant).select_related("tier", "node").order_by("-created_at")[:10])
     invoices = Invoice.objects.filter(tenant=tenant).order_by("-period_start")[:6]
     live = Allocation.objects.filter(tenant=tenant, state__in=LIVE_STATES).count()
+    keys = list(ApiKey.objects.filter(tenant=tenant, revoked_at__isnull=True).order_by("-created_at")[:KEYS_SHOWN])
+    used = key_tokens([k.prefix for k in keys], *billing.bounds(billing.month_of(timezone.now())))
     return _page(request, "tenant_detail.html", {
         "tenant": tenant, "form": form, "allocations": allocs, "invoices": invoices, "live": live,
         "spend": spend.of(tenant), "members": tenant.memberships.select_related("user").order_by("user__email"),
+        "keys": [(k, used.get(k.prefix, 0)) for k in keys], "keys_shown": KEYS_SHOWN,
     }, status=status)
+
+
+#: live keys a tenant's page lists with their limits (the newest; the API lists them all)
+KEYS_SHOWN = 50
+
+
+@require_POST
+@operator_required
+def tenant_key_limits(request, pk: int):
+    """An operator sets one of a tenant's keys' gateway limits and monthly token allowance (any value: the tenant's
+    ceilings bind its own admins, tenants.services.update_api_key_limits)."""
+    key = get_object_or_404(ApiKey.objects.filter(tenant__isnull=False), pk=pk)
+    form = KeyLimitsForm(request.POST)
+    if not form.is_valid():
+        messages.error(request, f"The limits of {key.name} were not changed — {error_summary(form)}")
+    else:
+        try:
+            tenant_services.update_api_key_limits(request.principal, key, **form.cleaned_data)
+            messages.success(request, f"Limits of {key.name} ({key.prefix}…) saved; the gateway applies them within "
+                                      f"seconds.")
+        except ServiceError as exc:
+            _service_error(request, exc)
+    return redirect("console:tenant_detail", pk=key.tenant_id)
 
 
 @operator_required

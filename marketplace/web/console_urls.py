@@ -20,6 +20,7 @@ urlpatterns = [
     path("tenants/<int:pk>/", console.tenant_detail, name="tenant_detail"),
     path("tenants/<int:pk>/suspend/", console.tenant_suspend, name="tenant_suspend"),
     path("tenants/<int:pk>/activate/", console.tenant_activate, name="tenant_activate"),
+    path("api-keys/<int:pk>/limits/", console.tenant_key_limits, name="tenant_key_limits"),
     path("tiers/", console.tiers, name="tiers"),
     path("tiers/new/", console.tier_create, name="tier_create"),
     path("tiers/<int:pk>/", console.tier_detail, name="tier_detail"),

@@ -160,7 +160,7 @@ CLASSIFICATION: dict[str, str] = {
     "console:allocation_detail": OBJECT, "console:allocation_retry": OBJECT,
     "console:allocation_release": OBJECT, "console:tenant_detail": OBJECT, "console:tenant_suspend": OBJECT,
     "console:tenant_activate": OBJECT, "console:invoice_detail": OBJECT, "console:invoice_csv": OBJECT,
-    "console:invoice_finalize": OBJECT, "console:invoice_credit_note": OBJECT,
+    "console:invoice_finalize": OBJECT, "console:invoice_credit_note": OBJECT, "console:tenant_key_limits": OBJECT,
     # operators only
     "api:node-list": OPERATOR, "api:node-detail": OPERATOR, "api:gpu-list": OPERATOR, "api:gpu-detail": OPERATOR,
     "api:drift-list": OPERATOR, "metrics": OPERATOR,

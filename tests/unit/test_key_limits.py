@@ -160,3 +160,23 @@ def test_a_key_gets_a_monthly_token_allowance_through_the_api_and_the_portal(wor
     r = client.post(reverse("portal:key_create"), {"name": "capped", "scopes": ["inference"],
                                                    "monthly_token_allowance": "777"})
     assert r.status_code == 200 and ApiKey.objects.get(name="capped").monthly_token_allowance == 777
+
+
+def test_an_operator_sets_any_keys_limits_on_the_consoles_tenant_page(world, members_a, operator, client):
+    from django.urls import reverse
+
+    Tenant.objects.filter(pk=world["a"].pk).update(max_key_requests_per_minute=10)
+    key = world["key_a"]
+    client.force_login(operator)
+    page = client.get(reverse("console:tenant_detail", args=[world["a"].pk])).content.decode()
+    assert 'id="tenant-keys"' in page and key.prefix in page
+    r = client.post(reverse("console:tenant_key_limits", args=[key.pk]),
+                    {"requests_per_minute": "500", "monthly_token_allowance": "1000000"})
+    assert r.status_code == 302 and r["Location"] == reverse("console:tenant_detail", args=[world["a"].pk])
+    key.refresh_from_db()  # above the tenant's ceiling: operators are not bound by it
+    assert (key.requests_per_minute, key.tokens_per_minute, key.monthly_token_allowance) == (500, None, 1_000_000)
+    r = client.post(reverse("console:tenant_key_limits", args=[key.pk]), {"requests_per_minute": "0"}, follow=True)
+    assert "were not changed" in r.content.decode() and ApiKey.objects.get(pk=key.pk).requests_per_minute == 500
+    client.force_login(members_a[Role.OWNER])
+    r = client.post(reverse("console:tenant_key_limits", args=[key.pk]), {"requests_per_minute": "5"})
+    assert r.status_code in (302, 403) and ApiKey.objects.get(pk=key.pk).requests_per_minute == 500
