@@ -214,6 +214,36 @@ def test_keys_are_metered_apart_split_on_the_invoice_and_held_to_their_allowance
     assert sum(r["amount"] for r in split["keys"]) + split["not_per_key"] == invoice.total
 
 
+def test_a_price_plan_created_between_two_requests_of_one_hour_prices_each_at_its_own(served, tiers, operator,
+                                                                                      gateway_factory):
+    """Issue 29's case through the openai package: tokens served just before and just after an operator adds a
+    price inside the same hour are each priced at the plan in force when they were served."""
+    from decimal import Decimal
+
+    from django.utils import timezone
+
+    from marketplace.services import billing, offers
+    from tenants.scoping import principal_for_user
+
+    now = timezone.now()
+    if now.minute == 59 and now.second > 40:  # the two requests must fall in one hour
+        pytest.skip("too close to the hour's end")
+    gw = gateway_factory()
+    client = _client(gw, served["key"])
+    before = client.completions.create(model="tiny-gen", prompt="a b c", max_tokens=4).usage
+    offers.add_price_plan(principal_for_user(operator), tier=tiers["3g"], currency="USD",
+                          price_per_slice_hour=Decimal("1.0000"), price_per_1m_input_tokens=Decimal("1000.0000"),
+                          price_per_1m_output_tokens=Decimal("3000.0000"))
+    after = client.completions.create(model="tiny-gen", prompt="a b", max_tokens=2).usage
+    _billed()
+    invoice = billing.current_invoice(served["tenant"], timezone.now())
+    lines = {(li.kind, li.unit_price): li.quantity for li in invoice.lines.all() if li.kind.endswith("_tokens")}
+    assert lines == {("input_tokens", Decimal("0.1000")): Decimal(before.prompt_tokens) / 10**6,
+                     ("output_tokens", Decimal("0.4000")): Decimal(before.completion_tokens) / 10**6,
+                     ("input_tokens", Decimal("1000.0000")): Decimal(after.prompt_tokens) / 10**6,
+                     ("output_tokens", Decimal("3000.0000")): Decimal(after.completion_tokens) / 10**6}
+
+
 def test_embeddings_for_a_model_that_declares_them(real_serving, tiers, gateway_factory):
     owner = tenant_owner()
     a = order_active(owner, tiers["3g"])
