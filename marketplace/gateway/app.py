@@ -36,7 +36,7 @@ import aiohttp
 
 from . import protocol
 from . import upstream as upstream_mod
-from .limits import Limiter, LocalLimiter, RedisLimiter
+from .limits import Limiter, LocalLimiter, Pipeliner, RedisLimiter
 from .metering import FALLBACK_REPLAY_S, MeteringUnavailable, RedisStreamSink, SpoolSink, UsageSink, event, fallback_dir
 from .protocol import GatewayError, Served, TextRequest
 from .state import Caller, Loader, Tables, Upstream, mark_used
@@ -95,10 +95,14 @@ class Gateway:
             self._redis = aioredis.Redis.from_url(settings.REDIS_URL, max_connections=4096,
                                                   retry=Retry(NoBackoff(), 1),
                                                   retry_on_error=[RedisConnectionError])
+        # one pipeline for the limiter and the sink: a request's admission and another's usage event, queued
+        # while a round trip is in flight, go together in the next one
+        shared = Pipeliner(self._redis) if self._redis is not None and self.sink is None and self.limiter is None \
+            else None
         if self.sink is None:
-            self.sink = RedisStreamSink(self._redis) if self._redis is not None else SpoolSink()
+            self.sink = RedisStreamSink(self._redis, pipeliner=shared) if self._redis is not None else SpoolSink()
         if self.limiter is None:
-            self.limiter = RedisLimiter(self._redis) if self._redis is not None else LocalLimiter()
+            self.limiter = RedisLimiter(self._redis, shared) if self._redis is not None else LocalLimiter()
         await self.sink.start()
         if isinstance(self.sink, RedisStreamSink):
             if self.fallback is None:
