@@ -36,7 +36,7 @@ import aiohttp
 
 from . import protocol
 from . import upstream as upstream_mod
-from .limits import Limiter, LocalLimiter, RedisLimiter
+from .limits import Limiter, LocalLimiter, Pipeliner, RedisLimiter
 from .metering import FALLBACK_REPLAY_S, MeteringUnavailable, RedisStreamSink, SpoolSink, UsageSink, event, fallback_dir
 from .protocol import GatewayError, Served, TextRequest
 from .state import Caller, Loader, Tables, Upstream, mark_used
@@ -95,10 +95,14 @@ class Gateway:
             self._redis = aioredis.Redis.from_url(settings.REDIS_URL, max_connections=4096,
                                                   retry=Retry(NoBackoff(), 1),
                                                   retry_on_error=[RedisConnectionError])
+        # one pipeline for the limiter and the sink: a request's admission and another's usage event, queued
+        # while a round trip is in flight, go together in the next one
+        shared = Pipeliner(self._redis) if self._redis is not None and self.sink is None and self.limiter is None \
+            else None
         if self.sink is None:
-            self.sink = RedisStreamSink(self._redis) if self._redis is not None else SpoolSink()
+            self.sink = RedisStreamSink(self._redis, pipeliner=shared) if self._redis is not None else SpoolSink()
         if self.limiter is None:
-            self.limiter = RedisLimiter(self._redis) if self._redis is not None else LocalLimiter()
+            self.limiter = RedisLimiter(self._redis, shared) if self._redis is not None else LocalLimiter()
         await self.sink.start()
         if isinstance(self.sink, RedisStreamSink):
             if self.fallback is None:
@@ -648,8 +652,45 @@ async def _send(send: Send, status: int, body: bytes, headers: list[tuple[bytes,
     h = [*headers, (b"x-request-id", rid.encode()), (b"content-length", str(len(body)).encode())]
     for k, v in (extra or {}).items():
         h.append((k.lower().encode(), v.encode()))
-    await send({"type": "http.response.start", "status": status, "headers": h})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
+    cycle: Any = getattr(send, "__self__", None)
+    transport = getattr(cycle, "transport", None)
+    if transport is None:  # another server: its own writes
+        await send({"type": "http.response.start", "status": status, "headers": h})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+        return
+    # uvicorn writes the headers and the body in two writes (two syscalls, two TCP segments): held and written
+    # as one, as aiohttp's server does
+    held = _Held(transport)
+    cycle.transport = held
+    try:
+        await send({"type": "http.response.start", "status": status, "headers": h})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+    finally:
+        cycle.transport = transport
+        held.release()
+
+
+class _Held:
+    """A transport's writes held, then written as one (``release``); a close asked meanwhile comes after them."""
+
+    def __init__(self, transport: Any) -> None:
+        self._transport, self._close = transport, False
+        self._parts: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self._parts.append(data)
+
+    def close(self) -> None:
+        self._close = True
+
+    def __getattr__(self, name: str) -> Any:  # is_closing, get_extra_info...
+        return getattr(self._transport, name)
+
+    def release(self) -> None:
+        if self._parts and not self._transport.is_closing():
+            self._transport.write(b"".join(self._parts))
+        if self._close:
+            self._transport.close()
 
 
 async def _send_error(send: Send, err: GatewayError, openai: bool, rid: str) -> None:

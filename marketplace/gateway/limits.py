@@ -98,9 +98,11 @@ class Limiter(ABC):
         pass
 
 
-class _Pipeliner:
+class Pipeliner:
     """Redis commands of requests that arrive while a round trip is in flight go together in the next pipeline
     (one write, one read, however many requests): the per-request round trips were most of the gateway's CPU.
+    The gateway's limiter and its usage sink share one (``RedisStreamSink(pipeliner=...)``): under load a
+    request's admission and another's usage event go in the same round trip.
 
     Commands nobody waits for (``defer``: a request's end) are not a round trip of their own: they go first in the
     next pipeline, so any later admission of this process sees them, and at most ``DEFER_S`` after they were
@@ -187,10 +189,10 @@ class _Pipeliner:
 
 
 class RedisLimiter(Limiter):
-    def __init__(self, redis: Any) -> None:
+    def __init__(self, redis: Any, pipeliner: Pipeliner | None = None) -> None:
         self.redis = redis
         self._admit = redis.register_script(ADMIT)
-        self._pipe = _Pipeliner(redis)
+        self._pipe = pipeliner or Pipeliner(redis)
 
     async def close(self) -> None:
         try:  # requests' ends not yet sent

@@ -10,8 +10,9 @@ Producers (``UsageSink``, async, in the gateway):
 
 - ``RedisStreamSink``: ``XADD`` to the stream ``TESSERA_USAGE_STREAM``. Requests that end while a write is in
   flight are written together by the next pipeline (natural batching: one round trip under load, no added
-  wait when idle). ``append`` returns once Redis has the event; the gateway sends the answer's last bytes only
-  then, so an acknowledged request always has its event. Durable across a Redis restart as far as Redis is
+  wait when idle); in the gateway that pipeline is the limiter's, shared with admissions. ``append`` returns
+  once Redis has the event; the gateway sends the answer's last bytes only then, so an acknowledged request
+  always has its event. Durable across a Redis restart as far as Redis is
   configured to be (production: ``appendonly yes``, ``appendfsync always`` or ``everysec``).
 - ``SpoolSink`` (no Redis: the demo): appended to a local file and ``fsync``-ed before ``append`` returns, one
   JSON object ``{"e", "k", "s"}`` a line.
@@ -144,10 +145,27 @@ class UsageSink(ABC):
 
 
 class RedisStreamSink(UsageSink):
-    def __init__(self, redis: Any, stream: str | None = None) -> None:
+    """``pipeliner``: the limiter's (``limits.Pipeliner``), shared by the gateway: each event's ``XADD`` goes in
+    the next pipeline with the admissions and requests' ends queued meanwhile (one round trip under load where
+    the sink and the limiter each made one); ``append`` still returns only once Redis answered for the event."""
+
+    def __init__(self, redis: Any, stream: str | None = None, pipeliner: Any = None) -> None:
         super().__init__()
         self.redis, self.stream = redis, stream or settings.TESSERA_USAGE_STREAM
         self.keyring = signing.keyring()
+        self.pipeliner = pipeliner
+
+    async def append(self, e: dict[str, Any]) -> None:
+        if self.pipeliner is None:
+            await super().append(e)
+            return
+        fields, stream = self.keyring.seal(e), self.stream
+        try:
+            await self.pipeliner.run(lambda pipe: pipe.xadd(stream, fields), 1)
+        except Exception as exc:  # no reply, or Redis refused this XADD: not durable
+            log.error("usage events not durable", extra={"events": 1, "error": str(exc)})
+            raise MeteringUnavailable(str(exc)) from None
+        self.written += 1
 
     async def _write(self, events: list[dict[str, Any]]) -> None:
         pipe = self.redis.pipeline(transaction=False)

@@ -408,3 +408,40 @@ def test_a_key_past_its_monthly_token_allowance_is_refused_like_a_spent_quota(fl
     assert client.completions.create(model="tiny-gen", prompt="w", max_tokens=1).usage.completion_tokens == 1
     _drain()
     assert sum(e.input_tokens + e.output_tokens for e in UsageEvent.objects.filter(api_key=prefix)) == 18
+
+
+def test_a_plain_answer_is_one_write_of_the_servers_transport_and_a_close_comes_after_it():
+    from marketplace.gateway.app import _send
+
+    class Transport:
+        def __init__(self):
+            self.calls = []
+
+        def write(self, data):
+            self.calls.append(("write", data))
+
+        def close(self):
+            self.calls.append(("close", b""))
+
+        def is_closing(self):
+            return False
+
+    class Cycle:  # as uvicorn's: headers and body each written on their own, the connection closed after
+        def __init__(self):
+            self.transport = Transport()
+
+        async def send(self, message):
+            if message["type"] == "http.response.start":
+                self.transport.write(b"HTTP/1.1 %d\r\n" % message["status"] + b"".join(
+                    k + b": " + v + b"\r\n" for k, v in message["headers"]) + b"\r\n")
+            else:
+                self.transport.write(message["body"])
+                self.transport.close()  # keep-alive off
+
+    cycle = Cycle()
+    transport = cycle.transport
+    run_async(lambda: _send(cycle.send, 200, b'{"ok":true}', [(b"content-type", b"application/json")], "rid"))
+    assert cycle.transport is transport
+    assert [kind for kind, _ in transport.calls] == ["write", "close"]
+    assert transport.calls[0][1].startswith(b"HTTP/1.1 200\r\n") and transport.calls[0][1].endswith(
+        b"content-length: 11\r\n\r\n{\"ok\":true}")

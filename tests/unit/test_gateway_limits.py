@@ -135,3 +135,48 @@ def test_close_sends_the_ends_not_yet_sent():
         assert await r.zcard(f"{PREFIX}conc:{caller.tenant.id}") == 0
 
     _run(test)
+
+
+def test_the_sink_shares_the_limiters_pipeline_and_a_refused_event_is_not_durable():
+    from marketplace.gateway import signing
+    from marketplace.gateway.metering import MeteringUnavailable, RedisStreamSink, event
+
+    async def test(r, _own):
+        shared = limits.Pipeliner(r)
+        limiter = RedisLimiter(r, shared)
+        stream = f"tessera:test-shared:{uuid.uuid4().hex[:8]}"
+        sink = RedisStreamSink(r, stream, pipeliner=shared)
+        pipelines = []
+        real = r.pipeline
+
+        def counted(*args, **kwargs):
+            pipelines.append(1)
+            return real(*args, **kwargs)
+
+        r.pipeline = counted
+        caller = _caller(rpm=100, conc=5)
+        try:
+            e = event("req-1", caller.tenant.id, 7, 3, 4, key=caller.key_prefix)
+            await asyncio.gather(limiter.admit(caller, "req-2"), sink.append(e))
+            assert len(pipelines) == 1  # the admission and the usage event: one round trip
+            assert await r.zcard(f"{PREFIX}conc:{caller.tenant.id}") == 1
+            (_id, fields), = await r.xrange(stream)
+            opened, reason = signing.keyring().open(fields)
+            assert reason is None and opened == e  # signed as the sink's own pipeline signs it
+            assert sink.written == 1
+
+            # Redis refuses this XADD (the key is not a stream): that event is not durable (the answer is withheld,
+            # 503 metering_unavailable), the admission in the same pipeline is not affected
+            await r.set(f"{stream}:wrong", "x")
+            refused = RedisStreamSink(r, f"{stream}:wrong", pipeliner=shared)
+            admitted, failed = await asyncio.gather(limiter.admit(caller, "req-3"),
+                                                    refused.append(event("req-4", caller.tenant.id, 7, 1, 1)),
+                                                    return_exceptions=True)
+            assert admitted is None and isinstance(failed, MeteringUnavailable)
+            assert await r.zcard(f"{PREFIX}conc:{caller.tenant.id}") == 2
+        finally:
+            r.pipeline = real
+            await limiter.close()
+            await r.delete(stream, f"{stream}:wrong", f"{PREFIX}conc:{caller.tenant.id}")
+
+    _run(test)
