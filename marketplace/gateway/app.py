@@ -652,45 +652,8 @@ async def _send(send: Send, status: int, body: bytes, headers: list[tuple[bytes,
     h = [*headers, (b"x-request-id", rid.encode()), (b"content-length", str(len(body)).encode())]
     for k, v in (extra or {}).items():
         h.append((k.lower().encode(), v.encode()))
-    cycle: Any = getattr(send, "__self__", None)
-    transport = getattr(cycle, "transport", None)
-    if transport is None:  # another server: its own writes
-        await send({"type": "http.response.start", "status": status, "headers": h})
-        await send({"type": "http.response.body", "body": body, "more_body": False})
-        return
-    # uvicorn writes the headers and the body in two writes (two syscalls, two TCP segments): held and written
-    # as one, as aiohttp's server does
-    held = _Held(transport)
-    cycle.transport = held
-    try:
-        await send({"type": "http.response.start", "status": status, "headers": h})
-        await send({"type": "http.response.body", "body": body, "more_body": False})
-    finally:
-        cycle.transport = transport
-        held.release()
-
-
-class _Held:
-    """A transport's writes held, then written as one (``release``); a close asked meanwhile comes after them."""
-
-    def __init__(self, transport: Any) -> None:
-        self._transport, self._close = transport, False
-        self._parts: list[bytes] = []
-
-    def write(self, data: bytes) -> None:
-        self._parts.append(data)
-
-    def close(self) -> None:
-        self._close = True
-
-    def __getattr__(self, name: str) -> Any:  # is_closing, get_extra_info...
-        return getattr(self._transport, name)
-
-    def release(self) -> None:
-        if self._parts and not self._transport.is_closing():
-            self._transport.write(b"".join(self._parts))
-        if self._close:
-            self._transport.close()
+    await send({"type": "http.response.start", "status": status, "headers": h})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 async def _send_error(send: Send, err: GatewayError, openai: bool, rid: str) -> None:
