@@ -372,6 +372,12 @@ TESSERA_USAGE_CONSUME_INTERVAL_S = env_float("TESSERA_USAGE_CONSUME_INTERVAL_S",
 # Queues again the webhook deliveries whose retry is overdue (its message lost, its worker killed).
 TESSERA_WEBHOOK_SWEEP_INTERVAL_S = env_float("TESSERA_WEBHOOK_SWEEP_INTERVAL_S", 60.0, minimum=0.1)
 TESSERA_DEMO_TRAFFIC = env_bool("TESSERA_DEMO_TRAFFIC", False)  # set by `manage.py demo`
+# Alarms (selectors.alarms) sent to Alertmanager's API, or without it mailed and/or POSTed once per firing/resolution.
+TESSERA_ALERT_INTERVAL_S = env_float("TESSERA_ALERT_INTERVAL_S", 60.0, minimum=1.0)
+TESSERA_ALERTMANAGER_URL = env_str("TESSERA_ALERTMANAGER_URL").rstrip("/")
+TESSERA_ALERT_EMAILS = env_list("TESSERA_ALERT_EMAILS")
+TESSERA_ALERT_WEBHOOK_URL = env_str("TESSERA_ALERT_WEBHOOK_URL")
+TESSERA_NODE_HEARTBEAT_STALE_S = env_float("TESSERA_NODE_HEARTBEAT_STALE_S", 300.0, minimum=1.0)
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_BEAT_SCHEDULE = {
     "collect-gpu-telemetry": {
@@ -403,6 +409,11 @@ CELERY_BEAT_SCHEDULE = {
         "task": "tessera.consume_usage",
         "schedule": TESSERA_USAGE_CONSUME_INTERVAL_S,
         "options": {"queue": "control", "expires": 30},
+    },
+    "send-alerts": {  # the alarm set to Alertmanager (or mail and webhook without it)
+        "task": "tessera.send_alerts",
+        "schedule": TESSERA_ALERT_INTERVAL_S,
+        "options": {"queue": "control", "expires": TESSERA_ALERT_INTERVAL_S},
     },
     "sweep-webhooks": {  # beat only sends it: the webhooks workers run it
         "task": "tessera.sweep_webhooks",

@@ -15,6 +15,7 @@ from django.utils import timezone
 
 from marketplace.gateway.signing import REASONS as REFUSAL_REASONS
 from marketplace.models import Allocation, AllocationEvent, Gpu, GpuSlot
+from marketplace.selectors import alarms
 from telemetry.models import CollectorError, GpuSample, Resolution, UsageHourly, UsageRefusal
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -120,6 +121,15 @@ def render(now=None) -> str:
                "Usage stream/spool entries the consumer refused and did not bill, by reason (unsigned, malformed, "
                "unknown_key: signed with a key it does not hold, forged: the signature does not match).",
                [({"reason": r}, refused.get(r, 0)) for r in sorted(set(REFUSAL_REASONS) | set(refused))])
+
+    # The operators' alarms (selectors.alarms, the same set services.alerting sends): docker/prometheus's rules.
+    out.family("tessera_alarm", "gauge",
+               "Tessera's alarms firing now (1 series per alarm; the value counts what it is about), labelled "
+               "alertname, severity and node or tenant.",
+               [(a.labels, a.count) for a in alarms.current(now)])
+    out.family("tessera_node_heartbeat_age_seconds", "gauge",
+               "Seconds since each ready or draining node last answered reconcile (never: since registration).",
+               [({"node": h}, age) for h, age in alarms.heartbeat_ages(now)])
     return out.text()
 
 
