@@ -374,9 +374,19 @@ TESSERA_WEBHOOK_SWEEP_INTERVAL_S = env_float("TESSERA_WEBHOOK_SWEEP_INTERVAL_S",
 TESSERA_DEMO_TRAFFIC = env_bool("TESSERA_DEMO_TRAFFIC", False)  # set by `manage.py demo`
 # Alarms (selectors.alarms) sent to Alertmanager's API, or without it mailed and/or POSTed once per firing/resolution.
 TESSERA_ALERT_INTERVAL_S = env_float("TESSERA_ALERT_INTERVAL_S", 60.0, minimum=1.0)
-TESSERA_ALERTMANAGER_URL = env_str("TESSERA_ALERTMANAGER_URL").rstrip("/")
-TESSERA_ALERT_EMAILS = env_list("TESSERA_ALERT_EMAILS")
-TESSERA_ALERT_WEBHOOK_URL = env_str("TESSERA_ALERT_WEBHOOK_URL")
+TESSERA_ALERTMANAGER_URL = env_site_url("TESSERA_ALERTMANAGER_URL")
+TESSERA_ALERT_WEBHOOK_URL = env_site_url("TESSERA_ALERT_WEBHOOK_URL")
+
+
+def _emails(text: str) -> list[str]:
+    out = [x.strip() for x in text.split(",") if x.strip()]
+    if any(not re.fullmatch(r"[^@\s,]+@[^@\s,]+\.[^@\s,]+", x) for x in out):
+        raise ValueError(text)
+    return out
+
+
+TESSERA_ALERT_EMAILS: list[str] = _typed("TESSERA_ALERT_EMAILS", list[str](), _emails,
+                                          "e-mail addresses, comma-separated")
 TESSERA_NODE_HEARTBEAT_STALE_S = env_float("TESSERA_NODE_HEARTBEAT_STALE_S", 300.0, minimum=1.0)
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_BEAT_SCHEDULE = {

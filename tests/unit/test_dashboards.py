@@ -120,3 +120,36 @@ def test_every_dashboard_query_is_valid_promql(tmp_path):
     r = subprocess.run([PROMTOOL, "check", "rules", "q.yml"], cwd=tmp_path, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.django_db
+def test_the_serving_and_billing_series_carry_their_values(h100_node, tiers, django_assert_max_num_queries):
+    from datetime import timedelta
+    from decimal import Decimal
+
+    from django.utils import timezone
+
+    from telemetry.models import TritonCounter
+    from telemetry.services import collector
+    from tests.factories import DeploymentFactory, TenantFactory, UsageHourlyFactory
+
+    acme = TenantFactory(slug="acme", monthly_spend_limit=Decimal("500"))
+    dep = DeploymentFactory(allocation__order__tenant=acme, allocation__order__tier=tiers["1g"], name="llama")
+    hour = timezone.now().replace(minute=0, second=0, microsecond=0)
+    UsageHourlyFactory(deployment=dep, hour=hour, input_tokens=100, output_tokens=40, requests=3)
+    UsageHourlyFactory(deployment=dep, hour=hour - timedelta(hours=1), input_tokens=1, output_tokens=2, requests=1)
+    TritonCounter.objects.create(deployment=dep, inference_count=4, fail_count=1, execution_ns=2_500_000_000)
+    collector.collect_node(h100_node.pk)
+    with django_assert_max_num_queries(25):
+        text = metrics.render()
+    for line in ('tessera_model_requests_total{tenant="acme",model="llama"} 4',
+                 'tessera_model_tokens_total{tenant="acme",model="llama",direction="input"} 101',
+                 'tessera_model_tokens_total{tenant="acme",model="llama",direction="output"} 42',
+                 'tessera_model_inferences_total{tenant="acme",model="llama"} 4',
+                 'tessera_model_inference_failures_total{tenant="acme",model="llama"} 1',
+                 'tessera_model_execution_seconds_total{tenant="acme",model="llama"} 2.5',
+                 'tessera_tenant_spend{tenant="acme",currency="USD"} 0',
+                 'tessera_tenant_spend_limit{tenant="acme",currency="USD"} 500',
+                 "tessera_energy_price_per_kwh 0.12"):
+        assert line in text, line
+    assert re.search(r'tessera_gpu_activity_ratio\{node="node-a",gpu="0",', text)
