@@ -61,6 +61,17 @@ def env_site_url(name: str) -> str:
     return _typed(name, "", parse, "an http:// or https:// address")
 
 
+def env_emails(name: str) -> list[str]:
+    """Comma-separated e-mail addresses (empty: none)."""
+    def parse(text: str) -> list[str]:
+        out = [x.strip() for x in text.split(",") if x.strip()]
+        if any(not re.fullmatch(r"[^@\s,]+@[^@\s,]+\.[^@\s,]+", x) for x in out):
+            raise ValueError(text)
+        return out
+
+    return _typed(name, list[str](), parse, "e-mail addresses, comma-separated")
+
+
 def env_int(name: str, default: int, *, minimum: int | None = 0) -> int:
     def parse(text: str) -> int:
         number = int(text)
@@ -377,16 +388,7 @@ TESSERA_ALERT_INTERVAL_S = env_float("TESSERA_ALERT_INTERVAL_S", 60.0, minimum=1
 TESSERA_ALERTMANAGER_URL = env_site_url("TESSERA_ALERTMANAGER_URL")
 TESSERA_ALERT_WEBHOOK_URL = env_site_url("TESSERA_ALERT_WEBHOOK_URL")
 
-
-def _emails(text: str) -> list[str]:
-    out = [x.strip() for x in text.split(",") if x.strip()]
-    if any(not re.fullmatch(r"[^@\s,]+@[^@\s,]+\.[^@\s,]+", x) for x in out):
-        raise ValueError(text)
-    return out
-
-
-TESSERA_ALERT_EMAILS: list[str] = _typed("TESSERA_ALERT_EMAILS", list[str](), _emails,
-                                          "e-mail addresses, comma-separated")
+TESSERA_ALERT_EMAILS = env_emails("TESSERA_ALERT_EMAILS")
 TESSERA_NODE_HEARTBEAT_STALE_S = env_float("TESSERA_NODE_HEARTBEAT_STALE_S", 300.0, minimum=1.0)
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_BEAT_SCHEDULE = {
