@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint chromium serving-deps
+.PHONY: demo test lint chromium serving-deps alerting-deps
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,16 @@ chromium:
 	  echo "installing Debian's chromium for the browser tests"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; fi
 
+# The alerting tests start Debian's Prometheus and Alertmanager on loopback (and promtool checks the rules). Installed
+# here when missing and we are root with apt-get (the daemons the packages start are stopped: the tests run their
+# own on free ports); otherwise those tests skip and say why.
+alerting-deps:
+	@if { ! command -v promtool >/dev/null || ! command -v prometheus-alertmanager >/dev/null; } \
+	    && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "installing Debian's prometheus and prometheus-alertmanager for the alerting tests"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus prometheus-alertmanager >/dev/null; \
+	  for s in prometheus prometheus-alertmanager prometheus-node-exporter; do service $$s stop >/dev/null 2>&1 || true; done; fi
+
 # The slice sandbox (per-slice Unix users, namespaces, firewall rules, cgroups) and its tests need, as root:
 # bubblewrap, iproute2, nftables, util-linux (setpriv, prlimit), libseccomp2, and a Python other users can run,
 # with numpy (Debian's python3 + python3-numpy). Installed here when missing and we are root with apt-get.
@@ -40,5 +50,5 @@ serving-deps:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap nftables iproute2 \
 	    util-linux libseccomp2 python3 python3-numpy >/dev/null; fi
 
-test: lint chromium serving-deps
+test: lint chromium serving-deps alerting-deps
 	$(VENV)/bin/pytest $(PYTEST_ARGS)

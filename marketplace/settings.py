@@ -61,6 +61,17 @@ def env_site_url(name: str) -> str:
     return _typed(name, "", parse, "an http:// or https:// address")
 
 
+def env_emails(name: str) -> list[str]:
+    """Comma-separated e-mail addresses (empty: none)."""
+    def parse(text: str) -> list[str]:
+        out = [x.strip() for x in text.split(",") if x.strip()]
+        if any(not re.fullmatch(r"[^@\s,]+@[^@\s,]+\.[^@\s,]+", x) for x in out):
+            raise ValueError(text)
+        return out
+
+    return _typed(name, list[str](), parse, "e-mail addresses, comma-separated")
+
+
 def env_int(name: str, default: int, *, minimum: int | None = 0) -> int:
     def parse(text: str) -> int:
         number = int(text)
@@ -372,6 +383,12 @@ TESSERA_USAGE_CONSUME_INTERVAL_S = env_float("TESSERA_USAGE_CONSUME_INTERVAL_S",
 # Queues again the webhook deliveries whose retry is overdue (its message lost, its worker killed).
 TESSERA_WEBHOOK_SWEEP_INTERVAL_S = env_float("TESSERA_WEBHOOK_SWEEP_INTERVAL_S", 60.0, minimum=0.1)
 TESSERA_DEMO_TRAFFIC = env_bool("TESSERA_DEMO_TRAFFIC", False)  # set by `manage.py demo`
+# Alarms (selectors.alarms) sent to Alertmanager's API, or without it mailed and/or POSTed once per firing/resolution.
+TESSERA_ALERT_INTERVAL_S = env_float("TESSERA_ALERT_INTERVAL_S", 60.0, minimum=1.0)
+TESSERA_ALERTMANAGER_URL = env_site_url("TESSERA_ALERTMANAGER_URL")
+TESSERA_ALERT_WEBHOOK_URL = env_site_url("TESSERA_ALERT_WEBHOOK_URL")
+TESSERA_ALERT_EMAILS = env_emails("TESSERA_ALERT_EMAILS")
+TESSERA_NODE_HEARTBEAT_STALE_S = env_float("TESSERA_NODE_HEARTBEAT_STALE_S", 300.0, minimum=1.0)
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 CELERY_BEAT_SCHEDULE = {
     "collect-gpu-telemetry": {
@@ -403,6 +420,11 @@ CELERY_BEAT_SCHEDULE = {
         "task": "tessera.consume_usage",
         "schedule": TESSERA_USAGE_CONSUME_INTERVAL_S,
         "options": {"queue": "control", "expires": 30},
+    },
+    "send-alerts": {  # the alarm set to Alertmanager (or mail and webhook without it)
+        "task": "tessera.send_alerts",
+        "schedule": TESSERA_ALERT_INTERVAL_S,
+        "options": {"queue": "control", "expires": TESSERA_ALERT_INTERVAL_S},
     },
     "sweep-webhooks": {  # beat only sends it: the webhooks workers run it
         "task": "tessera.sweep_webhooks",

@@ -8,9 +8,10 @@ import logging
 from celery import shared_task
 from celery.exceptions import SoftTimeLimitExceeded
 from django.conf import settings
+from django.utils import timezone
 
 from marketplace.hardware import model_repo
-from marketplace.services import billing, deployments, provisioning, reconcile, webhooks
+from marketplace.services import alerting, billing, deployments, provisioning, reconcile, webhooks
 from marketplace.services import models as model_svc
 
 log = logging.getLogger("tessera.tasks")
@@ -84,6 +85,12 @@ def deliver_webhook(delivery_id: int) -> str:
 def sweep_webhooks() -> int:
     """Beat: queue again the deliveries whose next attempt is overdue (a lost message, a killed worker)."""
     return webhooks.sweep()
+
+
+@shared_task(name="tessera.send_alerts", acks_late=True, ignore_result=True, time_limit=120)
+def send_alerts() -> int:
+    """Beat (control): the alarm set to Alertmanager, or mailed/POSTed without it. Returns how many fire."""
+    return alerting.send(timezone.now()).firing
 
 
 @shared_task(name="tessera.rate_and_check_spend", acks_late=True, time_limit=300)

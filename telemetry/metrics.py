@@ -15,10 +15,24 @@ from django.utils import timezone
 
 from marketplace.gateway.signing import REASONS as REFUSAL_REASONS
 from marketplace.models import Allocation, AllocationEvent, Gpu, GpuSlot
-from telemetry.models import CollectorError, GpuSample, Resolution, UsageHourly, UsageRefusal
+from marketplace.selectors import alarms
+from marketplace.services.billing import spend as spend_rule
+from marketplace.services.billing.units import month_of
+from telemetry.models import (
+    CollectorError,
+    GpuSample,
+    MigSample,
+    Resolution,
+    TritonCounter,
+    UsageHourly,
+    UsageRefusal,
+)
+from tenants.models import Tenant
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATEST_WITHIN = timedelta(minutes=15)
+#: what the spend series read of billing.spend.figures' row
+SPEND_ROW = ("slug", "currency", "invoice_currency", "spend", "monthly_spend_limit")
 
 
 def _esc(v) -> str:
@@ -120,7 +134,64 @@ def render(now=None) -> str:
                "Usage stream/spool entries the consumer refused and did not bill, by reason (unsigned, malformed, "
                "unknown_key: signed with a key it does not hold, forged: the signature does not match).",
                [({"reason": r}, refused.get(r, 0)) for r in sorted(set(REFUSAL_REASONS) | set(refused))])
+
+    _serving_and_billing(out, now, gl)
+
+    # The operators' alarms (selectors.alarms, the same set services.alerting sends): docker/prometheus's rules.
+    out.family("tessera_alarm", "gauge",
+               "Tessera's alarms firing now (1 series per alarm; the value counts what it is about), labelled "
+               "alertname, severity and node or tenant.",
+               [(a.labels, a.count) for a in alarms.current(now)])
+    out.family("tessera_node_heartbeat_age_seconds", "gauge",
+               "Seconds since each ready or draining node last answered reconcile (never: since registration).",
+               [({"node": h}, age) for h, age in alarms.heartbeat_ages(now)])
     return out.text()
+
+
+def _serving_and_billing(out: Exposition, now, gl: dict[int, dict[str, str]]) -> None:
+    """The series docker/grafana's dashboards read beyond the fleet's: slices, models per tenant, energy price,
+    spend. Labels: node, gpu, gi (GPU instance id, at most 7 a GPU), tenant slug, model (a tenant's deployment)."""
+    latest: dict[tuple[int, str], MigSample] = {}
+    for m in (MigSample.objects.filter(resolution=Resolution.RAW, ts__gte=now - LATEST_WITHIN)
+              .select_related("tenant").order_by("gpu_id", "mig_uuid", "-ts")):
+        latest.setdefault((m.gpu_id, m.mig_uuid), m)
+    slices = [({"node": gl[g]["node"], "gpu": gl[g]["gpu"], "gi": "" if m.gi_id is None else str(m.gi_id),
+                "tenant": m.tenant.slug if m.tenant else ""}, m) for (g, _), m in sorted(latest.items()) if g in gl]
+    out.family("tessera_slice_activity_ratio", "gauge",
+               "Latest activity 0..1 of each slice (metering-based estimate under MIG).",
+               [(lab, m.activity) for lab, m in slices])
+    out.family("tessera_slice_memory_used_bytes", "gauge", "Latest memory used by each slice.",
+               [(lab, m.memory_used_mb * 1048576) for lab, m in slices])
+
+    per_model = list(UsageHourly.objects.values("tenant__slug", "deployment__name").annotate(
+        i=Sum("input_tokens"), o=Sum("output_tokens"), r=Sum("requests")).order_by("tenant__slug", "deployment__name"))
+    out.family("tessera_model_requests_total", "counter", "Metered inference requests per tenant and model.",
+               [({"tenant": u["tenant__slug"], "model": u["deployment__name"]}, u["r"] or 0) for u in per_model])
+    out.family("tessera_model_tokens_total", "counter", "Metered tokens per tenant, model and direction.",
+               [({"tenant": u["tenant__slug"], "model": u["deployment__name"], "direction": d}, n or 0)
+                for u in per_model for d, n in (("input", u["i"]), ("output", u["o"]))])
+    served = list(TritonCounter.objects.values("deployment__tenant__slug", "deployment__name").annotate(
+        n=Sum("inference_count"), f=Sum("fail_count"), ns=Sum("execution_ns"))
+        .order_by("deployment__tenant__slug", "deployment__name"))
+    lab = [({"tenant": r["deployment__tenant__slug"], "model": r["deployment__name"]}, r) for r in served]
+    out.family("tessera_model_inferences_total", "counter",
+               "Inferences Triton served per tenant and model (its counters as last scraped; reset when a server "
+               "restarts).", [(k, r["n"] or 0) for k, r in lab])
+    out.family("tessera_model_inference_failures_total", "counter", "Inferences Triton failed per tenant and model.",
+               [(k, r["f"] or 0) for k, r in lab])
+    out.family("tessera_model_execution_seconds_total", "counter",
+               "Triton's execution time per tenant and model (latency: its rate over the inferences' rate).",
+               [(k, (r["ns"] or 0) / 1e9) for k, r in lab])
+
+    out.family("tessera_energy_price_per_kwh", "gauge", "TESSERA_ENERGY_PRICE_PER_KWH (power cost per 1K tokens).",
+               [({}, float(settings.TESSERA_ENERGY_PRICE_PER_KWH))])
+    rows = spend_rule.figures(Tenant.objects.all(), month_of(now)).values(*SPEND_ROW)
+    spend = [({"tenant": r["slug"], "currency": r["invoice_currency"] or r["currency"]}, r) for r in rows]
+    out.family("tessera_tenant_spend", "gauge",
+               "The tenant's spend this month (its invoice as last rated), in its invoice's currency.",
+               [(k, r["spend"] or 0) for k, r in spend])
+    out.family("tessera_tenant_spend_limit", "gauge", "The tenant's monthly spend limit (tenants with one).",
+               [(k, r["monthly_spend_limit"]) for k, r in spend if r["monthly_spend_limit"] is not None])
 
 
 def token_ok(header: str | None) -> bool:

@@ -203,3 +203,4 @@ _.clean_sso_email_domain  # Django form field cleaner, called by name (marketpla
 Backend  # named in settings.AUTHENTICATION_BACKENDS (tenants/sso.py)
 _.get_or_create_user  # mozilla-django-oidc's backend hook (tenants/sso.py Backend)
 _.get_additional_claims  # django-oauth-toolkit's validator hook (tests/oidc_provider/validator.py)
+send_alerts  # Celery task, named in the beat schedule (marketplace/tasks.py)

@@ -1,3 +1,4 @@
+from .alerting import AlarmState
 from .billing import (
     BillingAlert,
     CreditNote,
@@ -26,4 +27,5 @@ __all__ = ["GpuModel", "MigProfile", "MigPlacement", "ServerPlatform", "Node", "
            "ModelDeployment", "Invoice", "InvoiceLine", "InvoiceLineKey", "InvoiceSequence", "SpendNotice",
            "WebhookEndpoint", "WebhookDelivery", "TritonServer", "LibraryModel", "ModelRepository", "LoraAdapter",
            "UploadState", "BillingAlert",
-            "CreditNote", "CreditNoteLine", "CreditNoteSequence", "RatingRun", "RatingRunTenant"]
+            "CreditNote", "CreditNoteLine", "CreditNoteSequence", "RatingRun", "RatingRunTenant",
+           "AlarmState"]
