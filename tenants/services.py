@@ -273,17 +273,24 @@ def accept_invitation(user: User, token: str) -> Membership:
     invitation = _pending_invitation(token)
     if invitation.email.lower() != user.email.lower():
         raise ServiceError("this invitation was sent to another e-mail address", field="token")
-    membership, created = Membership.objects.get_or_create(
-        user=user, tenant=invitation.tenant, defaults={"role": invitation.role}
-    )
+    membership, created = join_by_invitation(invitation, user)
     if not created:
         raise Conflict("you are already a member of this tenant", field="token")
+    return membership
+
+
+def join_by_invitation(invitation: Invitation, user: User, **how) -> tuple[Membership, bool]:
+    """`user` joins `invitation`'s tenant with its role and the invitation is spent, audited (the invitation
+    locked and pending, and its address the user's: the callers' checks — a token, or single sign-on's verified
+    e-mail). Returns the membership and whether it is new (an existing one keeps its role)."""
+    membership, created = Membership.objects.get_or_create(
+        user=user, tenant=invitation.tenant, defaults={"role": invitation.role})
     invitation.accepted_at = timezone.now()
     invitation.accepted_by = user
     invitation.save(update_fields=["accepted_at", "accepted_by"])
     audit.record(Principal(user=user), "invitation.accept", f"invitation:{invitation.pk}", invitation.tenant_id,
-                 email=user.email, role=invitation.role)
-    return membership
+                 email=user.email, role=invitation.role, **how)
+    return membership, created
 
 
 @transaction.atomic

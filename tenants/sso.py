@@ -36,6 +36,7 @@ from . import audit
 from .models import Invitation, Membership, Tenant, User
 from .roles import Role
 from .scoping import Principal
+from .services import join_by_invitation
 
 log = logging.getLogger("tessera.sso")
 
@@ -87,11 +88,7 @@ def sign_in(claims: dict) -> User:
     who = Principal(user=user)
     changes = _sync_operator(user, operator)
     for inv in invitations:
-        _, joined = Membership.objects.get_or_create(user=user, tenant=inv.tenant, defaults={"role": inv.role})
-        inv.accepted_at, inv.accepted_by = now, user
-        inv.save(update_fields=["accepted_at", "accepted_by"])
-        audit.record(who, "invitation.accept", f"invitation:{inv.pk}", inv.tenant_id, email=email, role=inv.role,
-                     via="sso")
+        join_by_invitation(inv, user, via="sso")
     if domain is not None:
         _, joined = Membership.objects.get_or_create(user=user, tenant=domain, defaults={"role": Role.MEMBER})
         if joined:

@@ -82,3 +82,27 @@ def test_an_operator_sets_a_tenants_sso_domain(world, operator, as_user, members
     r = as_user(members_a[Role.OWNER]).patch("/api/v1/tenants/alpha/", {"sso_email_domain": "evil.example"},
                                              format="json")
     assert r.status_code == 403 and Tenant.objects.get(slug="alpha").sso_email_domain == "alpha.example"
+
+
+def test_the_sign_in_redirect_never_leads_off_site(client, settings):
+    """A crafted link (?next= another host, an internal address) cannot make the sign-in end there."""
+    settings.OIDC_RP_CLIENT_ID, settings.OIDC_RP_CLIENT_SECRET = "tessera", "secret"
+    settings.OIDC_OP_AUTHORIZATION_ENDPOINT = "https://id.example.com/authorize"
+    settings.OIDC_OP_TOKEN_ENDPOINT = "https://id.example.com/token"
+    settings.OIDC_OP_USER_ENDPOINT = "https://id.example.com/userinfo"
+    settings.OIDC_OP_JWKS_ENDPOINT = "https://id.example.com/jwks"
+    for target in ("https://evil.example/", "http://169.254.169.254/latest/meta-data/", "//127.0.0.1:6379/"):
+        r = client.get("/oidc/authenticate/", {"next": target})
+        assert r.status_code == 302 and r["Location"].startswith("https://id.example.com/authorize?")
+        assert client.session.get("oidc_login_next") is None, target
+    client.get("/oidc/authenticate/", {"next": "/portal/keys/"})
+    assert client.session.get("oidc_login_next") == "/portal/keys/"
+
+
+def test_an_invitation_to_another_address_is_not_taken_by_sso():
+    other = TenantFactory(slug="other")
+    _invite(other, "victim@else.example", role="owner")
+    with pytest.raises(sso.Refused, match="No tenant admits"):
+        sso.sign_in({"email": "attacker@else.example", "email_verified": True})
+    assert Invitation.objects.get(email="victim@else.example").accepted_at is None
+    assert not Membership.objects.filter(tenant=other).exists()
