@@ -189,7 +189,7 @@ def test_without_the_pdf_library_the_pages_say_why_and_the_api_answers_503(acme,
     assert "PDF unavailable" in page and "no libpango" in page
 
 
-def test_billing_details_are_validated_and_edited_by_owners_and_operators_only(acme, client, operator):
+def test_billing_details_are_validated_and_edited_by_owners_and_operators_only(acme, client, operator, as_user):
     tenant = acme["tenant"]
     with pytest.raises(ServiceError, match="tax id"):
         tenant_services.update_tenant(acme["op"], tenant, billing_tax_id="DE<script>")
@@ -212,6 +212,11 @@ def test_billing_details_are_validated_and_edited_by_owners_and_operators_only(a
     assert client.post("/portal/billing/", {"billing_legal_name": "pwned"}).status_code == 403
     client.force_login(MembershipFactory(tenant=tenant, role=Role.VIEWER).user)
     assert client.get("/portal/billing/").status_code == 403
+    api = as_user(acme["owner"])  # the API: the tenant's owners PATCH them too, checked by the same rule
+    r = api.patch(f"/api/v1/tenants/{tenant.slug}/", {"billing_tax_id": "<b>"}, format="json")
+    assert r.status_code == 400 and "billing_tax_id" in r.content.decode()
+    r = api.patch(f"/api/v1/tenants/{tenant.slug}/", {"billing_address": "  4 Quay St \n\n Bristol "}, format="json")
+    assert r.status_code == 200 and r.json()["billing_address"] == "4 Quay St\nBristol"
     client.force_login(operator)
     r = client.post(f"/console/tenants/{tenant.pk}/billing/", {
         "billing_legal_name": "Acme Robotics PLC", "billing_address": "3 Steel St\nLeeds", "billing_tax_id": "GB1",
