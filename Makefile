@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint chromium serving-deps alerting-deps
+.PHONY: demo test lint chromium serving-deps alerting-deps pdf-deps
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
-demo: $(STAMP)
+demo: $(STAMP) pdf-deps
 	$(PY) manage.py demo $(DEMO_ARGS)
 
 lint: $(STAMP)
@@ -50,5 +50,14 @@ serving-deps:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap nftables iproute2 \
 	    util-linux libseccomp2 python3 python3-numpy >/dev/null; fi
 
-test: lint chromium serving-deps alerting-deps
+# Invoice and credit-note PDFs (WeasyPrint) lay text out with Debian's pango and its fonts: DejaVu installed here
+# when missing and we are root with apt-get; otherwise the PDF links say why there is no PDF and those tests skip.
+pdf-deps:
+	@if { [ ! -f /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ] || ! ls /usr/lib/*/libpango-1.0.so.0 >/dev/null 2>&1; } \
+	    && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "installing Debian's fonts-dejavu-core and pango for the invoice PDFs"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fonts-dejavu-core libpango-1.0-0 \
+	    libpangoft2-1.0-0 >/dev/null; fi
+
+test: lint chromium serving-deps alerting-deps pdf-deps
 	$(VENV)/bin/pytest $(PYTEST_ARGS)

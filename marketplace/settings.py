@@ -570,6 +570,11 @@ TESSERA_INVITATION_TTL_DAYS = 7
 # The site's public address (https://portal.example.com) for links in e-mails; empty: the address the
 # inviting request came in on (its Host header, which ALLOWED_HOSTS checks).
 TESSERA_SITE_URL = env_site_url("TESSERA_SITE_URL")
+# The MSP as its invoices and credit notes name it (the PDFs' issuer; frozen on each at finalization or issue):
+# its name, its postal address (lines separated by ";") and its tax ids (separated by ",", e.g. "VAT DE123456789").
+TESSERA_MSP_NAME = env_str("TESSERA_MSP_NAME", "Tessera GPU Cloud")
+TESSERA_MSP_ADDRESS = env_str("TESSERA_MSP_ADDRESS")
+TESSERA_MSP_TAX_IDS = env_str("TESSERA_MSP_TAX_IDS")
 # Requests per minute from one client address to the invitation pages (token guessing, password tries).
 TESSERA_INVITATION_PAGE_RATE = env_int("TESSERA_INVITATION_PAGE_RATE", 30)
 # Capacity planner: what one GPU-hour costs the MSP (hardware amortisation + hosting, power excluded),

@@ -7,6 +7,7 @@ from typing import ClassVar
 
 from django.conf import settings
 from django.contrib.auth.models import AbstractUser, BaseUserManager
+from django.core.exceptions import ValidationError
 from django.core.validators import MinValueValidator, RegexValidator
 from django.db import models
 from django.db.models.functions import Lower
@@ -83,6 +84,21 @@ CURRENCIES = [("USD", "US dollar"), ("EUR", "Euro"), ("GBP", "Pound sterling"), 
               ("JPY", "Japanese yen"), ("CAD", "Canadian dollar"), ("AUD", "Australian dollar")]
 
 
+#: a tenant's billing address: at most this many characters and lines (it fills the invoice's address block)
+BILLING_ADDRESS_MAX = 500
+BILLING_ADDRESS_LINES = 6
+TAX_ID = RegexValidator(r"^[A-Za-z0-9][A-Za-z0-9 ./-]{1,31}$",
+                        "a tax id: 2-32 letters, digits, spaces, '.', '-' or '/', starting with a letter or digit")
+
+
+def validate_billing_address(value: str) -> None:
+    lines = [ln for ln in value.splitlines() if ln.strip()]
+    if len(lines) > BILLING_ADDRESS_LINES:
+        raise ValidationError(f"at most {BILLING_ADDRESS_LINES} lines (this has {len(lines)})")
+    if any(len(ln) > 100 for ln in lines):
+        raise ValidationError("at most 100 characters a line")
+
+
 #: the spend limit's two special values (marketplace.services.billing.spend holds the rule)
 SPEND_LIMIT_HELP = "empty (null) = no limit; 0 = nothing may be spent; in the invoice's currency"
 
@@ -133,6 +149,17 @@ class Tenant(models.Model):
         max_length=253, blank=True, default="",
         help_text="single sign-on: a person the identity provider signs in with a verified e-mail address at this "
                   "domain joins this tenant as a member; empty: by invitation only")
+
+    # Billing details, printed on its invoices and credit notes (frozen on each at finalization or issue).
+    billing_legal_name = models.CharField(
+        max_length=200, blank=True, default="",
+        help_text="the name invoices are made out to (empty: the tenant's name)")
+    billing_address = models.TextField(
+        max_length=BILLING_ADDRESS_MAX, blank=True, default="", validators=[validate_billing_address],
+        help_text=f"postal address, one line per line (at most {BILLING_ADDRESS_LINES} lines)")
+    billing_tax_id = models.CharField(
+        max_length=32, blank=True, default="", validators=[TAX_ID],
+        help_text="VAT or other tax id, e.g. DE123456789 (letters, digits, spaces, '.', '-', '/')")
 
     objects = TenantScopedQuerySet.as_manager()
     tenant_path = "pk"

@@ -10,7 +10,7 @@ from django.conf import settings
 from django.contrib.auth.password_validation import validate_password
 from django.core.exceptions import ValidationError
 from django.core.mail import send_mail
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, models, transaction
 from django.db.models import Q
 from django.template.loader import render_to_string
 from django.urls import reverse
@@ -24,7 +24,9 @@ from .scoping import Principal
 
 log = logging.getLogger("tessera.tenants")
 
-TENANT_PROFILE_FIELDS = {"name", "billing_email"}
+TENANT_PROFILE_FIELDS = {"name", "billing_email", "billing_legal_name", "billing_address", "billing_tax_id"}
+#: the billing details on the tenant's invoices and credit notes (owners/admins and operators edit them)
+BILLING_DETAIL_FIELDS = ("billing_legal_name", "billing_address", "billing_tax_id")
 # Operator-only: quotas, limits and the billing currency (which applies from the next period).
 TENANT_QUOTA_FIELDS = {"currency",
     "max_slices", "max_slices_per_tier", "max_memory_gb",
@@ -42,6 +44,24 @@ POSITIVE_LIMITS = ("max_concurrent_requests", "max_key_requests_per_minute", "ma
 def _require(principal: Principal, capability: str, tenant_id: int | None) -> None:
     if not principal.can(capability, tenant_id):
         raise Forbidden("Your role or API-key scopes do not allow this.")
+
+
+def _billing_details(fields: dict, tenant: Tenant) -> None:
+    """The billing details, normalized (surrounding spaces and blank lines dropped) and checked by the model
+    fields' own validators (tenants.models: lengths, the address's lines, the tax id's characters)."""
+    for name in BILLING_DETAIL_FIELDS:
+        if name not in fields:
+            continue
+        value = str(fields[name] or "")
+        if name == "billing_address":
+            value = "\n".join(ln.strip() for ln in value.splitlines() if ln.strip())
+        fields[name] = value = value.strip()
+        field = Tenant._meta.get_field(name)
+        assert isinstance(field, models.Field)
+        try:
+            field.clean(value, tenant)
+        except ValidationError as exc:
+            raise ServiceError("; ".join(exc.messages), field=name) from None
 
 
 _DOMAIN = re.compile(r"^(?=.{1,253}$)([a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?\.)+[a-z]{2,63}$")
@@ -109,6 +129,7 @@ def update_tenant(principal: Principal, tenant: Tenant, **fields) -> Tenant:
     if unknown:
         raise ServiceError(f"cannot be changed here: {', '.join(sorted(unknown))}")
     _sso_domain(fields, tenant.pk)
+    _billing_details(fields, tenant)
     merged = {name: getattr(tenant, name) for name in TENANT_QUOTA_FIELDS} | fields
     _check_quota_values(merged)
     if "currency" in fields and fields["currency"] != tenant.currency:

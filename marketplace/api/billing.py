@@ -8,7 +8,7 @@ from decimal import Decimal
 
 from django.utils import timezone
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema, extend_schema_field
 from rest_framework import mixins, renderers, serializers, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.generics import GenericAPIView
@@ -21,6 +21,7 @@ from marketplace.models import CreditNote, CreditNoteLine, Invoice, InvoiceLine,
 from marketplace.selectors import billing as selectors
 from marketplace.selectors.exports import credit_note_csv, invoice_csv
 from marketplace.services import billing, webhooks
+from marketplace.services.billing import documents
 from marketplace.services.billing.spend import Spend
 from telemetry.selectors import usage_summary
 from tenants.api.serializers import ScopedTenantField
@@ -54,11 +55,22 @@ class InvoiceSerializer(serializers.ModelSerializer):
     tenant: serializers.SlugRelatedField[Tenant] = serializers.SlugRelatedField(slug_field="slug", read_only=True)
     lines = InvoiceLineSerializer(many=True, read_only=True)
     credit_notes = CreditNoteBriefSerializer(many=True, read_only=True, help_text="credit notes correcting it")
+    credited = serializers.SerializerMethodField(help_text="what its credit notes credit in all (positive)")
+    net_total = serializers.SerializerMethodField(help_text="what is owed: total less credited "
+                                                            "(billing.credit_notes.net_balance)")
 
     class Meta:
         model = Invoice
-        fields = ["id", "number", "tenant", "status", "period_start", "period_end", "currency", "total", "rated_at",
-                  "finalized_at", "lines", "credit_notes"]
+        fields = ["id", "number", "tenant", "status", "period_start", "period_end", "currency", "total", "credited",
+                  "net_total", "rated_at", "finalized_at", "lines", "credit_notes"]
+
+    @extend_schema_field(serializers.DecimalField(max_digits=14, decimal_places=2))
+    def get_credited(self, obj) -> str:
+        return _dec(_MONEY, billing.money(sum((cn.total for cn in obj.credit_notes.all()), Decimal(0))))
+
+    @extend_schema_field(serializers.DecimalField(max_digits=14, decimal_places=2))
+    def get_net_total(self, obj) -> str:
+        return _dec(_MONEY, billing.net_balance(obj.total, [cn.total for cn in obj.credit_notes.all()]))
 
 
 class InvoiceKeyShareSerializer(serializers.Serializer):
@@ -155,6 +167,8 @@ class InvoiceRows:
         out = {"id": r["id"], "number": r["number"], "tenant": r["tenant__slug"], "status": r["status"],
                "period_start": self.date(r["period_start"]), "period_end": self.date(r["period_end"]),
                "currency": r["currency"], "total": _dec(_MONEY, r["total"]),
+               "credited": _dec(_MONEY, billing.money(sum((c["total"] for c in credit_notes), Decimal(0)))),
+               "net_total": _dec(_MONEY, billing.net_balance(r["total"], [c["total"] for c in credit_notes])),
                "rated_at": self.dt(r["rated_at"]), "finalized_at": self.dt(r["finalized_at"])}
         if lines is not None:
             out["lines"] = [self.line(x) for x in lines]
@@ -190,6 +204,8 @@ class InvoiceExportSerializer(serializers.Serializer):
     period_end = serializers.DateField()
     currency = serializers.CharField()
     total = serializers.DecimalField(max_digits=14, decimal_places=2)
+    pdf_url = serializers.CharField(help_text="its PDF (GET, the API's authentication); absolute when "
+                                              "TESSERA_SITE_URL is set")
     credit_notes = CreditNoteBriefExportSerializer(many=True)
     lines = ExportLineSerializer(many=True)
 
@@ -303,8 +319,38 @@ class CreditNoteExportSerializer(serializers.Serializer):
     lines = CreditNoteLineSerializer(many=True)
     recharge = RechargeSerializer(many=True)
     recharged_on = serializers.CharField(allow_null=True)
+    pdf_url = serializers.CharField(help_text="its PDF (GET, the API's authentication); absolute when "
+                                              "TESSERA_SITE_URL is set")
 
 
+
+
+class PdfRenderer(renderers.BaseRenderer):
+    media_type = "application/pdf"
+    format = "pdf"
+    charset = None
+    render_style = "binary"
+
+    def render(self, data, accepted_media_type=None, renderer_context=None):
+        return data
+
+
+def pdf_answer(make, doc) -> Response:
+    """A document's PDF (billing.documents), or a 503 saying why the PDF library cannot be loaded here."""
+    try:
+        body = make(doc)
+    except documents.PdfUnavailable as exc:
+        return Response({"detail": str(exc), "code": "pdf_unavailable"}, status=status.HTTP_503_SERVICE_UNAVAILABLE)
+    resp = Response(body, content_type="application/pdf")
+    resp["Content-Disposition"] = f'attachment; filename="{documents.filename(doc)}"'
+    return resp
+
+
+PDF = OpenApiResponse(response=OpenApiTypes.BINARY, description=(
+    "The document as a PDF (billing.documents): the MSP and the tenant's billing details, the lines, totals and "
+    "currency; an invoice also per tier and per API key, a draft with a DRAFT watermark. A finalized invoice's or "
+    "a credit note's PDF never changes (the parties printed are frozen when it is finalized or issued). 503 with "
+    "`code` pdf_unavailable when the PDF library cannot be loaded on the server."))
 
 
 class CsvRenderer(renderers.BaseRenderer):
@@ -324,7 +370,7 @@ class JsonErrorsMixin:
 
     def finalize_response(self, request, response, *args, **kwargs):
         if response.status_code >= 400 and getattr(getattr(request, "accepted_renderer", None), "format",
-                                                   "csv") == "csv":
+                                                   "csv") in ("csv", "pdf"):
             request.accepted_renderer = renderers.JSONRenderer()
             request.accepted_media_type = "application/json"
         return super().finalize_response(request, response, *args, **kwargs)
@@ -365,7 +411,8 @@ class InvoiceViewSet(JsonErrorsMixin, ScopedViewSetMixin, viewsets.ReadOnlyModel
     ordering_fields = ["period_start", "total", "number"]
     ordering = ["-period_start", "tenant__slug"]
     capabilities = {"list": "billing", "retrieve": "billing", "export": "billing", "export_csv": "billing",
-                    "keys": "billing", "refresh": "refresh_billing", "finalize": "operate", "credit_note": "operate"}
+                    "keys": "billing", "pdf": "billing",
+                    "refresh": "refresh_billing", "finalize": "operate", "credit_note": "operate"}
 
     def get_serializer_class(self):
         return InvoiceListSerializer if self.action == "list" else InvoiceSerializer
@@ -422,6 +469,11 @@ class InvoiceViewSet(JsonErrorsMixin, ScopedViewSetMixin, viewsets.ReadOnlyModel
         invoice = self.get_object()
         return csv_answer(invoice_csv(invoice), invoice.number or f"draft-{invoice.pk}")
 
+    @extend_schema(summary="The invoice as PDF", responses={(200, "application/pdf"): PDF})
+    @action(detail=True, methods=["get"], renderer_classes=[PdfRenderer])
+    def pdf(self, request, pk=None):
+        return pdf_answer(documents.invoice_pdf, self.get_object())
+
     @extend_schema(request=None, responses=InvoiceSerializer)
     @action(detail=True, methods=["post"])
     def refresh(self, request, pk=None):
@@ -461,7 +513,8 @@ class CreditNoteViewSet(JsonErrorsMixin, ScopedViewSetMixin, viewsets.ReadOnlyMo
     filterset_fields = ["invoice", "currency"]
     ordering_fields = ["issued_at", "number", "total"]
     ordering = ["-issued_at"]
-    capabilities = {"list": "billing", "retrieve": "billing", "export": "billing", "export_csv": "billing"}
+    capabilities = {"list": "billing", "retrieve": "billing", "export": "billing", "export_csv": "billing",
+                    "pdf": "billing"}
 
     @extend_schema(description=f"The credit note as JSON (the body of the credit_note.issued webhook). "
                                f"{LEGACY_CSV}",
@@ -479,6 +532,11 @@ class CreditNoteViewSet(JsonErrorsMixin, ScopedViewSetMixin, viewsets.ReadOnlyMo
     def export_csv(self, request, pk=None):
         cn = self.get_object()
         return csv_answer(credit_note_csv(cn), cn.number)
+
+    @extend_schema(summary="The credit note as PDF", responses={(200, "application/pdf"): PDF})
+    @action(detail=True, methods=["get"], renderer_classes=[PdfRenderer])
+    def pdf(self, request, pk=None):
+        return pdf_answer(documents.credit_note_pdf, self.get_object())
 
 
 class SpendQuery(serializers.Serializer):

@@ -8,6 +8,10 @@ from django.utils import timezone
 
 from tenants.scoping import TenantScopedQuerySet
 
+#: Invoice.parties and CreditNote.parties (billing.documents.parties writes them)
+PARTIES_HELP = ("the issuer (the MSP's settings) and the customer (the tenant's billing details) as printed, frozen "
+                "when the invoice is finalized or the credit note issued; empty on a draft: the current ones")
+
 
 class Invoice(models.Model):
     class Status(models.TextChoices):
@@ -24,6 +28,7 @@ class Invoice(models.Model):
     rated_at = models.DateTimeField(null=True, blank=True, help_text="when the draft was last rated")
     finalized_at = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(default=timezone.now)
+    parties = models.JSONField(null=True, blank=True, editable=False, help_text=PARTIES_HELP)
 
     objects = TenantScopedQuerySet.as_manager()
     tenant_path = "tenant_id"
@@ -253,6 +258,7 @@ class CreditNote(models.Model):
     recharged_on = models.ForeignKey(Invoice, null=True, blank=True, on_delete=models.PROTECT, related_name="+")
     issued_at = models.DateTimeField(default=timezone.now)
     issued_by = models.CharField(max_length=254)
+    parties = models.JSONField(null=True, blank=True, editable=False, help_text=PARTIES_HELP)
 
     objects = TenantScopedQuerySet.as_manager()
     tenant_path = "tenant_id"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import re
 from datetime import timedelta
+from decimal import Decimal
 from functools import wraps
 from typing import Any
 
@@ -51,11 +52,12 @@ from marketplace.selectors import billing as billing_sel
 from marketplace.selectors import orders as orders_sel
 from marketplace.selectors.exports import invoice_csv
 from marketplace.services import billing, fleet, offers, orders
-from marketplace.services.billing import spend
+from marketplace.services.billing import documents, spend
 from marketplace.services.billing.plans import in_force
 from marketplace.services.billing.spend import Spend
 from marketplace.services.fleet import DiscoveredGpu
-from marketplace.web.portal_forms import KeyLimitsForm, error_summary
+from marketplace.web.documents import pdf_response
+from marketplace.web.portal_forms import BillingDetailsForm, KeyLimitsForm, error_summary
 from marketplace.web.tables import Column, Filtered, Table, filtered, table
 from telemetry.charts import CHARTS
 from telemetry.models import GpuSample
@@ -411,6 +413,7 @@ def _tenant_page(request, tenant: Tenant, form: QuotaForm, status: int = 200):
         "tenant": tenant, "form": form, "allocations": allocs, "invoices": invoices, "live": live,
         "spend": spend.of(tenant), "members": tenant.memberships.select_related("user").order_by("user__email"),
         "keys": [(k, used.get(k.prefix, 0)) for k in keys], "keys_shown": KEYS_SHOWN,
+        "billing_form": BillingDetailsForm(instance=tenant),
     }, status=status)
 
 
@@ -456,6 +459,24 @@ def tenant_detail(request, pk: int):
     if request.method != "GET":
         return HttpResponse(status=405)
     return _tenant_page(request, tenant, QuotaForm(initial=_quota_initial(tenant)))
+
+
+@require_POST
+@operator_required
+def tenant_billing(request, pk: int):
+    """An operator edits a tenant's billing details (what its next invoices and credit notes print)."""
+    tenant = get_object_or_404(Tenant.objects.visible_to(request.principal), pk=pk)
+    form = BillingDetailsForm(request.POST, instance=Tenant.objects.get(pk=tenant.pk))
+    if not form.is_valid():
+        messages.error(request, f"Billing details not saved — {error_summary(form)}")
+        return redirect("console:tenant_detail", pk=tenant.pk)
+    changed = {name: form.cleaned_data[name] for name in form.changed_data}
+    try:
+        tenant_services.update_tenant(request.principal, tenant, **changed)
+        messages.success(request, "Billing details saved." if changed else "Nothing changed.")
+    except ServiceError as exc:
+        _service_error(request, exc)
+    return redirect("console:tenant_detail", pk=tenant.pk)
 
 
 @require_POST
@@ -578,10 +599,28 @@ def _finalizable(invoice: Invoice) -> bool:
 @operator_required
 def invoice_detail(request, pk: int):
     invoice = get_object_or_404(billing_sel.invoices(request.principal), pk=pk)
-    return _page(request, "invoice_detail.html", {"invoice": invoice, "lines": invoice.lines.all(),
-                                                  "can_finalize": _finalizable(invoice),
-                                                  "credit_notes": invoice.credit_notes.all(),
-                                                  "by_key": billing_sel.key_breakdown(invoice)})
+    notes = list(invoice.credit_notes.all())
+    return _page(request, "invoice_detail.html", {
+        "invoice": invoice, "lines": invoice.lines.all(), "can_finalize": _finalizable(invoice),
+        "credit_notes": notes, "by_key": billing_sel.key_breakdown(invoice),
+        "credited": sum((cn.total for cn in notes), Decimal(0)),
+        "net": billing.net_balance(invoice.total, [cn.total for cn in notes]),
+        "left_to_credit": billing.left_to_credit(invoice), "pdf_unavailable": documents.unavailable()})
+
+
+@require_GET
+@operator_required
+def invoice_pdf(request, pk: int):
+    invoice = get_object_or_404(billing_sel.invoices(request.principal), pk=pk)
+    return pdf_response(request, documents.invoice_pdf, invoice, reverse("console:invoice_detail", args=[pk]))
+
+
+@require_GET
+@operator_required
+def credit_note_pdf(request, pk: int):
+    cn = get_object_or_404(billing_sel.credit_notes(request.principal), pk=pk)
+    return pdf_response(request, documents.credit_note_pdf, cn,
+                        reverse("console:invoice_detail", args=[cn.invoice_id]))
 
 
 @require_GET

@@ -8,6 +8,7 @@ from ?tenant=<slug>, then the session, then the user's first membership.
 from __future__ import annotations
 
 from datetime import timedelta
+from decimal import Decimal
 from functools import wraps
 
 from django.conf import settings
@@ -29,7 +30,9 @@ from marketplace.selectors.catalog import AVAILABILITY_CAP, availability
 from marketplace.selectors.exports import invoice_csv
 from marketplace.services import billing, deployments, inference, orders
 from marketplace.services import models as model_svc
+from marketplace.services.billing import documents
 from marketplace.services.billing.plans import in_force
+from marketplace.web.documents import pdf_response
 from marketplace.web.tables import Column, table
 from telemetry import charts
 from telemetry.selectors import deployment_latency, deployment_served, key_tokens, usage_summary
@@ -43,6 +46,7 @@ from .portal_forms import (
     TENANT_SCOPES,
     AdapterForm,
     ApiKeyForm,
+    BillingDetailsForm,
     DeploymentForm,
     InviteForm,
     KeyLimitsForm,
@@ -439,9 +443,52 @@ def _invoice(request, pk):
 @portal_view
 def invoice_detail(request, pk):
     inv = _invoice(request, pk)
+    notes = list(inv.credit_notes.all())
     return render(request, "portal/invoice.html", ctx(request, invoice=inv, lines=list(inv.lines.all()),
-                                                      credit_notes=list(inv.credit_notes.all()),
-                                                      by_key=billing_sel.key_breakdown(inv)))
+                                                      credit_notes=notes, by_key=billing_sel.key_breakdown(inv),
+                                                      credited=sum((cn.total for cn in notes), Decimal(0)),
+                                                      net=billing.net_balance(inv.total, [cn.total for cn in notes]),
+                                                      pdf_unavailable=documents.unavailable()))
+
+
+@portal_view
+def invoice_pdf(request, pk):
+    inv = _invoice(request, pk)
+    return pdf_response(request, documents.invoice_pdf, inv, reverse("portal:invoice", args=[inv.pk]))
+
+
+@portal_view
+def credit_note_pdf(request, pk):
+    """A credit note of one of the tenant's invoices (another tenant's: 404)."""
+    cn = get_object_or_404(billing_sel.credit_notes(request.principal), pk=pk)
+    use_tenant(request, cn.tenant_id)
+    return pdf_response(request, documents.credit_note_pdf, cn, reverse("portal:invoice", args=[cn.invoice_id]))
+
+
+@portal_view
+def billing_details(request):
+    """The tenant's billing details, as its invoices and credit notes print them: owners and admins edit them
+    (manage_tenant), the billing role reads them. A finalized invoice keeps the details it was issued with."""
+    t = request.tenant
+    can_edit = request.principal.can("manage_tenant", t.pk)
+    require(request, "billing" if not can_edit else "manage_tenant")
+    form = BillingDetailsForm(instance=t)
+    status = 200
+    if request.method == "POST":
+        require(request, "manage_tenant")
+        form = BillingDetailsForm(request.POST, instance=Tenant.objects.get(pk=t.pk))
+        if form.is_valid():
+            changed = {name: form.cleaned_data[name] for name in form.changed_data}
+            with service_errors(form) as failed:
+                tenant_services.update_tenant(request.principal, Tenant.objects.get(pk=t.pk), **changed)
+            if not failed:
+                messages.success(request, "Billing details saved: your next invoices and credit notes carry them."
+                                 if changed else "Nothing changed.")
+                return redirect("portal:billing_details")
+        status = 400
+    elif request.method != "GET":
+        return HttpResponse(status=405)
+    return render(request, "portal/billing_details.html", ctx(request, form=form, can_edit=can_edit), status=status)
 
 
 @portal_view

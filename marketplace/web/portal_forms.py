@@ -18,6 +18,7 @@ from marketplace.models import Allocation, LoraAdapter, ModelRepository, PricePl
 from marketplace.selectors import models as model_sel
 from marketplace.selectors import orders as order_sel
 from tenants.errors import Forbidden, ServiceError
+from tenants.models import Tenant
 from tenants.roles import OPERATOR_ONLY_SCOPES, Role, Scope
 
 TENANT_SCOPES = [c for c in Scope.choices if c[0] not in OPERATOR_ONLY_SCOPES]
@@ -68,7 +69,7 @@ class service_errors:  # a context manager, named like contextlib's
         return f"{exc.field}: {exc.message}"
 
 
-def error_summary(form: forms.Form) -> str:
+def error_summary(form: forms.BaseForm) -> str:
     """Every error of a form on one line (for the flash message above the page)."""
     return "; ".join(str(m) for errors in form.errors.values() for m in errors)
 
@@ -169,6 +170,18 @@ class KeyLimitsForm(forms.Form):
     requests_per_minute = _whole("Requests per minute", min_value=1)
     tokens_per_minute = _whole("Tokens per minute", min_value=1)
     monthly_token_allowance = _whole("Tokens per month", min_value=1)
+
+
+class BillingDetailsForm(forms.ModelForm):
+    """A tenant's billing details, as its invoices and credit notes print them (the portal's owners and admins, the
+    console's operators): the model fields' own checks; tenants.services.update_tenant normalizes and checks again."""
+
+    class Meta:
+        model = Tenant
+        fields = ["billing_legal_name", "billing_address", "billing_tax_id", "billing_email"]
+        labels = {"billing_legal_name": "Legal name", "billing_address": "Address", "billing_tax_id": "Tax id",
+                  "billing_email": "Billing e-mail"}
+        widgets = {"billing_address": forms.Textarea(attrs={"rows": 4, "cols": 40})}
 
 
 class InviteForm(forms.Form):

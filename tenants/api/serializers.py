@@ -26,7 +26,8 @@ class TenantSerializer(serializers.ModelSerializer):
             "max_slices", "max_slices_per_tier", "max_memory_gb",
             "monthly_spend_limit", "spend_warn_ratio", "spend_block_ratio",
             "max_concurrent_requests", "max_key_requests_per_minute", "max_key_tokens_per_minute",
-            "sso_email_domain", "member_count", "active_key_count", "owner_email",
+            "sso_email_domain", "billing_legal_name", "billing_address", "billing_tax_id",
+            "member_count", "active_key_count", "owner_email",
         ]
         read_only_fields = ["id", "status", "created_at", "suspended_at", "suspended_reason"]
         # uniqueness is the service's (409), after it normalizes the value

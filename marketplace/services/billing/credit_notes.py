@@ -15,6 +15,7 @@ from datetime import datetime
 from decimal import Decimal
 
 from django.db import transaction
+from django.db.models import Sum
 from django.utils import timezone
 
 from marketplace.models import CreditNote, CreditNoteLine, CreditNoteSequence, Invoice
@@ -23,6 +24,7 @@ from marketplace.services.dbretry import retry_on_conflict
 from tenants import audit
 from tenants.errors import Conflict, Forbidden, ServiceError
 
+from .documents import link, parties
 from .units import money
 
 log = logging.getLogger("tessera.billing")
@@ -57,6 +59,7 @@ def issue_credit_note(principal, invoice: Invoice, *, reason: str, lines: list[t
         for line_id, amount in CreditNoteLine.objects.filter(invoice_line__invoice=invoice).values_list(
                 "invoice_line_id", "amount"):
             credited[line_id] += amount
+        # (left_to_credit below sums the same: each positive line's amount less what was credited on it)
         wanted = ([(pk, li.amount - credited[pk]) for pk, li in own.items() if li.amount > 0] if lines is None
                   else [(int(pk), Decimal(str(a))) for pk, a in lines])
         out = []
@@ -88,7 +91,7 @@ def issue_credit_note(principal, invoice: Invoice, *, reason: str, lines: list[t
         cn = CreditNote.objects.create(
             tenant=invoice.tenant, invoice=invoice, number=_next_credit_note_number(now.year),
             currency=invoice.currency, total=sum((a for _, a in out), Decimal(0)), reason=reason.strip()[:500],
-            recharge=items, issued_at=now, issued_by=audit.actor_of(principal)[0])
+            recharge=items, issued_at=now, issued_by=audit.actor_of(principal)[0], parties=parties(invoice.tenant))
         CreditNoteLine.objects.bulk_create([CreditNoteLine(credit_note=cn, invoice_line=li, amount=a,
                                                            description=li.description) for li, a in out])
         audit.record(principal, "invoice.credit_note", f"credit_note:{cn.number}", invoice.tenant,
@@ -96,6 +99,26 @@ def issue_credit_note(principal, invoice: Invoice, *, reason: str, lines: list[t
         webhooks.emit(invoice.tenant, "credit_note.issued", f"credit_note:{cn.pk}", credit_note_payload(cn))
     log.info("credit note issued", extra={"credit_note": cn.number, "invoice": invoice.number, "total": str(cn.total)})
     return cn
+
+
+def net_balance(total: Decimal, credit_note_totals) -> Decimal:
+    """What the tenant owes on an invoice: its total less what its credit notes credit (the one sign: a credit
+    note's total is positive and reduces what is owed). The pages, the API (InvoiceSerializer and its copy
+    InvoiceRows) and the PDFs call this."""
+    return money(total - sum(credit_note_totals, Decimal(0)))
+
+
+def left_to_credit(invoice: Invoice) -> Decimal:
+    """What a credit note can still credit on a finalized invoice (0 on a draft): issue_credit_note's default,
+    each positive line's amount less what earlier credit notes credited on it, summed in the database (a credit is
+    only ever on a positive line and never more than its amount, so the sum is the positive lines' less all
+    credits). When 0 the console offers no credit form (the service refuses: "nothing left to credit")."""
+    if invoice.status != Invoice.Status.FINALIZED:
+        return Decimal(0)
+    positive = invoice.lines.filter(amount__gt=0).aggregate(s=Sum("amount", default=Decimal(0)))["s"]
+    credited = CreditNoteLine.objects.filter(invoice_line__invoice_id=invoice.pk).aggregate(
+        s=Sum("amount", default=Decimal(0)))["s"]
+    return money(positive - credited)
 
 
 def credit_note_payload(cn) -> dict:
@@ -106,4 +129,5 @@ def credit_note_payload(cn) -> dict:
                    "amount": str(li.amount)} for li in cn.lines.order_by("pk")],
         "recharge": cn.recharge,
         "recharged_on": cn.recharged_on.number if cn.recharged_on_id else None,
+        "pdf_url": link(cn),
     }

@@ -27,6 +27,7 @@ from tenants.errors import Conflict, ServiceError
 from tenants.models import Tenant
 
 from .alerts import alert, note_unpriced, resolve_alerts
+from .documents import link, parties
 from .keys import write_shares
 from .rating import L, rate
 from .units import bounds, month_of, months, next_month
@@ -119,6 +120,7 @@ def finalize(invoice: Invoice, *, now: datetime | None = None, force: bool = Fal
         invoice.status = Invoice.Status.FINALIZED
         invoice.finalized_at = now
         invoice.rated_at = now
+        invoice.parties = parties(invoice.tenant)  # as printed on its PDF from now on (billing.documents)
         invoice.save()
         resolve_alerts(invoice.tenant, invoice.period_start, BillingAlert.Kind.UNPRICED,
                        f"finalized as {invoice.number} with every use priced")
@@ -230,7 +232,7 @@ def invoice_payload(invoice: Invoice) -> dict:
     return {
         "number": invoice.number, "tenant": invoice.tenant.slug, "status": invoice.status,
         "period_start": invoice.period_start.isoformat(), "period_end": invoice.period_end.isoformat(),
-        "currency": invoice.currency, "total": str(invoice.total),
+        "currency": invoice.currency, "total": str(invoice.total), "pdf_url": link(invoice),
         "credit_notes": [{"number": cn.number, "total": str(cn.total)} for cn in invoice.credit_notes.order_by("pk")],
         "lines": [{"kind": li.kind, "tier": li.tier.key, "deployment": li.deployment_id,
                    "description": li.description, "quantity": str(li.quantity), "unit": li.unit,
