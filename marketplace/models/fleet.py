@@ -105,6 +105,10 @@ class GpuInstance(models.Model):
     ci_id = models.IntegerField(null=True, blank=True)
     mig_uuid = models.CharField(max_length=64, blank=True)
     reason = models.CharField(max_length=500, blank=True, help_text="why the engine chose this GPU and start")
+    group_lead = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.CASCADE, related_name="group_members",
+        help_text="a multi-GPU group's other GPUs point to its first one (the allocation's instance); "
+                  "releasing the first releases them all")
     created_at = models.DateTimeField(default=timezone.now)
 
     objects = TenantScopedQuerySet.as_manager()

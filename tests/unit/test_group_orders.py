@@ -1,0 +1,137 @@
+"""Multi-GPU tiers end to end through orders: placement on one node inside one NUMA node, quotas counted in
+GPUs, release of every GPU of the group, and exact races against PostgreSQL (50 orders for 3 groups)."""
+
+from __future__ import annotations
+
+import pytest
+from django.db import IntegrityError, connection  # connection: used by the skipif conditions
+
+from marketplace.models import Allocation, GpuInstance, GpuSlot, ServerPlatform, Tier
+from marketplace.services import fleet, orders, provisioning
+from marketplace.services.fleet import NoCapacityError
+from marketplace.services.nodes import sim_discovery
+from tenants.roles import Role
+from tenants.scoping import principal_for_user
+from tests.factories import MembershipFactory, TenantFactory
+from tests.fleet_fixtures import make_tier
+
+pytestmark = pytest.mark.django_db
+S = Allocation.State
+
+
+def whole_node(hostname="node-w", platform_key="hgx-h100-8", mig_off=frozenset(range(8))):
+    platform = ServerPlatform.objects.get(key=platform_key)
+    return fleet.register_node(hostname, platform, sim_discovery(hostname, platform, mig_off))
+
+
+def group_tier(n, key=None, model="h100-sxm-80gb"):
+    t = make_tier(key or f"h100-x{n}", model, None, hour=f"{2 * n}.0000")
+    Tier.objects.filter(pk=t.pk).update(gpu_count=n)
+    t.refresh_from_db()
+    return t
+
+
+def owner_of(tenant):
+    return principal_for_user(MembershipFactory(tenant=tenant, role=Role.OWNER).user)
+
+
+def held_indexes(alloc):
+    lead = alloc.instance
+    return sorted([lead.gpu.index, *GpuInstance.objects.filter(group_lead=lead).values_list("gpu__index", flat=True)])
+
+
+def test_a_two_gpu_order_holds_two_whole_gpus_on_one_numa_node(catalog, sim_dir):
+    node = whole_node()
+    t = TenantFactory(max_slices=16, max_slices_per_tier=16, max_memory_gb=2000)
+    p = owner_of(t)
+    a = orders.create_order(p, tenant=t, tier=group_tier(2)).allocations.get()
+    assert a.state == S.PLACED and a.node == node and a.instance.placement is None
+    assert held_indexes(a) in ([0, 1], [2, 3], [4, 5], [6, 7])
+    assert GpuSlot.objects.count() == 16 and GpuInstance.objects.count() == 2
+    assert "2 whole H100" in a.placement_reason and "node" not in a.placement_reason.split("on one node")[1]
+    # a 4-GPU group then takes the other NUMA node whole, not the broken one
+    b = orders.create_order(p, tenant=t, tier=group_tier(4)).allocations.get()
+    assert {i // 4 for i in held_indexes(b)} == {1 - held_indexes(a)[0] // 4}
+
+
+def test_group_provision_and_release_free_every_gpu(catalog, sim_dir):
+    whole_node()
+    t = TenantFactory(max_slices=16, max_slices_per_tier=16, max_memory_gb=2000)
+    p = owner_of(t)
+    a = orders.create_order(p, tenant=t, tier=group_tier(4)).allocations.get()
+    a.instance.summary = ""
+    assert provisioning._create_on_gpu(a, a.instance)  # whole GPUs: nothing to carve, every member created
+    assert set(GpuInstance.objects.values_list("state", flat=True)) == {GpuInstance.State.CREATED}
+    fleet.release_instance(a.instance)
+    assert GpuInstance.objects.count() == 0 and GpuSlot.objects.count() == 0
+
+
+def test_quota_counts_every_gpu_of_a_group(catalog, sim_dir):
+    whole_node()
+    t = TenantFactory(max_slices=5, max_slices_per_tier=5, max_memory_gb=2000)
+    p = owner_of(t)
+    orders.create_order(p, tenant=t, tier=group_tier(4))
+    with pytest.raises(orders.QuotaExceeded, match="4 of 5 slices in use; 2 more"):
+        orders.create_order(p, tenant=t, tier=group_tier(2))
+    t2 = TenantFactory(max_slices=16, max_slices_per_tier=16, max_memory_gb=200)
+    with pytest.raises(orders.QuotaExceeded, match="320 GB more"):  # 4 x 80 GB
+        orders.create_order(owner_of(t2), tenant=t2, tier=group_tier(4, key="h100-x4b"))
+
+
+def test_mig_gpus_and_other_nodes_never_join_a_group(catalog, sim_dir):
+    whole_node("node-a", mig_off={0, 1, 2, 5})  # no NUMA node has four MIG-off GPUs
+    whole_node("node-b", mig_off={7})
+    t = TenantFactory(max_slices=16, max_slices_per_tier=16, max_memory_gb=2000)
+    with pytest.raises(NoCapacityError) as exc:
+        orders.create_order(owner_of(t), tenant=t, tier=group_tier(4))
+    assert "node-" not in exc.value.message  # tenant-safe
+    a = orders.create_order(owner_of(t), tenant=t, tier=group_tier(2)).allocations.get()
+    assert a.node.hostname == "node-a" and held_indexes(a) == [0, 1]
+
+
+def test_a_group_tier_must_be_whole_gpus(catalog):
+    from marketplace.models import MigProfile
+
+    t = make_tier("h100-1g-x", "h100-sxm-80gb", "1g.10gb")
+    assert MigProfile.objects.filter(pk=t.profile_id).exists()
+    with pytest.raises(IntegrityError):
+        Tier.objects.filter(pk=t.pk).update(gpu_count=2)
+
+
+@pytest.mark.skipif("connection.vendor != 'postgresql'", reason="concurrent writers need PostgreSQL")
+@pytest.mark.django_db(transaction=True)
+def test_fifty_concurrent_orders_for_three_remaining_groups_give_three(catalog, sim_dir, monkeypatch):
+    import threading
+
+    monkeypatch.setattr(orders, "enqueue_provision", lambda a: None)
+    whole_node("node-a")
+    whole_node("node-b", mig_off={0, 1, 2, 3})
+    whole_node("node-c", mig_off={4, 5, 6, 7})
+    tier = group_tier(4)
+    first = TenantFactory(max_slices=64, max_slices_per_tier=64, max_memory_gb=5000)
+    orders.create_order(owner_of(first), tenant=first, tier=tier)  # 3 groups of 4 left
+    tenants = [TenantFactory(max_slices=64, max_slices_per_tier=64, max_memory_gb=5000) for _ in range(10)]
+    principals = [owner_of(t) for t in tenants]
+    barrier = threading.Barrier(50)
+    results: list = [None] * 50
+
+    def order(i):
+        try:
+            barrier.wait(timeout=20)
+            results[i] = orders.create_order(principals[i % 10], tenant=tenants[i % 10], tier=tier).pk
+        except NoCapacityError as exc:
+            results[i] = exc.message
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=order, args=(i,)) for i in range(50)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(120)
+    assert sum(isinstance(r, int) for r in results) == 3, results
+    assert all("No capacity for 4 H100" in r for r in results if isinstance(r, str))
+    assert Allocation.objects.count() == 4 and GpuInstance.objects.count() == 16 == GpuSlot.objects.count() / 8
+    for a in Allocation.objects.all():
+        idx = held_indexes(a)
+        assert len(idx) == 4 and len({i // 4 for i in idx}) == 1  # one NUMA node of one node
