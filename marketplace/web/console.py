@@ -663,7 +663,7 @@ class TenantCreateForm(forms.ModelForm):
 class TierCreateForm(forms.ModelForm):
     class Meta:
         model = Tier
-        fields = ["key", "name", "gpu_model", "profile", "dedicated", "description", "allowed_backends"]
+        fields = ["key", "name", "gpu_model", "profile", "gpu_count", "dedicated", "description", "allowed_backends"]
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

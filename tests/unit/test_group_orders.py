@@ -135,3 +135,14 @@ def test_fifty_concurrent_orders_for_three_remaining_groups_give_three(catalog, 
     for a in Allocation.objects.all():
         idx = held_indexes(a)
         assert len(idx) == 4 and len({i // 4 for i in idx}) == 1  # one NUMA node of one node
+
+
+def test_operators_create_group_tiers_by_api_and_tenants_see_their_gpu_count(api, as_user, operator, catalog):
+    new = {"key": "h100-x2", "name": "2x H100", "gpu_model": "h100-sxm-80gb", "gpu_count": 2}
+    r = as_user(operator).post("/api/v1/tiers/", new, format="json")
+    assert r.status_code == 201, r.content
+    assert r.json()["gpu_count"] == 2 and r.json()["memory_gb"] == 160 and r.json()["profile"] is None
+    bad = as_user(operator).post("/api/v1/tiers/", {**new, "key": "h100-x3", "gpu_count": 3}, format="json")
+    assert bad.status_code == 400 and "gpu_count" in bad.json()
+    sliced = as_user(operator).post("/api/v1/tiers/", {**new, "key": "h100-x2g", "profile": "1g.10gb"}, format="json")
+    assert sliced.status_code == 400 and "gpu_count" in str(sliced.json())
