@@ -70,6 +70,12 @@ class Tier(models.Model):
         return profile.memory_mib if profile is not None else self.gpu_model.memory_mib * self.gpu_count
 
     @property
+    def gpu_memory_mib(self) -> int:
+        """Memory of one GPU (or the slice) of an allocation: what one tensor-parallel rank may use."""
+        profile = self.profile
+        return profile.memory_mib if profile is not None else self.gpu_model.memory_mib
+
+    @property
     def host_memory_allowance_mib(self) -> int:
         """The host memory a slice of this tier may use (its sandbox's limit)."""
         return self.host_memory_mib or self.memory_mib

@@ -111,7 +111,8 @@ def admin_headers(server: TritonServer) -> dict[str, str]:
 
 
 def slice_memory_mb(allocation: Allocation) -> int:
-    return allocation.tier.memory_mib
+    """One device's memory (a multi-GPU tier: one GPU's; each tensor-parallel rank sizes its own share)."""
+    return allocation.tier.gpu_memory_mib
 
 
 def sandbox_limits(allocation: Allocation) -> sb.Limits:

@@ -146,3 +146,24 @@ def test_operators_create_group_tiers_by_api_and_tenants_see_their_gpu_count(api
     assert bad.status_code == 400 and "gpu_count" in bad.json()
     sliced = as_user(operator).post("/api/v1/tiers/", {**new, "key": "h100-x2g", "profile": "1g.10gb"}, format="json")
     assert sliced.status_code == 400 and "gpu_count" in str(sliced.json())
+
+
+def test_find_tier_offers_one_h200_and_two_h100s_for_a_70b_fp8_model_with_cost_per_1m_tokens(catalog):
+    from marketplace.models import LibraryModel
+    from marketplace.selectors.models import find_tiers
+    from marketplace.services.models import check_tier_fits, library_shape
+
+    h100 = make_tier("h100-whole", "h100-sxm-80gb", None, hour="2.0000")
+    h200 = make_tier("h200-whole", "h200-sxm-141gb", None, hour="3.5000")
+    h100x2 = group_tier(2)  # 4.0000 per group-hour
+    lib = LibraryModel.objects.get(key="llama-3.1-70b-instruct-fp8")
+    options = {o.tier.key: o for o in find_tiers(library_shape(lib), context=8192, concurrency=16)}
+    assert set(options) == {h200.key, h100x2.key}  # one H100 cannot hold the cache
+    two, one = options[h100x2.key], options[h200.key]
+    assert two.fit.tensor_parallel == 2 and two.as_dict()["gpu_count"] == 2
+    assert two.tokens_per_s_source.startswith("modelled (memory-bandwidth roofline")
+    # 2 x 3.35 TB/s vs 4.8 TB/s: the pair serves faster, at a higher hourly price; both costs are shown
+    assert two.tokens_per_s > one.tokens_per_s and two.cost_per_1m_tokens and one.cost_per_1m_tokens
+    with pytest.raises(Exception, match="does not fit"):
+        check_tier_fits(h100, lib, context=8192, concurrency=16)
+    assert check_tier_fits(h100x2, lib, context=8192, concurrency=16).fits
