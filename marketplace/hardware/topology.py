@@ -22,7 +22,17 @@ Sources of each fact (all catalog platforms are HGX H100/H200 8-GPU baseboards, 
   layout under a socket is not published per platform, so the table says NODE (the conservative
   same-socket answer), never SINGLE/MULTIPLE.
 * T4 -- ``nvmlDeviceGetP2PStatus`` with ``NVML_P2P_CAPS_INDEX_NVLINK``: OK (0) between GPUs of one NVLink
-  domain; with ``NVML_P2P_CAPS_INDEX_READ``/``WRITE``: OK over NVLink as well.
+  domain, NOT_SUPPORTED (5) otherwise (``nvmlGpuP2PStatus_t``). The simulator answers READ/WRITE the same way
+  (P2P over NVLink); what a PCIe-only pair answers depends on the chipset, so it says NOT_SUPPORTED.
+* T5 -- affinity (NVML API reference, "CPU and Memory Affinity",
+  https://docs.nvidia.com/deploy/nvml-api/api/group__nvmlAffinity.html): ``nvmlDeviceGetCpuAffinity(device,
+  cpuSetSize)`` fills ``cpuSetSize`` unsigned longs with a bitmask of the ideal CPUs, 64 per element (CPUs 0, 1, 32
+  and 33 with cpuSetSize 2 on 32-bit: result[0] = 0x3, result[1] = 0x3); ``nvmlDeviceGetMemoryAffinity(device,
+  nodeSetSize, scope)`` a bitmask of the ideal NUMA nodes (scope NVML_AFFINITY_SCOPE_NODE 0 / _SOCKET 1).
+  ``nvmlDeviceGetNumaNodeId`` "only applies to platforms where the GPUs are NUMA nodes" (cuda-python's NVML
+  binding docs): on these x86 HGX servers it is not supported, so the NUMA node comes from the memory affinity.
+* T6 -- NVLink links: ``nvmlDeviceGetNvLinkState(device, link)`` is 1 (NVML_FEATURE_ENABLED) for each of the 18
+  links of an H100/H200 SXM on NVSwitch (T1); links past 17 (up to NVML_NVLINK_MAX_LINKS) are not supported.
 """
 
 from __future__ import annotations
@@ -65,6 +75,40 @@ class NodeTopology:
         """GPUs in the NUMA node of GPU ``index``."""
         n = self.gpus[index].numa_node
         return sum(1 for g in self.gpus if g.numa_node == n)
+
+    def common_ancestor(self, a: int, b: int) -> int:
+        """What nvmlDeviceGetTopologyCommonAncestor answers for GPUs a and b (T3)."""
+        if a == b:
+            return TOPOLOGY_INTERNAL
+        return TOPOLOGY_NODE if self.gpus[a].numa_node == self.gpus[b].numa_node else TOPOLOGY_SYSTEM
+
+    def nvlink_peers(self, a: int, b: int) -> bool:
+        da, db = self.gpus[a].nvlink_domain, self.gpus[b].nvlink_domain
+        return a != b and da is not None and da == db
+
+    def p2p_status(self, a: int, b: int) -> int:
+        """nvmlDeviceGetP2PStatus(a, b, NVML_P2P_CAPS_INDEX_NVLINK) (T4)."""
+        return P2P_STATUS_OK if self.nvlink_peers(a, b) else P2P_STATUS_NOT_SUPPORTED
+
+    def numa_cpus(self, indexes: tuple[int, ...] | list[int]) -> tuple[int, ...]:
+        """The CPU cores local to a group's GPUs (its server's cpuset): the union of their NUMA nodes'."""
+        out: set[int] = set()
+        for i in indexes:
+            out.update(self.gpus[i].cpus)
+        return tuple(sorted(out))
+
+
+def cpu_mask(cpus: tuple[int, ...], size: int) -> list[int]:
+    """A CPU set as nvmlDeviceGetCpuAffinity returns it: ``size`` 64-bit words, CPU i in word i // 64 (T5)."""
+    words = [0] * size
+    for c in cpus:
+        if c // 64 < size:
+            words[c // 64] |= 1 << (c % 64)
+    return words
+
+
+def cpus_of_mask(words: list[int] | tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(w * 64 + b for w, word in enumerate(words) for b in range(64) if int(word) >> b & 1)
 
 
 def hgx_8gpu(cores_per_socket: int = 52) -> NodeTopology:

@@ -482,11 +482,12 @@ def adapter_mib(adapter: LoraAdapter) -> int:
 
 def vllm_model_json(m: LibraryModel, result: fit.Fit, *, concurrency: int, adapters=()) -> dict:
     """The vLLM backend's ``model.json`` (engine arguments): the weights from the model store,
-    ``gpu_memory_utilization`` and ``max_model_len`` from the fit on this slice."""
+    ``gpu_memory_utilization`` and ``max_model_len`` from the fit on this slice; ``tensor_parallel_size`` the
+    fit's (a multi-GPU tier's GPU count: the server sees exactly those GPUs, and the fit is per GPU)."""
     args = {
         "model": str(store_root() / m.store_path),
         "disable_log_requests": True,
-        "tensor_parallel_size": 1,
+        "tensor_parallel_size": result.tensor_parallel,
         "gpu_memory_utilization": fit.vllm_memory_utilization(result.needed_mib, result.slice_mib,
                                                               result.slice_mib - result.other_mib),
         "max_model_len": result.context,

@@ -167,3 +167,33 @@ def test_find_tier_offers_one_h200_and_two_h100s_for_a_70b_fp8_model_with_cost_p
     with pytest.raises(Exception, match="does not fit"):
         check_tier_fits(h100, lib, context=8192, concurrency=16)
     assert check_tier_fits(h100x2, lib, context=8192, concurrency=16).fits
+
+
+def test_a_two_gpu_group_serves_a_tp2_vllm_model_on_its_gpus_and_numa_cpus(catalog, sim_dir):
+    import json
+
+    from marketplace.models import LibraryModel, TritonServer
+    from marketplace.services import deployments, serving
+
+    node = whole_node()
+    t = TenantFactory(max_slices=16, max_slices_per_tier=16, max_memory_gb=2000)
+    p = owner_of(t)
+    a = orders.create_order(p, tenant=t, tier=group_tier(2)).allocations.get()
+    assert provisioning.provision(a.pk) == "activated"
+    a.refresh_from_db()
+    idx = held_indexes(a)
+    uuids = {g.index: g.uuid for g in node.gpus.all()}
+    server = TritonServer.objects.get(allocation=a)
+    spec = serving.spec_for(server, a)
+    assert spec.device_uuids == [uuids[i] for i in idx]  # CUDA_VISIBLE_DEVICES: the group's GPUs, rank order
+    socket = idx[0] // 4
+    assert spec.limits is not None and spec.limits.cpus == tuple(range(52 * socket, 52 * socket + 52))
+    lib = LibraryModel.objects.get(key="llama-3.1-70b-instruct-fp8")
+    d = deployments.deploy(p, a, "llama70", library_model=lib, context=8192, concurrency=16)
+    model_json = json.loads(d.spec["files"]["llama70/1/model.json"])
+    assert model_json["tensor_parallel_size"] == 2 and model_json["max_model_len"] == 8192
+    assert d.memory_mb < 80 * 1024  # per GPU
+    # one whole H100 cannot hold it at this context x concurrency: the same deploy on a 1-GPU tier is refused
+    from marketplace.hardware.sandbox import cpu_list
+
+    assert cpu_list(spec.limits.cpus) == f"{52 * socket}-{52 * socket + 51}" and cpu_list((0, 1, 2, 5)) == "0-2,5"
