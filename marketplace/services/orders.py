@@ -114,9 +114,10 @@ def create_order(principal: Principal, *, tenant: Tenant, tier: Tier, quantity: 
 
 
 def place_for(tenant: Tenant, tier: Tier):
-    """Reserve what one allocation of ``tier`` holds: a slice or a whole GPU (fleet), or a group of whole
-    GPUs (groups). Raises NoCapacityError."""
-    if tier.gpu_count > 1:
+    """Reserve what one allocation of ``tier`` holds: a slice (fleet), or whole GPUs (groups: one or a group, in
+    aligned blocks so that single GPUs do not strand the 4- and 8-GPU shapes; a dedicated whole-GPU tier keeps
+    the fleet engine's dedication). Raises NoCapacityError."""
+    if tier.gpu_count > 1 or (tier.profile_id is None and not tier.dedicated):
         return groups.place_group(tenant, tier)
     return fleet.place_instance(tenant, tier.gpu_model, tier.profile, dedicated=tier.dedicated)
 
