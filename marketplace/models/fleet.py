@@ -67,6 +67,12 @@ class Gpu(models.Model):
                                          related_name="dedicated_gpus")
     dedicated_sticky = models.BooleanField(
         default=False, help_text="an operator's reservation: stays dedicated when the GPU is empty")
+    numa_node = models.SmallIntegerField(
+        null=True, blank=True, help_text="the NUMA node NVML reports (memory affinity); empty: not reported, "
+                                         "group placement uses the platform's table")
+    nvlink_domain = models.SmallIntegerField(
+        null=True, blank=True, help_text="GPUs of one node with the same value are NVLink peers (NVML P2P status); "
+                                         "empty with numa_node set: no NVLink peer")
 
     class Meta:
         ordering = ["node__hostname", "index"]

@@ -16,7 +16,7 @@ from collections import defaultdict
 from django.db import IntegrityError, transaction
 
 from marketplace import placement_groups as engine
-from marketplace.hardware.topology import platform_topology
+from marketplace.hardware.topology import GpuTopo, NodeTopology, platform_topology
 from marketplace.models import Gpu, GpuInstance, GpuModel, GpuSlot, Node, Tier
 from marketplace.services.fleet import PLACEMENT_ATTEMPTS, NoCapacityError, candidate_gpus, placement_lock
 from tenants.errors import ServiceError
@@ -38,15 +38,28 @@ def node_states(gpu_model: GpuModel, tenant_id: int | None) -> list[engine.NodeS
         ok = owner is None or owner == tenant_id
         by_node[node_id][index] = pk if ok else None
     nodes = {n.pk: n for n in Node.objects.filter(pk__in=list(by_node)).select_related("platform")}
+    reported: dict[int, list[tuple[int, int | None, int | None]]] = defaultdict(list)
+    for node_id, index, numa, domain in Gpu.objects.filter(node_id__in=list(by_node)).values_list(
+            "node_id", "index", "numa_node", "nvlink_domain"):
+        reported[node_id].append((index, numa, domain))
     out = []
     for node_id, gpus in sorted(by_node.items()):
         node = nodes[node_id]
         p = node.platform
-        topo = platform_topology(p.key, p.gpu_count, p.interconnect)
+        topo = reported_topology(reported[node_id]) or platform_topology(p.key, p.gpu_count, p.interconnect)
         ids = tuple(gpus.get(i) for i in range(len(topo.gpus)))
         held = [i for i, pk in enumerate(ids) if pk is not None and pk in busy]
         out.append(engine.NodeState(node_id, gpu_model.key, ids, held, topo, node.hostname))
     return out
+
+
+def reported_topology(gpus: list[tuple[int, int | None, int | None]]) -> NodeTopology | None:
+    """A node's topology as its worker registered it from NVML: (index, NUMA node, NVLink domain) per GPU;
+    None when any GPU's was not reported (the platform's table is used then)."""
+    if not gpus or any(numa is None for _i, numa, _d in gpus) or sorted(i for i, _n, _d in gpus) != list(
+            range(len(gpus))):
+        return None
+    return NodeTopology(tuple(GpuTopo(i, numa, domain, ()) for i, numa, domain in sorted(gpus)))  # type: ignore[arg-type]
 
 
 def place_group(tenant: Tenant, tier: Tier, *, policy: str = engine.BEST_FIT) -> GpuInstance:

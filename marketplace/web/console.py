@@ -673,9 +673,13 @@ class TierCreateForm(forms.ModelForm):
         gpu_model.queryset = GpuModel.objects.order_by("memory_gb", "key")
         profile.queryset = MigProfile.objects.select_related("gpu_model").order_by("gpu_model__key", "memory_slices")
         profile.empty_label = "whole GPU (MIG off)"
+        self.fields["gpu_count"].required = False  # absent: one slice or GPU
 
     def clean(self) -> dict[str, Any]:
         data = super().clean() or {}
+        data["gpu_count"] = data.get("gpu_count") or 1
+        if data["gpu_count"] > 1 and data.get("profile") is not None:
+            self.add_error("gpu_count", "a tier of several GPUs sells whole GPUs: leave the profile empty")
         if data.get("profile") is not None and data.get("gpu_model") is not None \
                 and data["profile"].gpu_model_id != data["gpu_model"].pk:
             self.add_error("profile", f"{data['profile'].name} is not a {data['gpu_model'].name} profile")

@@ -197,3 +197,41 @@ def test_a_two_gpu_group_serves_a_tp2_vllm_model_on_its_gpus_and_numa_cpus(catal
     from marketplace.hardware.sandbox import cpu_list
 
     assert cpu_list(spec.limits.cpus) == f"{52 * socket}-{52 * socket + 51}" and cpu_list((0, 1, 2, 5)) == "0-2,5"
+
+
+def test_registration_stores_the_topology_nvml_reports_and_placement_uses_it(catalog, sim_dir):
+    from marketplace.models import Gpu
+    from marketplace.services import groups
+
+    node = whole_node()
+    assert list(node.gpus.order_by("index").values_list("numa_node", flat=True)) == [0] * 4 + [1] * 4
+    assert set(node.gpus.values_list("nvlink_domain", flat=True)) == {0}
+    # a node whose NVML said GPUs 0-1 and 2-7 sit on different NUMA nodes: a 4-group avoids 0-3
+    Gpu.objects.filter(node=node, index__in=(0, 1)).update(numa_node=0)
+    Gpu.objects.filter(node=node, index__gte=2).update(numa_node=1)
+    t = TenantFactory(max_slices=16, max_slices_per_tier=16, max_memory_gb=2000)
+    states = groups.node_states(node.platform.gpu_model, t.pk)
+    assert [g.numa_node for g in states[0].topology.gpus] == [0, 0, 1, 1, 1, 1, 1, 1]
+    a = orders.create_order(owner_of(t), tenant=t, tier=group_tier(4)).allocations.get()
+    assert 0 not in held_indexes(a) and 1 not in held_indexes(a)
+    # not reported (a node registered from nvidia-smi -L): the platform's table
+    Gpu.objects.filter(node=node).update(numa_node=None)
+    assert groups.node_states(node.platform.gpu_model, t.pk)[0].topology.gpus[3].numa_node == 0
+
+
+def test_operators_create_a_group_tier_in_the_console(client, operator, catalog):
+    from django.urls import reverse
+
+    from marketplace.models import GpuModel, MigProfile
+
+    client.force_login(operator)
+    page = client.get(reverse("console:tier_create")).content.decode()
+    assert 'name="gpu_count"' in page and "8 GPUs" in page
+    h100 = GpuModel.objects.get(key="h100-sxm-80gb")
+    post = {"key": "h100-x4", "name": "4x H100", "gpu_model": h100.pk, "profile": "", "gpu_count": 4,
+            "description": "", "allowed_backends": "vllm"}
+    sliced = client.post(reverse("console:tier_create"),
+                         post | {"profile": MigProfile.objects.get(gpu_model=h100, name="1g.10gb").pk})
+    assert sliced.status_code == 400 and "whole GPUs" in sliced.content.decode()
+    assert client.post(reverse("console:tier_create"), post).status_code == 302
+    assert Tier.objects.get(key="h100-x4").gpu_count == 4
