@@ -12,7 +12,7 @@ from django.utils import timezone
 
 from marketplace import enqueue
 from marketplace.models import Allocation, Order, PricePlan, Tier
-from marketplace.models.orders import LIVE_STATES
+from marketplace.models.orders import LIVE_STATES, live_slices
 from marketplace.services import allocations, billing, fleet, groups
 from tenants import audit
 from tenants.errors import Conflict, Forbidden, ServiceError
@@ -45,7 +45,7 @@ def check_quota(tenant: Tenant, tier: Tier, quantity: int) -> None:
     A multi-GPU allocation counts as its GPUs (``Tier.gpu_count``; 1 for a slice or a whole GPU) against
     the slice quotas, and its memory is every GPU's (``Tier.memory_gb``, which the SQL sums mirror)."""
     live = Allocation.objects.filter(tenant=tenant, state__in=LIVE_STATES).aggregate(
-        total=Sum("tier__gpu_count"), same_tier=Sum("tier__gpu_count", filter=Q(tier=tier)),
+        total=live_slices(), same_tier=Sum("tier__gpu_count", filter=Q(tier=tier)),
         mem_profile=Sum("tier__profile__memory_gb", filter=Q(tier__profile__isnull=False)),
         mem_whole=Sum(F("tier__gpu_model__memory_gb") * F("tier__gpu_count"), filter=Q(tier__profile__isnull=True)))
     total = live["total"] or 0

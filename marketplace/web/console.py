@@ -46,7 +46,7 @@ from marketplace.models import (
     Tier,
     TritonServer,
 )
-from marketplace.models.orders import LIVE_STATES
+from marketplace.models.orders import LIVE_STATES, live_slices
 from marketplace.selectors import billing as billing_sel
 from marketplace.selectors import orders as orders_sel
 from marketplace.selectors.exports import invoice_csv
@@ -358,7 +358,7 @@ TENANT_COLUMNS = [
 @operator_required
 def tenants(request):
     qs = spend.figures(Tenant.objects.visible_to(request.principal), _month_start()).annotate(
-        live=Count("allocations", filter=Q(allocations__state__in=LIVE_STATES)))
+        live=live_slices("allocations__"))
     f = _filter(request, TenantFilter, qs)
     t = table(request, f.qs, TENANT_COLUMNS, default_sort="name")
     return _page(request, "tenants.html", {"table": t, "f": f.values, "statuses": Tenant.Status.choices})
@@ -404,7 +404,7 @@ def _quota_initial(tenant: Tenant) -> dict:
 def _tenant_page(request, tenant: Tenant, form: QuotaForm, status: int = 200):
     allocs = (Allocation.objects.filter(tenant=tenant).select_related("tier", "node").order_by("-created_at")[:10])
     invoices = Invoice.objects.filter(tenant=tenant).order_by("-period_start")[:6]
-    live = Allocation.objects.filter(tenant=tenant, state__in=LIVE_STATES).count()
+    live = Allocation.objects.filter(tenant=tenant).aggregate(n=live_slices())["n"]
     keys = list(ApiKey.objects.filter(tenant=tenant, revoked_at__isnull=True).order_by("-created_at")[:KEYS_SHOWN])
     used = key_tokens([k.prefix for k in keys], *billing.bounds(billing.month_of(timezone.now())))
     return _page(request, "tenant_detail.html", {

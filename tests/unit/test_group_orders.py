@@ -235,3 +235,16 @@ def test_operators_create_a_group_tier_in_the_console(client, operator, catalog)
     assert sliced.status_code == 400 and "whole GPUs" in sliced.content.decode()
     assert client.post(reverse("console:tier_create"), post).status_code == 302
     assert Tier.objects.get(key="h100-x4").gpu_count == 4
+
+
+def test_console_counts_a_groups_gpus_against_the_slice_quota(client, operator, catalog, sim_dir):
+    from django.urls import reverse
+
+    whole_node()
+    t = TenantFactory(max_slices=16, max_slices_per_tier=16, max_memory_gb=2000)
+    orders.create_order(owner_of(t), tenant=t, tier=group_tier(4))
+    client.force_login(operator)
+    page = client.get(reverse("console:tenant_detail", args=[t.pk])).content.decode()
+    assert "4 / 16" in page  # one allocation, four GPUs
+    listing = client.get(reverse("console:tenants") + f"?q={t.name}").content.decode()
+    assert '<td class="num">4</td>' in listing
