@@ -230,6 +230,22 @@ class GroupFleet:
 
     # ---- queries --------------------------------------------------------------------------
 
+    def free_groups(self, geometry: str, n: int, cap: int | None = None) -> int:
+        """How many groups of n GPUs could be placed now, one after another by this policy (what a tier of n
+        GPUs still has), counting up to ``cap`` when given."""
+        total = 0
+        for node in self._nodes.values():
+            if node.geometry != geometry:
+                continue
+            free = node.free
+            while cap is None or total < cap:
+                hit = _best(node.topology, free, n, self.policy == FIRST_FIT)
+                if hit is None:
+                    break
+                free &= ~_mask(hit[1])
+                total += 1
+        return total
+
     def stranded(self, geometry: str | None = None) -> dict[int, int]:
         """Free GPUs that no free group of each size could use: ``{size: free GPUs outside every free
         legal set of that size}`` (the capacity a size has lost to fragmentation)."""

@@ -248,3 +248,33 @@ def test_console_counts_a_groups_gpus_against_the_slice_quota(client, operator, 
     assert "4 / 16" in page  # one allocation, four GPUs
     listing = client.get(reverse("console:tenants") + f"?q={t.name}").content.decode()
     assert '<td class="num">4</td>' in listing
+
+
+def test_the_catalog_counts_free_groups_not_free_gpus(catalog, sim_dir):
+    from marketplace.selectors.catalog import availability
+
+    whole_node("node-a")
+    whole_node("node-b", mig_off={0, 1, 2, 5})  # one legal pair (0,1) plus singles 2 and 5; no 4-group
+    t = TenantFactory(max_slices=64, max_slices_per_tier=64, max_memory_gb=5000)
+    x2, x4, x8 = group_tier(2), group_tier(4), group_tier(8)
+    free = availability([x2, x4, x8], t.pk)
+    assert free == {x2.pk: 4 + 1, x4.pk: 2, x8.pk: 1}
+    orders.create_order(owner_of(t), tenant=t, tier=x8)
+    assert availability([x2, x4, x8], t.pk) == {x2.pk: 1, x4.pk: 0, x8.pk: 0}
+
+
+def test_a_tenant_sees_and_orders_a_group_tier_in_the_portal(client, catalog, sim_dir):
+    from django.urls import reverse
+
+    whole_node()
+    t = TenantFactory(max_slices=64, max_slices_per_tier=64, max_memory_gb=5000)
+    m = MembershipFactory(tenant=t, role=Role.OWNER)
+    x2 = group_tier(2)
+    client.force_login(m.user)
+    r = client.get(reverse("portal:catalog"))
+    assert r.status_code == 200
+    assert {row["tier"].key: row["free"] for row in r.context["rows"]}[x2.key] == 4
+    r = client.post(reverse("portal:order", args=[x2.pk]), {"quantity": 1, "plan_kind": "on_demand"})
+    assert r.status_code == 302, r.content.decode()[-2000:]
+    a = Allocation.objects.get(tenant=t)
+    assert len(held_indexes(a)) == 2
