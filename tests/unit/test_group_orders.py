@@ -278,3 +278,23 @@ def test_a_tenant_sees_and_orders_a_group_tier_in_the_portal(client, catalog, si
     assert r.status_code == 302, r.content.decode()[-2000:]
     a = Allocation.objects.get(tenant=t)
     assert len(held_indexes(a)) == 2
+
+
+def test_a_group_is_invoiced_per_group_hour_at_its_plan(catalog):
+    from datetime import UTC, date, datetime, timedelta
+    from decimal import Decimal
+
+    from marketplace.services import billing
+    from tests.factories import AllocationFactory, InvoiceFactory, OrderFactory
+
+    x4 = group_tier(4)  # 8.0000 per group-hour
+    t = TenantFactory(currency="USD")
+    start = datetime(2026, 3, 10, 14, tzinfo=UTC)
+    AllocationFactory(order=OrderFactory(tenant=t, tier=x4), tenant=t, tier=x4, state="released",
+                      activated_at=start, released_at=start + timedelta(hours=2))
+    from marketplace.models import PricePlan
+
+    PricePlan.objects.filter(tier=x4).update(effective_from=start - timedelta(days=30))
+    invoice = billing.refresh(InvoiceFactory(tenant=t, period_start=date(2026, 3, 1)), start + timedelta(days=5))
+    line = invoice.lines.get()
+    assert "group-hours at 8.0000/h" in line.description and line.amount == Decimal("16.00")
