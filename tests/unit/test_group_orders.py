@@ -298,3 +298,17 @@ def test_a_group_is_invoiced_per_group_hour_at_its_plan(catalog):
     invoice = billing.refresh(InvoiceFactory(tenant=t, period_start=date(2026, 3, 1)), start + timedelta(days=5))
     line = invoice.lines.get()
     assert "group-hours at 8.0000/h" in line.description and line.amount == Decimal("16.00")
+
+
+def test_group_placement_reads_a_fixed_number_of_queries(catalog, sim_dir, django_assert_num_queries):
+    from marketplace.models import GpuModel
+    from marketplace.services import groups
+
+    model = GpuModel.objects.get(key="h100-sxm-80gb")
+    whole_node("node-a")
+    with django_assert_num_queries(4):
+        assert len(groups.node_states(model, None)) == 1
+    for i in range(3):
+        whole_node(f"node-{i}x")
+    with django_assert_num_queries(4):
+        assert len(groups.node_states(model, None)) == 4
