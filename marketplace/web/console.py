@@ -674,6 +674,7 @@ class TierCreateForm(forms.ModelForm):
         profile.queryset = MigProfile.objects.select_related("gpu_model").order_by("gpu_model__key", "memory_slices")
         profile.empty_label = "whole GPU (MIG off)"
         self.fields["gpu_count"].required = False  # absent: one slice or GPU
+        self.fields["gpu_count"].label = "GPUs per allocation"
 
     def clean(self) -> dict[str, Any]:
         data = super().clean() or {}
@@ -782,7 +783,8 @@ def tier_create(request):
         return redirect("console:tier_detail", pk=tier.pk)
 
     return _create(request, TierCreateForm, save, title="New tier", button="Create tier",
-                   intro="What tenants order: a GPU model and a MIG profile (or the whole GPU). Prices come next.")
+                   intro="What tenants order: a GPU model and a MIG profile, or whole GPUs (1, 2, 4 or 8 on one "
+                         "node). Prices come next.")
 
 
 @operator_required
