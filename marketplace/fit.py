@@ -17,6 +17,13 @@ A model without an architecture (an uploaded python or ONNX repository) has a fi
 memory (or the size of its files) plus the backend's overhead, and no KV cache.
 
 Several models on one slice are summed: ``fit(..., other_mib=...)`` takes what the slice already holds.
+
+**Tensor parallelism** (a tier of N whole GPUs, vLLM ``tensor_parallel_size`` = N): ``fit(..., tensor_parallel=N)``
+answers per GPU. Each rank holds 1/N of the weights (and of the LoRA adapters) and the KV cache of
+ceil(KV heads / N) heads -- 1/N of it when N divides the KV heads, more when the heads are fewer than the ranks
+(vLLM then replicates them) -- and pays the runtime overhead in full (its own process, CUDA context,
+activations and graphs). ``slice_mib`` is then one GPU's memory, and every memory figure of the answer is
+per GPU; the cache room (``max_cached_tokens``) counts tokens, which are spread over all N GPUs.
 """
 
 from __future__ import annotations
@@ -128,14 +135,27 @@ class Fit:
     max_context: int  # the longest context for `concurrency` sequences (capped by the model's max context)
     max_concurrency: int  # sequences of `context` tokens that fit at once
     reason: str  # one sentence, with the numbers
+    tensor_parallel: int = 1  # GPUs the model is split over; memory figures are per GPU
 
     def as_dict(self) -> dict[str, object]:
         return {k: (round(v, 1) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
 
 
-def fit(model: ModelShape, slice_mib: int, *, context: int = 0, concurrency: int = 1, other_mib: int = 0) -> Fit:
+def kv_bytes_per_token_per_gpu(model: ModelShape, tensor_parallel: int = 1) -> int:
+    """A token's KV cache on one of ``tensor_parallel`` ranks: ceil(KV heads / N) of the heads."""
+    if not model.has_kv_cache or tensor_parallel == 1:
+        return model.kv_bytes_per_token
+    heads = math.ceil(model.kv_heads / tensor_parallel)
+    return math.ceil(2 * model.layers * heads * model.head_dim * DTYPE_BYTES[model.kv_dtype])
+
+
+def fit(model: ModelShape, slice_mib: int, *, context: int = 0, concurrency: int = 1, other_mib: int = 0,
+        tensor_parallel: int = 1) -> Fit:
     """Fit ``model`` with ``concurrency`` sequences of ``context`` tokens on a slice of ``slice_mib`` MiB of
-    which ``other_mib`` are taken. ``context`` 0 means the model's max context (or none without a KV cache)."""
+    which ``other_mib`` are taken. ``context`` 0 means the model's max context (or none without a KV cache).
+    ``tensor_parallel`` N: the model is split over N GPUs of ``slice_mib`` each; the answer is per GPU."""
+    if tensor_parallel < 1:
+        raise ValueError("tensor_parallel must be >= 1")
     if slice_mib <= 0:
         raise ValueError("slice memory must be > 0 MiB")
     if concurrency < 1:
@@ -149,8 +169,11 @@ def fit(model: ModelShape, slice_mib: int, *, context: int = 0, concurrency: int
     if model.has_kv_cache and model.max_context and context > model.max_context:
         raise ValueError(f"context {context} exceeds {model.name}'s max context of {model.max_context} tokens")
     free = (slice_mib - other_mib) * MIB
-    static = model.weights_bytes + model.overhead_bytes + model.adapters_bytes
-    per_token = model.kv_bytes_per_token
+    tp = tensor_parallel
+    weights = math.ceil(model.weights_bytes / tp)
+    adapters = math.ceil(model.adapters_bytes / tp)
+    static = weights + model.overhead_bytes + adapters
+    per_token = kv_bytes_per_token_per_gpu(model, tp)
     kv = per_token * context * concurrency
     needed = static + kv
     room = free - static
@@ -164,21 +187,23 @@ def fit(model: ModelShape, slice_mib: int, *, context: int = 0, concurrency: int
     fits = needed <= free
     needed_mib = math.ceil(needed / MIB)
     headroom = math.floor((free - needed) / MIB)
+    where = "" if tp == 1 else f" per GPU (tensor parallel over {tp} GPUs)"
     if fits:
-        reason = (f"{model.name} fits: {needed_mib:,} MiB needed of {slice_mib - other_mib:,} MiB free "
+        reason = (f"{model.name} fits: {needed_mib:,} MiB needed of {slice_mib - other_mib:,} MiB free{where} "
                   f"({headroom:,} MiB headroom)")
     elif room < 0:
-        reason = (f"{model.name} does not fit: weights and runtime alone need {math.ceil(static / MIB):,} MiB, "
-                  f"{slice_mib - other_mib:,} MiB are free on this slice")
+        reason = (f"{model.name} does not fit: weights and runtime alone need {math.ceil(static / MIB):,} MiB{where}, "
+                  f"{slice_mib - other_mib:,} MiB are free on this slice" + ("" if tp == 1 else " (per GPU)"))
     else:
         reason = (f"{model.name} does not fit at {context:,} tokens x {concurrency} sequences: "
-                  f"{needed_mib:,} MiB needed, {slice_mib - other_mib:,} MiB free; at most {max_tokens:,} cached "
-                  f"tokens fit (e.g. {max_context:,} tokens x {concurrency})")
-    return Fit(slice_mib=slice_mib, other_mib=other_mib, weights_mib=model.weights_bytes / MIB,
-               overhead_mib=model.overhead_mib, adapters_mib=sum(model.adapters_mib),
+                  f"{needed_mib:,} MiB needed{where}, {slice_mib - other_mib:,} MiB free; "
+                  f"at most {max_tokens:,} cached tokens fit (e.g. {max_context:,} tokens x {concurrency})")
+    return Fit(slice_mib=slice_mib, other_mib=other_mib, weights_mib=weights / MIB,
+               overhead_mib=model.overhead_mib, adapters_mib=math.ceil(adapters / MIB),
                kv_per_token_bytes=per_token, context=context, concurrency=concurrency, kv_mib=kv / MIB,
                needed_mib=needed_mib, fits=fits, headroom_mib=headroom, max_cached_tokens=int(max_tokens),
-               max_context=int(max_context), max_concurrency=int(max_concurrency), reason=reason)
+               max_context=int(max_context), max_concurrency=int(max_concurrency), reason=reason,
+               tensor_parallel=tp)
 
 
 def vllm_memory_utilization(needed_mib: int, slice_mib: int, free_mib: int | None = None) -> float:

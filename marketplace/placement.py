@@ -33,6 +33,9 @@ tenant may read: its own request and outcome only, no id, no fleet figure, no ot
 Policy ``"first_fit"`` is the baseline for the benchmark: the lowest GPU id that may legally host
 the request (same tenancy rules), at its first legal start.
 
+Whole-GPU groups of multi-GPU tiers (and whole GPUs of tiers that are not dedicated) are placed by
+``marketplace.placement_groups`` (one node, one NVLink domain, NUMA-aware, buddy-style blocks).
+
 Speed: GPUs are kept in buckets by (geometry, dedicated tenant, occupancy state) where the state is
 (memory-slice bitmask, compute slices used, counts of count-limited profiles); every
 (state, profile) pair has its best start, loss and rank precomputed, so a placement costs

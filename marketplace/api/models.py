@@ -203,7 +203,9 @@ class TierFitSerializer(serializers.Serializer):
     tier_name = serializers.CharField()
     gpu_model = serializers.CharField()
     profile = serializers.CharField(allow_null=True)
-    memory_mib = serializers.IntegerField()
+    memory_mib = serializers.IntegerField(help_text="the allocation's memory (a multi-GPU tier: all its GPUs')")
+    gpu_count = serializers.IntegerField(help_text="whole GPUs per allocation (tensor parallel size); 1: one slice "
+                                                   "or GPU. needed_mib and headroom_mib are per GPU")
     fits = serializers.BooleanField()
     reason = serializers.CharField()
     needed_mib = serializers.IntegerField()

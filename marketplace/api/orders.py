@@ -60,8 +60,8 @@ class TierSerializer(serializers.ModelSerializer):
 
     class Meta:
         model = Tier
-        fields = ["id", "key", "name", "gpu_model", "profile", "dedicated", "description", "active", "memory_gb",
-                  "current_prices", "created_at"]
+        fields = ["id", "key", "name", "gpu_model", "profile", "gpu_count", "dedicated", "description", "active",
+                  "memory_gb", "current_prices", "created_at"]
         read_only_fields = ["id", "created_at"]
         extra_kwargs: dict[str, dict[str, Any]] = {"key": {"validators": []}}
 

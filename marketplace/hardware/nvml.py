@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from marketplace.hardware import setting, setting_value
+from marketplace.hardware.topology import GpuTopo, NodeTopology, cpus_of_mask
 
 BACKEND_ENV = "TESSERA_NVML_BACKEND"
 BACKENDS = ("sim", "pynvml")
@@ -232,6 +233,46 @@ class NvmlClient:
                 )
             )
         return out
+
+    def topology(self, cpu_words: int = 8) -> NodeTopology:
+        """The node's GPU topology as NVML reports it (pynvml names only; sources in topology.py): NVLink
+        peers by ``nvmlDeviceGetP2PStatus(.., NVML_P2P_CAPS_INDEX_NVLINK)`` (GPUs that are peers of each other
+        form one domain), the NUMA node by ``nvmlDeviceGetMemoryAffinity`` (scope NODE; its lowest set bit),
+        the local CPUs by ``nvmlDeviceGetCpuAffinity`` (``cpu_words`` x 64 CPUs)."""
+        nv = self.nv
+        n = nv.nvmlDeviceGetCount()
+        handles = [self._h(i) for i in range(n)]
+        domain: list[int | None] = [None] * n
+        next_domain = 0
+        for i in range(n):
+            for j in range(n):
+                if i == j:
+                    continue
+                try:
+                    ok = nv.nvmlDeviceGetP2PStatus(handles[i], handles[j], nv.NVML_P2P_CAPS_INDEX_NVLINK)
+                except nv.NVMLError_NotSupported:
+                    ok = nv.NVML_P2P_STATUS_NOT_SUPPORTED
+                if ok != nv.NVML_P2P_STATUS_OK:
+                    continue
+                if domain[i] is None and domain[j] is None:
+                    domain[i] = domain[j] = next_domain
+                    next_domain += 1
+                elif domain[i] is None:
+                    domain[i] = domain[j]
+                elif domain[j] is None:
+                    domain[j] = domain[i]
+        gpus = []
+        for i, h in enumerate(handles):
+            try:
+                nodes = cpus_of_mask(list(nv.nvmlDeviceGetMemoryAffinity(h, 1, nv.NVML_AFFINITY_SCOPE_NODE)))
+            except nv.NVMLError_NotSupported:
+                nodes = ()
+            try:
+                cpus = cpus_of_mask(list(nv.nvmlDeviceGetCpuAffinity(h, cpu_words)))
+            except nv.NVMLError_NotSupported:
+                cpus = ()
+            gpus.append(GpuTopo(i, nodes[0] if nodes else 0, domain[i], cpus))
+        return NodeTopology(tuple(gpus))
 
     def profile_infos(self, index: int) -> list[ProfileInfo]:
         h = self._h(index)

@@ -63,6 +63,7 @@ from typing import Any
 import pynvml as _pynvml
 
 from .geometry import CiProfile, GpuGeometry, Profile, geometry
+from .topology import NVLINKS_PER_GPU, NodeTopology, cpu_mask, hgx_8gpu, pcie_server
 
 DEFAULT_FLEET = "h100-sxm-80gb*8"
 DEFAULT_NODE = "sim-node"
@@ -221,6 +222,7 @@ class SimNvml:
         *,
         mig_off: Iterable[int] = (),
         create_latency_s: float = 0.0,
+        topology: NodeTopology | None = None,
     ) -> None:
         self.fleet = parse_fleet(fleet)
         self.node = node or DEFAULT_NODE
@@ -235,6 +237,8 @@ class SimNvml:
         self._stamp: tuple[int, int, int] | None = None
         self._geos: list[GpuGeometry] = [geometry(k) for k in self.fleet]
         self._uuids = [self._gpu_uuid(i) for i in range(len(self.fleet))]
+        # The catalog's platforms are all HGX 8-GPU boards (topology.py T1/T2); another fleet size is a PCIe server.
+        self.topology = topology or (hgx_8gpu() if len(self.fleet) == 8 else pcie_server(len(self.fleet)))
 
     # ---------------------------------------------------------------- configuration / state
 
@@ -545,6 +549,42 @@ class SimNvml:
         return (int(major), int(minor or 0))
 
     # ---------------------------------------------------------------- MIG mode
+
+    # ---------------------------------------------------------------- topology (topology.py T1-T6)
+
+    def nvmlDeviceGetTopologyCommonAncestor(self, device1: Any, device2: Any) -> int:
+        a, _gi, _ci = self._dev(device1)
+        b, _gi, _ci = self._dev(device2)
+        return self.topology.common_ancestor(a, b)
+
+    def nvmlDeviceGetP2PStatus(self, device1: Any, device2: Any, p2pIndex: int) -> int:
+        a, _gi, _ci = self._dev(device1)
+        b, _gi, _ci = self._dev(device2)
+        if p2pIndex not in (_pynvml.NVML_P2P_CAPS_INDEX_READ, _pynvml.NVML_P2P_CAPS_INDEX_WRITE,
+                            _pynvml.NVML_P2P_CAPS_INDEX_NVLINK, _pynvml.NVML_P2P_CAPS_INDEX_ATOMICS):
+            return _pynvml.NVML_P2P_STATUS_NOT_SUPPORTED
+        return self.topology.p2p_status(a, b)
+
+    def nvmlDeviceGetNvLinkState(self, device: Any, link: int) -> int:
+        gpu, _gi, _ci = self._dev(device)
+        if not 0 <= link < _pynvml.NVML_NVLINK_MAX_LINKS:
+            raise _err(_pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if self.topology.gpu(gpu).nvlink_domain is None or link >= NVLINKS_PER_GPU:
+            raise _err(_pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return _pynvml.NVML_FEATURE_ENABLED
+
+    def nvmlDeviceGetCpuAffinity(self, device: Any, cpuSetSize: int) -> list[int]:
+        gpu, _gi, _ci = self._dev(device)
+        return cpu_mask(self.topology.gpu(gpu).cpus, cpuSetSize)
+
+    def nvmlDeviceGetMemoryAffinity(self, device: Any, nodeSetSize: int, scope: int) -> list[int]:
+        gpu, _gi, _ci = self._dev(device)
+        return cpu_mask((self.topology.gpu(gpu).numa_node,), nodeSetSize)  # a bitmask of NUMA nodes, same layout
+
+    def nvmlDeviceGetNumaNodeId(self, device: Any) -> int:
+        """Only where the GPU is itself a NUMA node (Grace Hopper); never on an x86 HGX server (T5)."""
+        self._dev(device)
+        raise _err(_pynvml.NVML_ERROR_NOT_SUPPORTED)
 
     def nvmlDeviceGetMigMode(self, device: Any) -> list[int]:
         gpu, _gi, _ci = self._dev(device)

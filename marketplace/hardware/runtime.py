@@ -71,7 +71,7 @@ class ServerSpec:
     name: str
     repo_dir: Path
     work_dir: Path
-    device_uuid: str
+    device_uuid: str  # a GPU group's: its GPUs' UUIDs, comma-separated (CUDA_VISIBLE_DEVICES' list form)
     address: str
     http_port: int
     grpc_port: int
@@ -98,6 +98,10 @@ class ServerSpec:
     @property
     def unix_user(self) -> str:
         return sb.names(self.installation, self.name).user
+
+    @property
+    def device_uuids(self) -> list[str]:
+        return [u for u in self.device_uuid.split(",") if u]
 
     @property
     def http_url(self) -> str:
@@ -735,8 +739,9 @@ def container_spec(spec: ServerSpec, image: str, model_store: Path | None = None
         "name": f"tessera-{spec.name}",
         "command": ["tritonserver", *_container_args(spec)],
         "detach": True,
-        "environment": {"CUDA_VISIBLE_DEVICES": "0"},  # the container sees only the requested device
-        "device_requests": [{"Driver": "nvidia", "DeviceIDs": [spec.device_uuid], "Capabilities": [["gpu"]]}],
+        # the container sees only the requested devices, renumbered from 0
+        "environment": {"CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in range(len(spec.device_uuids)))},
+        "device_requests": [{"Driver": "nvidia", "DeviceIDs": spec.device_uuids, "Capabilities": [["gpu"]]}],
         "volumes": volumes,
         "network": network_spec(spec)["name"],
         "ports": {"8000/tcp": (spec.address, spec.http_port), "8001/tcp": (spec.address, spec.grpc_port),
@@ -815,7 +820,7 @@ class DockerRuntime(ServingRuntime):
         kwargs = container_spec(spec, self.image, self.model_store)
         from docker.types import DeviceRequest, Ulimit
 
-        kwargs["device_requests"] = [DeviceRequest(driver="nvidia", device_ids=[spec.device_uuid],
+        kwargs["device_requests"] = [DeviceRequest(driver="nvidia", device_ids=spec.device_uuids,
                                                    capabilities=[["gpu"]])]
         kwargs["ulimits"] = [Ulimit(name=u["Name"], soft=u["Soft"], hard=u["Hard"]) for u in kwargs["ulimits"]]
         try:

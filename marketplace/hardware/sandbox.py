@@ -57,6 +57,22 @@ class SandboxFault(Exception):
     """The sandbox could not be set up or taken down; ``str()`` is the operator-facing reason."""
 
 
+def cpu_list(cpus: tuple[int, ...]) -> str:
+    """CPUs in the kernel's list format (cpuset.cpus, taskset -c): "0-51" or "0-3,8"."""
+    out: list[str] = []
+    run: list[int] = []
+    for c in sorted(set(cpus)):
+        if run and c == run[-1] + 1:
+            run.append(c)
+            continue
+        if run:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+        run = [c]
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ",".join(out)
+
+
 @dataclass(frozen=True)
 class Limits:
     """What one slice may use of the node's host."""
@@ -66,6 +82,7 @@ class Limits:
     cpu_weight: int  # 1..10000, cgroup v2's cpu.weight scale (100 = one default share)
     file_size_mib: int = 1024  # RLIMIT_FSIZE: no single file (its log included) grows past this
     tmpfs_mib: int = 512  # each of /tmp, /dev/shm and home (counted in memory_mib too)
+    cpus: tuple[int, ...] = ()  # cgroup v2 cpuset.cpus: the CPUs the server may run on (empty: any)
 
     def __post_init__(self) -> None:
         if self.memory_mib < 64 or self.pids < 16 or not 1 <= self.cpu_weight <= 10000:
@@ -162,7 +179,7 @@ class Cgroups:
             parent.mkdir(exist_ok=True)
             control = parent / "cgroup.subtree_control"
             enabled = set(control.read_text().split()) if control.is_file() else set()
-            for c in ("memory", "pids", "cpu"):
+            for c in ("memory", "pids", "cpu", *(("cpuset",) if limits.cpus else ())):
                 if c not in enabled:
                     control.write_text(f"+{c}")
         for d in self.dirs():
@@ -173,12 +190,21 @@ class Cgroups:
             self._write(d / "memory.swap.max", 0, optional=True)
             self._write(d / "pids.max", limits.pids)
             self._write(d / "cpu.weight", limits.cpu_weight)
+            if limits.cpus:  # a GPU group's NUMA node (cgroup v2 only; v1 keeps the CPU weight alone)
+                self._write_text(d / "cpuset.cpus", cpu_list(limits.cpus))
         else:
             mem = self._dir("memory")
             self._write(mem / "memory.limit_in_bytes", memory)
             self._write(mem / "memory.memsw.limit_in_bytes", memory, optional=True)  # no swap (when accounted)
             self._write(self._dir("pids") / "pids.max", limits.pids)
             self._write(self._dir("cpu") / "cpu.shares", max(2, limits.cpu_weight * 1024 // 100))
+
+    @staticmethod
+    def _write_text(path: Path, value: str) -> None:
+        try:
+            path.write_text(value)
+        except OSError as exc:
+            raise SandboxFault(f"could not set {path}: {exc}") from None
 
     @staticmethod
     def _write(path: Path, value: int, *, optional: bool = False) -> None:

@@ -67,6 +67,12 @@ class Gpu(models.Model):
                                          related_name="dedicated_gpus")
     dedicated_sticky = models.BooleanField(
         default=False, help_text="an operator's reservation: stays dedicated when the GPU is empty")
+    numa_node = models.SmallIntegerField(
+        null=True, blank=True, help_text="the NUMA node NVML reports (memory affinity); empty: not reported, "
+                                         "group placement uses the platform's table")
+    nvlink_domain = models.SmallIntegerField(
+        null=True, blank=True, help_text="GPUs of one node with the same value are NVLink peers (NVML P2P status); "
+                                         "empty with numa_node set: no NVLink peer")
 
     class Meta:
         ordering = ["node__hostname", "index"]
@@ -105,6 +111,10 @@ class GpuInstance(models.Model):
     ci_id = models.IntegerField(null=True, blank=True)
     mig_uuid = models.CharField(max_length=64, blank=True)
     reason = models.CharField(max_length=500, blank=True, help_text="why the engine chose this GPU and start")
+    group_lead = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.CASCADE, related_name="group_members",
+        help_text="a multi-GPU group's other GPUs point to its first one (the allocation's instance); "
+                  "releasing the first releases them all")
     created_at = models.DateTimeField(default=timezone.now)
 
     objects = TenantScopedQuerySet.as_manager()

@@ -16,6 +16,8 @@ from tenants.models import CURRENCIES
 from .catalog import GpuModel, MigProfile
 
 ZERO = 0
+#: GPUs a multi-GPU tier may sell together (marketplace.placement_groups.GROUP_SIZES says the same)
+GPU_GROUP_SIZES = (1, 2, 4, 8)
 
 
 class Tier(models.Model):
@@ -25,6 +27,10 @@ class Tier(models.Model):
     profile = models.ForeignKey(MigProfile, null=True, blank=True, on_delete=models.PROTECT, related_name="tiers",
                                 help_text="empty: the whole GPU (MIG off)")
     dedicated = models.BooleanField(default=False, help_text="slices of this tier never share a GPU with others")
+    gpu_count = models.PositiveSmallIntegerField(
+        default=1, choices=[(n, f"{n} GPU{'s' if n > 1 else ''}") for n in GPU_GROUP_SIZES],
+        help_text="whole GPUs per allocation (MIG off, one node, one NVLink domain; prices are per group-hour); "
+                  "1 for a slice tier")
     description = models.TextField(blank=True)
     allowed_backends = models.CharField(
         max_length=200, default="python,onnxruntime,vllm,tensorrtllm,ensemble",
@@ -38,14 +44,21 @@ class Tier(models.Model):
 
     class Meta:
         ordering = ["gpu_model__memory_gb", "key"]
+        constraints = [
+            models.CheckConstraint(condition=models.Q(gpu_count__in=GPU_GROUP_SIZES), name="tier_gpu_count_group_size"),
+            models.CheckConstraint(condition=models.Q(gpu_count=1) | models.Q(profile__isnull=True),
+                                   name="tier_group_is_whole_gpus"),
+        ]
 
     def __str__(self) -> str:
         return self.name
 
     @property
     def memory_gb(self) -> int:
+        """GPU memory of one allocation: the slice's, or every GPU of the group's (check_quota sums the same
+        in SQL: tier__gpu_model__memory_gb * tier__gpu_count for whole-GPU tiers)."""
         profile = self.profile  # None without a query when profile_id is None
-        return profile.memory_gb if profile is not None else self.gpu_model.memory_gb
+        return profile.memory_gb if profile is not None else self.gpu_model.memory_gb * self.gpu_count
 
     @property
     def backends(self) -> list[str]:
@@ -53,6 +66,12 @@ class Tier(models.Model):
 
     @property
     def memory_mib(self) -> int:
+        profile = self.profile
+        return profile.memory_mib if profile is not None else self.gpu_model.memory_mib * self.gpu_count
+
+    @property
+    def gpu_memory_mib(self) -> int:
+        """Memory of one GPU (or the slice) of an allocation: what one tensor-parallel rank may use."""
         profile = self.profile
         return profile.memory_mib if profile is not None else self.gpu_model.memory_mib
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from django.conf import settings
 from django.db import models
+from django.db.models import Sum
+from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from tenants.scoping import TenantScopedQuerySet
@@ -106,6 +108,13 @@ LIVE_STATES = (
     Allocation.State.ACTIVE,
     Allocation.State.RELEASING,
 )
+
+
+def live_slices(path: str = "") -> Coalesce:
+    """What counts against a tenant's slice quotas, as an aggregate over allocations (``path``: the lookup from the
+    aggregated model to Allocation, e.g. ``"allocations__"`` from Tenant): a live slice or whole GPU counts 1, a
+    live multi-GPU allocation its GPUs (``Tier.gpu_count``). orders.check_quota, the console's tenant pages use it."""
+    return Coalesce(Sum(f"{path}tier__gpu_count", filter=models.Q(**{f"{path}state__in": LIVE_STATES})), 0)
 
 
 class AllocationEvent(models.Model):

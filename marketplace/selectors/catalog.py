@@ -8,6 +8,7 @@ from django.conf import settings
 from django.db.models import Count, Prefetch, Q, QuerySet
 
 from marketplace import placement as engine
+from marketplace import placement_groups as group_engine
 from marketplace.models import Gpu, GpuInstance, GpuModel, MigPlacement, MigProfile, Node, ServerPlatform, Tier
 from tenants.scoping import Principal
 
@@ -112,17 +113,25 @@ def availability(tiers: Iterable[Tier], tenant_id: int) -> dict[int, int | str]:
     """Free places now per tier for this tenant (engine.Fleet.free_places: every start where the tier's
     profile fits, on the GPUs the placement engine would give the tenant), over the GPUs placement may use
     (:func:`ready_gpus`, read as the placement service reads them: :func:`gpu_states_of`), capped at
-    AVAILABILITY_CAP. Two queries whatever the fleet's size, and plain values, not model instances."""
+    AVAILABILITY_CAP. Two queries whatever the fleet's size (and three per GPU model with a multi-GPU tier: the
+    group engine's count of free groups), and plain values, not model instances."""
     groups: dict[tuple[int, bool], list[engine.GpuState]] = {}
     for model_id, mig_mode, state in _gpu_state_rows(ready_gpus()):
         groups.setdefault((model_id, mig_mode), []).append(state)
     fleets = {key: (engine.Fleet(states), states[0].geometry) for key, states in groups.items()}
     out: dict[int, int | str] = {}
+    group_fleets: dict[int, group_engine.GroupFleet] = {}
     for tier in tiers:
         profile = tier.profile  # None: a whole GPU
         fleet, geometry = fleets.get((tier.gpu_model_id, profile is not None), (None, ""))
         n = 0
-        if fleet is not None:
+        if tier.gpu_count > 1:  # whole-GPU groups: the group engine's count, three queries per GPU model
+            from marketplace.services.groups import node_states
+
+            if tier.gpu_model_id not in group_fleets:
+                group_fleets[tier.gpu_model_id] = group_engine.GroupFleet(node_states(tier.gpu_model, tenant_id))
+            n = group_fleets[tier.gpu_model_id].free_groups(tier.gpu_model.key, tier.gpu_count, AVAILABILITY_CAP + 1)
+        elif fleet is not None:
             n = fleet.free_places(engine.Request(geometry, tenant_id, whole_gpu=profile is None,
                                                  profile_id=None if profile is None else profile.profile_id,
                                                  dedicated=tier.dedicated))

@@ -44,6 +44,7 @@ class TierOption:
         return {
             "tier": t.key, "tier_name": t.name, "gpu_model": t.gpu_model.key,
             "profile": t.profile.name if t.profile is not None else None, "memory_mib": t.memory_mib,
+            "gpu_count": t.gpu_count,
             "fits": self.fit.fits, "reason": self.fit.reason, "needed_mib": self.fit.needed_mib,
             "headroom_mib": self.fit.headroom_mib, "max_cached_tokens": self.fit.max_cached_tokens,
             "max_context": self.fit.max_context, "max_concurrency": self.fit.max_concurrency,
@@ -68,7 +69,7 @@ def roofline_tokens_per_s(shape: fit.ModelShape, tier, result: fit.Fit) -> float
     if not shape.params:
         return None
     share = (tier.profile.memory_slices / tier.gpu_model.memory_slices) if tier.profile_id else 1.0
-    bandwidth = float(tier.gpu_model.bandwidth_tbps) * 1e12 * share
+    bandwidth = float(tier.gpu_model.bandwidth_tbps) * 1e12 * share * tier.gpu_count
     per_step = shape.weights_bytes + result.concurrency * max(result.context, 1) * shape.kv_bytes_per_token
     return result.concurrency * bandwidth / per_step
 
@@ -83,7 +84,7 @@ def find_tiers(shape: fit.ModelShape, *, context: int = 0, concurrency: int = 1,
                                             tiers=order_sel.tiers().filter(active=True)):
         if fitting_only and not result.fits:
             continue
-        f = figures.get((tier.gpu_model_id, tier.profile_id))
+        f = figures.get((tier.gpu_model_id, tier.profile_id)) if tier.gpu_count == 1 else None  # one GPU's figures
         if f is not None and f.measured_tps is not None:
             tps, source = f.measured_tps, "measured (this shape's slices, planner)"
         else:

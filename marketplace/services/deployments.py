@@ -172,9 +172,11 @@ def deploy(principal: Principal, allocation: Allocation, name: str, *, template:
         used = live.exclude(state=ModelDeployment.State.FAILED).aggregate(m=Sum("memory_mb"))["m"] or 0
         capacity = slice_memory_mb(allocation)
         if library_model is not None and not context:  # the longest context that fits for this concurrency
-            probe = fit.fit(shape, capacity, context=1, concurrency=concurrency, other_mib=used)
+            probe = fit.fit(shape, capacity, context=1, concurrency=concurrency, other_mib=used,
+                            tensor_parallel=tier.gpu_count)
             context = probe.max_context if probe.max_context > 0 else library_model.max_context
-        result = fit.fit(shape, capacity, context=context, concurrency=concurrency, other_mib=used)
+        result = fit.fit(shape, capacity, context=context, concurrency=concurrency, other_mib=used,
+                         tensor_parallel=tier.gpu_count)  # a multi-GPU tier: per GPU, split over its GPUs
         if not result.fits:
             field = "context" if library_model is not None and result.max_cached_tokens else "spec"
             raise ServiceError(f"{result.reason} ({used:,} of {capacity:,} MiB on this {tier.name} slice are "

@@ -42,11 +42,25 @@ class DiscoveredGpu:
     uuid: str
     name: str
     mig_mode: bool
+    numa_node: int | None = None  # None: topology not reported (group placement uses the platform's table)
+    nvlink_domain: int | None = None
 
 
 def discover(client) -> list[DiscoveredGpu]:
-    """What a node's NVML reports (client: marketplace.hardware.nvml.NvmlClient, opened)."""
-    return [DiscoveredGpu(g.index, g.uuid, g.name, bool(g.mig_current)) for g in client.gpus()]
+    """What a node's NVML reports (client: marketplace.hardware.nvml.NvmlClient, opened), with its topology
+    when NVML answers the topology calls (marketplace.hardware.topology)."""
+    from pynvml import NVMLError
+
+    try:
+        topo = client.topology()
+    except NVMLError:
+        topo = None
+    out = []
+    for g in client.gpus():
+        t = topo.gpus[g.index] if topo is not None and g.index < len(topo.gpus) else None
+        out.append(DiscoveredGpu(g.index, g.uuid, g.name, bool(g.mig_current),
+                                 t.numa_node if t else None, t.nvlink_domain if t else None))
+    return out
 
 
 def normalize_hostname(hostname: str) -> str:
@@ -81,7 +95,8 @@ def register_node(hostname: str, platform: ServerPlatform, gpus: list[Discovered
         for g in gpus:
             Gpu.objects.update_or_create(
                 node=node, index=g.index,
-                defaults={"uuid": g.uuid, "gpu_model": platform.gpu_model, "mig_mode": g.mig_mode},
+                defaults={"uuid": g.uuid, "gpu_model": platform.gpu_model, "mig_mode": g.mig_mode,
+                          "numa_node": g.numa_node, "nvlink_domain": g.nvlink_domain},
             )
         Gpu.objects.filter(node=node).exclude(index__in=[g.index for g in gpus]).delete()
         if principal is not None:

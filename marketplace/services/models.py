@@ -482,11 +482,12 @@ def adapter_mib(adapter: LoraAdapter) -> int:
 
 def vllm_model_json(m: LibraryModel, result: fit.Fit, *, concurrency: int, adapters=()) -> dict:
     """The vLLM backend's ``model.json`` (engine arguments): the weights from the model store,
-    ``gpu_memory_utilization`` and ``max_model_len`` from the fit on this slice."""
+    ``gpu_memory_utilization`` and ``max_model_len`` from the fit on this slice; ``tensor_parallel_size`` the
+    fit's (a multi-GPU tier's GPU count: the server sees exactly those GPUs, and the fit is per GPU)."""
     args = {
         "model": str(store_root() / m.store_path),
         "disable_log_requests": True,
-        "tensor_parallel_size": 1,
+        "tensor_parallel_size": result.tensor_parallel,
         "gpu_memory_utilization": fit.vllm_memory_utilization(result.needed_mib, result.slice_mib,
                                                               result.slice_mib - result.other_mib),
         "max_model_len": result.context,
@@ -640,13 +641,15 @@ def model_names(files: dict[str, str]) -> list[str]:
 
 def fit_tiers(shape: fit.ModelShape, *, context: int = 0, concurrency: int = 1,
               tiers=None) -> list[tuple[Tier, fit.Fit]]:
-    """The fit on every active tier (catalog memory of its slice), largest headroom last."""
+    """The fit on every active tier (catalog memory of its slice; a multi-GPU tier: per GPU, tensor parallel over
+    its GPUs), largest headroom last."""
     qs = tiers if tiers is not None else Tier.objects.filter(active=True).select_related("gpu_model", "profile")
     out = []
     for t in qs:
         if shape.backend not in t.backends and shape.backend != "ensemble":
             continue
-        out.append((t, fit.fit(shape, t.memory_mib, context=context, concurrency=concurrency)))
+        out.append((t, fit.fit(shape, t.gpu_memory_mib, context=context, concurrency=concurrency,
+                               tensor_parallel=t.gpu_count)))
     return out
 
 
@@ -657,7 +660,8 @@ def check_tier_fits(tier: Tier, library_model: LibraryModel, *, context: int = 0
     if context > library_model.max_context:
         raise ServiceError(f"context {context:,} exceeds {library_model.name}'s max context of "
                            f"{library_model.max_context:,} tokens", field="context")
-    result = fit.fit(library_shape(library_model), tier.memory_mib, context=context or 1, concurrency=concurrency)
+    result = fit.fit(library_shape(library_model), tier.gpu_memory_mib, context=context or 1, concurrency=concurrency,
+                     tensor_parallel=tier.gpu_count)
     if not result.fits:
         raise ServiceError(f"{result.reason} on {tier.name}; find a tier that fits at /portal/find-tier/ or "
                            "POST /api/v1/find-tier/", field="tier", code="does_not_fit")

@@ -29,6 +29,8 @@ def create_tier(principal: Principal, **fields) -> Tier:
     profile = fields.get("profile")
     if profile is not None and profile.gpu_model_id != fields["gpu_model"].pk:
         raise ServiceError(f"{profile.name} is not a {fields['gpu_model'].name} profile", field="profile")
+    if fields.get("gpu_count", 1) > 1 and profile is not None:
+        raise ServiceError("a tier of several GPUs sells whole GPUs: leave the profile empty", field="gpu_count")
     if Tier.objects.filter(key=fields["key"]).exists():
         raise Conflict("a tier with this key exists", field="key")
     tier = Tier.objects.create(**fields)

@@ -7,13 +7,13 @@ import logging
 from functools import partial
 
 from django.db import transaction
-from django.db.models import Count, Q, Sum
+from django.db.models import F, Q, Sum
 from django.utils import timezone
 
 from marketplace import enqueue
 from marketplace.models import Allocation, Order, PricePlan, Tier
-from marketplace.models.orders import LIVE_STATES
-from marketplace.services import allocations, billing, fleet
+from marketplace.models.orders import LIVE_STATES, live_slices
+from marketplace.services import allocations, billing, fleet, groups
 from tenants import audit
 from tenants.errors import Conflict, Forbidden, ServiceError
 from tenants.models import Tenant
@@ -41,17 +41,20 @@ def plan_in_force(tier: Tier, currency: str, kind: str, at=None) -> PricePlan | 
 
 
 def check_quota(tenant: Tenant, tier: Tier, quantity: int) -> None:
-    """One query (the order runs it under the tenant's lock): slices in use, of this tier, and their memory."""
+    """One query (the order runs it under the tenant's lock): slices in use, of this tier, and their memory.
+    A multi-GPU allocation counts as its GPUs (``Tier.gpu_count``; 1 for a slice or a whole GPU) against
+    the slice quotas, and its memory is every GPU's (``Tier.memory_gb``, which the SQL sums mirror)."""
     live = Allocation.objects.filter(tenant=tenant, state__in=LIVE_STATES).aggregate(
-        total=Count("pk"), same_tier=Count("pk", filter=Q(tier=tier)),
+        total=live_slices(), same_tier=Sum("tier__gpu_count", filter=Q(tier=tier)),
         mem_profile=Sum("tier__profile__memory_gb", filter=Q(tier__profile__isnull=False)),
-        mem_whole=Sum("tier__gpu_model__memory_gb", filter=Q(tier__profile__isnull=True)))
-    total = live["total"]
-    if total + quantity > tenant.max_slices:
-        raise QuotaExceeded(f"quota: {total} of {tenant.max_slices} slices in use; {quantity} more would exceed it",
+        mem_whole=Sum(F("tier__gpu_model__memory_gb") * F("tier__gpu_count"), filter=Q(tier__profile__isnull=True)))
+    total = live["total"] or 0
+    gpus = quantity * tier.gpu_count
+    if total + gpus > tenant.max_slices:
+        raise QuotaExceeded(f"quota: {total} of {tenant.max_slices} slices in use; {gpus} more would exceed it",
                             field="quantity", code="quota")
-    same_tier = live["same_tier"]
-    if same_tier + quantity > tenant.max_slices_per_tier:
+    same_tier = live["same_tier"] or 0
+    if same_tier + gpus > tenant.max_slices_per_tier:
         raise QuotaExceeded(f"quota: {same_tier} of {tenant.max_slices_per_tier} slices of {tier.name} in use",
                             field="quantity", code="quota")
     used = (live["mem_profile"] or 0) + (live["mem_whole"] or 0)
@@ -102,12 +105,21 @@ def create_order(principal: Principal, *, tenant: Tenant, tier: Tier, quantity: 
         # but placement runs under it (concurrent orders of other tenants wait for placements, not for orders).
         placed = []
         for alloc in requested:
-            instance = fleet.place_instance(tenant, tier.gpu_model, tier.profile, dedicated=tier.dedicated)
+            instance = place_for(tenant, tier)
             placed.append(allocations.place(alloc, instance, "placement-engine"))
         for alloc in placed:
             transaction.on_commit(partial(enqueue_provision, alloc))
     log.info("order placed", extra={"order": order.pk, "tenant": tenant.slug, "tier": tier.key, "n": quantity})
     return order
+
+
+def place_for(tenant: Tenant, tier: Tier):
+    """Reserve what one allocation of ``tier`` holds: a slice (fleet), or whole GPUs (groups: one or a group, in
+    aligned blocks so that single GPUs do not strand the 4- and 8-GPU shapes; a dedicated whole-GPU tier keeps
+    the fleet engine's dedication). Raises NoCapacityError."""
+    if tier.gpu_count > 1 or (tier.profile_id is None and not tier.dedicated):
+        return groups.place_group(tenant, tier)
+    return fleet.place_instance(tenant, tier.gpu_model, tier.profile, dedicated=tier.dedicated)
 
 
 def _replayed(existing: Order, tier: Tier, quantity: int) -> Order:
@@ -159,8 +171,7 @@ def retry(principal: Principal, allocation: Allocation) -> Allocation:
         if allocation.state != Allocation.State.FAILED:
             raise Conflict(f"only failed allocations are retried (this one is {allocation.state})", field="state")
         if allocation.instance_id is None:
-            t = allocation.tier
-            instance = fleet.place_instance(allocation.tenant, t.gpu_model, t.profile, dedicated=t.dedicated)
+            instance = place_for(allocation.tenant, allocation.tier)
             allocations.place(allocation, instance, actor_of(principal))
         audit.record(principal, "allocation.retry", f"allocation:{allocation.pk}", allocation.tenant_id,
                      instance=allocation.instance_id)

@@ -73,8 +73,10 @@ def provision(allocation_id: int, *, final_attempt: bool = False) -> str:
 def _create_on_gpu(a: Allocation, inst: GpuInstance, node: Node | None = None) -> str:
     gpu = inst.gpu
     placement = inst.placement
-    if placement is None:  # a whole GPU: MIG is off, nothing to carve
+    if placement is None:  # a whole GPU (or a group's GPUs): MIG is off, nothing to carve
         GpuInstance.objects.filter(pk=inst.pk).update(state=GpuInstance.State.CREATED, mig_uuid=gpu.uuid)
+        for member, uuid in GpuInstance.objects.filter(group_lead=inst).values_list("pk", "gpu__uuid"):
+            GpuInstance.objects.filter(pk=member).update(state=GpuInstance.State.CREATED, mig_uuid=uuid)
         return gpu.uuid
     with nodes.nvml_client(node or _node(a)) as client:
         # create_slice adopts a GPU instance already at this placement with this profile, so a

@@ -23,7 +23,8 @@ from django.utils.crypto import salted_hmac
 from marketplace.hardware import runtime as rt
 from marketplace.hardware import sandbox as sb
 from marketplace.hardware import triton
-from marketplace.models import Allocation, DriftEvent, ModelDeployment, Node, TritonServer
+from marketplace.hardware.topology import platform_topology
+from marketplace.models import Allocation, DriftEvent, Gpu, GpuInstance, ModelDeployment, Node, TritonServer
 from marketplace.selectors.catalog import modelled_tokens_per_s
 
 log = logging.getLogger("tessera.serving")
@@ -111,7 +112,8 @@ def admin_headers(server: TritonServer) -> dict[str, str]:
 
 
 def slice_memory_mb(allocation: Allocation) -> int:
-    return allocation.tier.memory_mib
+    """One device's memory (a multi-GPU tier: one GPU's; each tensor-parallel rank sizes its own share)."""
+    return allocation.tier.gpu_memory_mib
 
 
 def sandbox_limits(allocation: Allocation) -> sb.Limits:
@@ -119,9 +121,33 @@ def sandbox_limits(allocation: Allocation) -> sb.Limits:
     weight of 100 per compute slice (a whole GPU: 8)."""
     tier = allocation.tier
     profile = tier.profile if tier.profile_id else None
+    cpus: tuple[int, ...] = ()
+    if tier.gpu_count > 1:  # a GPU group's server runs on the CPUs of its GPUs' NUMA node(s)
+        node = _placed_node(allocation)
+        p = node.platform
+        topo = platform_topology(p.key, p.gpu_count, p.interconnect)
+        cpus = topo.numa_cpus([g.index for g in group_gpus(allocation)])
     return sb.Limits(memory_mib=tier.host_memory_allowance_mib, pids=settings.TESSERA_SANDBOX_PIDS,
-                     cpu_weight=100 * (profile.compute_slices if profile is not None else 8),
-                     file_size_mib=settings.TESSERA_SANDBOX_FILE_MIB, tmpfs_mib=settings.TESSERA_SANDBOX_TMPFS_MIB)
+                     cpu_weight=min(10000, 100 * (profile.compute_slices if profile else 8 * tier.gpu_count)),
+                     file_size_mib=settings.TESSERA_SANDBOX_FILE_MIB, tmpfs_mib=settings.TESSERA_SANDBOX_TMPFS_MIB,
+                     cpus=cpus)
+
+
+def group_gpus(allocation: Allocation) -> list[Gpu]:
+    """The GPUs an allocation serves on, in index order: its GPU, and a group's other GPUs."""
+    inst = allocation.instance
+    if inst is None:
+        return []
+    ids = [inst.gpu_id, *GpuInstance.objects.filter(group_lead=inst).values_list("gpu_id", flat=True)]
+    return list(Gpu.objects.filter(pk__in=ids).order_by("index"))
+
+
+def device_uuid_of(allocation: Allocation) -> str:
+    """What CUDA_VISIBLE_DEVICES lists for the allocation's server: the MIG device, the GPU, or a group's GPUs
+    (comma-separated, in index order: rank i of tensor parallelism on the i-th)."""
+    if allocation.tier.gpu_count > 1:
+        return ",".join(g.uuid for g in group_gpus(allocation))
+    return allocation.mig_uuid or allocation.gpu_uuid
 
 
 def _placed_node(allocation: Allocation) -> Node:
@@ -138,7 +164,7 @@ def spec_for(server: TritonServer, allocation: Allocation) -> rt.ServerSpec:
     node = _placed_node(allocation)
     return rt.ServerSpec(
         name=server.name, repo_dir=repo_dir(allocation.pk), work_dir=work_dir(allocation.pk),
-        device_uuid=allocation.mig_uuid or allocation.gpu_uuid, address=node.serving_address,
+        device_uuid=device_uuid_of(allocation), address=node.serving_address,
         reach=server.address if server.address != node.serving_address else "",
         http_port=server.http_port or 1, grpc_port=server.grpc_port or 2, metrics_port=server.metrics_port or 3,
         secret=secret_for(server), isolate=settings.TESSERA_SERVING_ISOLATE,
@@ -157,6 +183,9 @@ def _device_nodes(allocation: Allocation) -> tuple[str, ...]:
     if inst is None or settings.TESSERA_NVML_BACKEND != "pynvml":  # simulated GPUs have no device nodes
         return ()
     with NvmlClient() as client:
+        if allocation.tier.gpu_count > 1:  # every GPU of the group (whole GPUs: no MIG capabilities)
+            gpus = group_gpus(allocation)
+            return tuple(dict.fromkeys(d for g in gpus for d in client.device_nodes(g.index, None, None)))
         return tuple(client.device_nodes(inst.gpu.index, inst.gi_id, inst.ci_id))
 
 

@@ -47,7 +47,7 @@ from marketplace.models import (
     Tier,
     TritonServer,
 )
-from marketplace.models.orders import LIVE_STATES
+from marketplace.models.orders import LIVE_STATES, live_slices
 from marketplace.selectors import billing as billing_sel
 from marketplace.selectors import orders as orders_sel
 from marketplace.selectors.exports import invoice_csv
@@ -360,7 +360,7 @@ TENANT_COLUMNS = [
 @operator_required
 def tenants(request):
     qs = spend.figures(Tenant.objects.visible_to(request.principal), _month_start()).annotate(
-        live=Count("allocations", filter=Q(allocations__state__in=LIVE_STATES)))
+        live=live_slices("allocations__"))
     f = _filter(request, TenantFilter, qs)
     t = table(request, f.qs, TENANT_COLUMNS, default_sort="name")
     return _page(request, "tenants.html", {"table": t, "f": f.values, "statuses": Tenant.Status.choices})
@@ -406,7 +406,7 @@ def _quota_initial(tenant: Tenant) -> dict:
 def _tenant_page(request, tenant: Tenant, form: QuotaForm, status: int = 200):
     allocs = (Allocation.objects.filter(tenant=tenant).select_related("tier", "node").order_by("-created_at")[:10])
     invoices = Invoice.objects.filter(tenant=tenant).order_by("-period_start")[:6]
-    live = Allocation.objects.filter(tenant=tenant, state__in=LIVE_STATES).count()
+    live = Allocation.objects.filter(tenant=tenant).aggregate(n=live_slices())["n"]
     keys = list(ApiKey.objects.filter(tenant=tenant, revoked_at__isnull=True).order_by("-created_at")[:KEYS_SHOWN])
     used = key_tokens([k.prefix for k in keys], *billing.bounds(billing.month_of(timezone.now())))
     return _page(request, "tenant_detail.html", {
@@ -702,7 +702,7 @@ class TenantCreateForm(forms.ModelForm):
 class TierCreateForm(forms.ModelForm):
     class Meta:
         model = Tier
-        fields = ["key", "name", "gpu_model", "profile", "dedicated", "description", "allowed_backends"]
+        fields = ["key", "name", "gpu_model", "profile", "gpu_count", "dedicated", "description", "allowed_backends"]
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -712,9 +712,14 @@ class TierCreateForm(forms.ModelForm):
         gpu_model.queryset = GpuModel.objects.order_by("memory_gb", "key")
         profile.queryset = MigProfile.objects.select_related("gpu_model").order_by("gpu_model__key", "memory_slices")
         profile.empty_label = "whole GPU (MIG off)"
+        self.fields["gpu_count"].required = False  # absent: one slice or GPU
+        self.fields["gpu_count"].label = "GPUs per allocation"
 
     def clean(self) -> dict[str, Any]:
         data = super().clean() or {}
+        data["gpu_count"] = data.get("gpu_count") or 1
+        if data["gpu_count"] > 1 and data.get("profile") is not None:
+            self.add_error("gpu_count", "a tier of several GPUs sells whole GPUs: leave the profile empty")
         if data.get("profile") is not None and data.get("gpu_model") is not None \
                 and data["profile"].gpu_model_id != data["gpu_model"].pk:
             self.add_error("profile", f"{data['profile'].name} is not a {data['gpu_model'].name} profile")
@@ -817,7 +822,8 @@ def tier_create(request):
         return redirect("console:tier_detail", pk=tier.pk)
 
     return _create(request, TierCreateForm, save, title="New tier", button="Create tier",
-                   intro="What tenants order: a GPU model and a MIG profile (or the whole GPU). Prices come next.")
+                   intro="What tenants order: a GPU model and a MIG profile, or whole GPUs (1, 2, 4 or 8 on one "
+                         "node). Prices come next.")
 
 
 @operator_required

@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from marketplace.hardware.geometry import geometry
 from marketplace.placement import BEST_FIT, FIRST_FIT, Fleet, GpuState, Request
+from marketplace.placement_groups import GROUP_SIZES, GroupFleet, GroupRequest, NodeState
 
 H100 = "h100-sxm-80gb"
 H200 = "h200-sxm-141gb"
@@ -327,14 +328,17 @@ def _resource_rows(geo_key: str) -> list[tuple[str, dict, int]]:
 
 
 def lp_upper_bound(
-    arrivals: list[Arrival], gpu_count: dict[str, int], known: dict[str, int], iters: int = 1500
+    arrivals: list[Arrival], gpu_count: dict[str, int], known: dict[str, float], iters: int = 1500,
+    rows_of=None, weight=None,
 ) -> float | None:
     """Upper bound on the requests ANY policy could satisfy, even offline with admission control:
     the LP  max sum x_i  s.t. at every arrival time, per GPU model and per row of
     _resource_rows, sum over active admitted requests of coef * x_i <= capacity * GPUs; 0<=x<=1.
     Any dual y >= 0 gives the bound  C.y + sum_i max(0, 1 - (A^T y)_i); y is improved by projected
     subgradient steps (Polyak, target = the best count a policy reached), so the figure is valid at
-    every iteration and only its tightness depends on the iterations. Needs numpy (else None)."""
+    every iteration and only its tightness depends on the iterations. Needs numpy (else None).
+    ``rows_of(geo)``: the rows (default _resource_rows); ``weight(arrival)``: the objective's weight of a
+    request (default 1: requests satisfied; the groups run weighs by GPUs)."""
     try:
         import numpy as np
     except ImportError:  # pragma: no cover
@@ -347,19 +351,20 @@ def lp_upper_bound(
         t = np.array([a.t for a in reqs])
         hi = np.searchsorted(t, t + np.array([a.lifetime for a in reqs]), side="left")
         n = len(reqs)
-        rows = _resource_rows(geo)
+        rows = (rows_of or _resource_rows)(geo)
+        w = np.array([weight(a) if weight else 1.0 for a in reqs])
         q = np.array([[coef.get(a.profile, 0) for a in reqs] for _, coef, _ in rows], dtype=float)
         cap = np.array([c * n_gpus for _, _, c in rows], dtype=float)
         keep = q.any(axis=1)
         q, cap = q[keep], cap[keep]
         y = np.zeros((len(cap), n))
-        best = float(n)
+        best = float(w.sum())
         lam, stall = 1.0, 0
         target = known.get(geo, 0)
         for _ in range(iters):
             cum = np.concatenate([np.zeros((len(cap), 1)), np.cumsum(y, axis=1)], axis=1)
             price = (q * (cum[:, hi] - cum[:, :n])).sum(axis=0)  # (A^T y)_i; request i covers [i, hi_i)
-            red = 1.0 - price
+            red = w - price
             x = red > 0
             dual = float((cap[:, None] * y).sum() + red[x].sum())
             if dual < best - 1e-9:
@@ -394,13 +399,209 @@ def evaluate(arrivals: list[Arrival], gpu_count: dict[str, int]) -> dict:
     return {"engine": best, "first_fit": ff, "fluid_tight": fluid_tight, "fluid_mem": fluid_mem, "lp": lp}
 
 
+# --------------------------------------------------------------------------------------------
+# --groups: MIG slices and 1/2/4/8-GPU groups sharing one fleet (marketplace.placement_groups)
+# --------------------------------------------------------------------------------------------
+
+# Slices by profile id and whole-GPU groups "g1".."g8", with their share of requests.
+GROUP_MIX = [(19, 0.22), (14, 0.14), (9, 0.08), (5, 0.05), (0, 0.03),
+             ("g1", 0.18), ("g2", 0.15), ("g4", 0.10), ("g8", 0.05)]
+GROUP_N = {"g1": 1, "g2": 2, "g4": 4, "g8": 8}
+
+
+def _gpus_of(profile) -> float:
+    """GPUs a request holds (a slice: its share of the memory slices)."""
+    if profile in GROUP_N:
+        return float(GROUP_N[profile])
+    g = geometry(H100)
+    return g.profile_by_id(profile).memory_slices / g.memory_slices
+
+
+def make_group_arrivals(n: int, seed: int, load: float, gpu_count: dict[str, int]) -> tuple[list[Arrival], float]:
+    rng = random.Random(seed)
+    total = sum(gpu_count.values())
+    mean_gpus = sum(_gpus_of(p) * w for p, w in GROUP_MIX) / sum(w for _, w in GROUP_MIX)
+    mean_life = load * total / mean_gpus
+    profiles = [p for p, _ in GROUP_MIX]
+    weights = [w for _, w in GROUP_MIX]
+    geos = list(gpu_count)
+    out = []
+    ramp = int(RAMP * n)
+    for i in range(n):
+        t = i / 4 if i < ramp else ramp / 4 + (i - ramp)
+        out.append(Arrival(t, rng.choice(geos), rng.choices(profiles, weights)[0], rng.randrange(TENANTS), False,
+                           rng.expovariate(1.0 / mean_life)))
+    return out, mean_life
+
+
+def _group_rows(geo_key: str) -> list[tuple[str, dict, int]]:
+    """The slice rows, a group of N GPUs counting as N whole GPUs, and one 8-GPU group per node (8 GPUs)."""
+    rows = []
+    for name, coef, cap in _resource_rows(geo_key):
+        c = {k: v for k, v in coef.items() if k != WHOLE}
+        for g, n in GROUP_N.items():
+            if WHOLE in coef:
+                c[g] = coef[WHOLE] * n
+        rows.append((name, c, cap))
+    rows.append(("8-GPU groups: one per node", {"g8": 1}, 0))  # cap per GPU is 1/8: set below
+    return rows
+
+
+def _group_rows_capped(geo_key: str) -> list[tuple[str, dict, float]]:
+    return [(n, c, (1 / GPUS_PER_NODE if cap == 0 else cap)) for n, c, cap in _group_rows(geo_key)]
+
+
+def run_groups(arrivals: list[Arrival], policy: str) -> dict:
+    """Slices go to GPUs already opened for MIG (the slice engine); a slice that fits none opens a GPU, which
+    the group engine chooses as a 1-GPU group; an opened GPU that empties goes back. Groups go to the group
+    engine. The same policy (best or first fit) drives both engines."""
+    gfleet = GroupFleet([NodeState(node, H200 if node % 2 == 0 else H100,
+                                   tuple(node * GPUS_PER_NODE + i for i in range(GPUS_PER_NODE)))
+                         for node in range(NODES)], policy=policy)
+    sfleet = Fleet([], policy=policy)
+    open_gpus: dict[int, int] = {}  # gpu id -> instances on it
+    expiries: list[tuple[float, int, str, int, tuple[int, ...]]] = []
+    admitted = 0
+    gpu_weighted = 0.0
+    by_kind: dict[str, list[int]] = {}
+    by_geo: dict[str, int] = {}
+    by_geo_w: dict[str, float] = {}
+    stranded_samples: list[dict[int, int]] = []
+    free_samples: list[int] = []
+    perf = time.perf_counter_ns
+    place_ns = 0
+    for seq, a in enumerate(arrivals):
+        while expiries and expiries[0][0] <= a.t:
+            _, _, kind, where, idx = heapq.heappop(expiries)
+            if kind == "group":
+                gfleet.release(where, idx)
+            else:
+                sfleet.release(where, idx[0])
+                open_gpus[where] -= 1
+                if not open_gpus[where]:
+                    del open_gpus[where]
+                    sfleet.remove_gpu(where)
+                    gfleet.release(where // GPUS_PER_NODE, (where % GPUS_PER_NODE,))
+        kind = str(a.profile) if a.profile in GROUP_N else "slice"
+        by_kind.setdefault(kind, [0, 0])[1] += 1
+        t0 = perf()
+        ok = False
+        if a.profile in GROUP_N:
+            d = gfleet.place(GroupRequest(a.geometry, a.tenant, GROUP_N[a.profile]))
+            if d:
+                ok = True
+                heapq.heappush(expiries, (a.t + a.lifetime, seq, "group", d.node_id, d.indexes))
+        else:
+            req = Request(a.geometry, a.tenant, profile_id=int(a.profile))
+            sd = sfleet.place(req)
+            if not sd:
+                g = gfleet.place(GroupRequest(a.geometry, a.tenant, 1))  # open a GPU for MIG
+                if g:
+                    gid = g.gpu_ids[0]
+                    sfleet.add_gpu(GpuState(gid, a.geometry, g.node_id))
+                    open_gpus[gid] = 0
+                    sd = sfleet.place(req)
+            if sd:
+                ok = True
+                open_gpus[sd.gpu_id] += 1
+                heapq.heappush(expiries, (a.t + a.lifetime, seq, "slice", sd.gpu_id, (sd.start,)))
+        place_ns += perf() - t0
+        if ok:
+            admitted += 1
+            gpu_weighted += _gpus_of(a.profile)
+            by_geo[a.geometry] = by_geo.get(a.geometry, 0) + 1
+            by_geo_w[a.geometry] = by_geo_w.get(a.geometry, 0.0) + _gpus_of(a.profile)
+            by_kind[kind][0] += 1
+        if seq % 100 == 99 and seq > len(arrivals) // 2:
+            stranded_samples.append(gfleet.stranded())
+            free_samples.append(gfleet.free_count())
+    free_avg = statistics.fmean(free_samples)
+    stranded_avg = {n: statistics.fmean(s[n] for s in stranded_samples) for n in GROUP_SIZES}
+    return {"admitted": admitted, "gpu_weighted": gpu_weighted, "by_kind": by_kind, "by_geo": by_geo,
+            "by_geo_w": by_geo_w, "free_avg": free_avg, "stranded_avg": stranded_avg,
+            "place_us": place_ns / 1e3 / len(arrivals)}
+
+
+def run_groups_fluid(arrivals: list[Arrival], gpu_count: dict[str, int]) -> dict:
+    """The fragmentation-free counterpart: the same greedy admit-if-it-fits rule on a pool of GPUs per model
+    where slices are fractions of a GPU and groups need only that many free GPUs anywhere."""
+    free = {g: float(n) for g, n in gpu_count.items()}
+    expiries: list[tuple[float, int, str, float]] = []
+    admitted, weighted = 0, 0.0
+    for seq, a in enumerate(arrivals):
+        while expiries and expiries[0][0] <= a.t:
+            _, _, geo, size = heapq.heappop(expiries)
+            free[geo] += size
+        size = _gpus_of(a.profile)
+        if free[a.geometry] >= size - 1e-9:
+            free[a.geometry] -= size
+            admitted += 1
+            weighted += size
+            heapq.heappush(expiries, (a.t + a.lifetime, seq, a.geometry, size))
+    return {"admitted": admitted, "gpu_weighted": weighted}
+
+
+def main_groups(args) -> int:
+    gpu_count = {H200: (NODES + 1) // 2 * GPUS_PER_NODE, H100: NODES // 2 * GPUS_PER_NODE}
+    arrivals, mean_life = make_group_arrivals(args.requests, args.seed, args.load, gpu_count)
+    best = run_groups(arrivals, BEST_FIT)
+    ff = run_groups(arrivals, FIRST_FIT)
+    fluid = run_groups_fluid(arrivals, gpu_count)
+    known = {g: max(best["by_geo"].get(g, 0), ff["by_geo"].get(g, 0)) for g in gpu_count}
+    lp = lp_upper_bound(arrivals, gpu_count, known, rows_of=_group_rows_capped)
+    known_w = {g: max(best["by_geo_w"].get(g, 0.0), ff["by_geo_w"].get(g, 0.0)) for g in gpu_count}
+    lp_w = lp_upper_bound(arrivals, gpu_count, known_w, rows_of=_group_rows_capped,
+                          weight=lambda a: _gpus_of(a.profile))
+    n = len(arrivals)
+    mix = ", ".join(f"{p}:{w:.0%}" for p, w in GROUP_MIX)
+    print(f"Groups: {sum(gpu_count.values())} GPUs on {NODES} HGX nodes (8 GPUs, NUMA 4+4); {n} requests, seed "
+          f"{args.seed}, offered load {args.load:.0%} of the GPUs (mean lifetime {mean_life:.0f} arrivals)")
+    print(f"Mix (slice profile id or gN = N-GPU group: share): {mix}")
+    print()
+    w = 40
+    print(f"{'':{w}}{'engine':>12}{'first-fit':>12}{'LP bound':>12}{'fluid':>12}")
+    print(f"{'requests satisfied (of ' + str(n) + ')':{w}}{best['admitted']:>12}{ff['admitted']:>12}{lp or 0:>12.1f}"
+          f"{fluid['admitted']:>12}")
+    for k in sorted(best["by_kind"]):
+        got, total = best["by_kind"][k]
+        print(f"{'  ' + k + ' (of ' + str(total) + ')':{w}}{got:>12}{ff['by_kind'][k][0]:>12}")
+    print(f"{'GPU-weighted (GPUs x requests)':{w}}{best['gpu_weighted']:>12.1f}{ff['gpu_weighted']:>12.1f}"
+          f"{lp_w or 0:>12.1f}{fluid['gpu_weighted']:>12.1f}")
+    print(f"{'engine / fluid (GPU-weighted)':{w}}{best['gpu_weighted'] / fluid['gpu_weighted']:>12.4f}"
+          f"{ff['gpu_weighted'] / fluid['gpu_weighted']:>12.4f}")
+    if lp and lp_w:
+        print(f"{'engine / LP bound (requests)':{w}}{best['admitted'] / lp:>12.4f}{ff['admitted'] / lp:>12.4f}")
+        print(f"{'engine / LP bound (GPU-weighted)':{w}}{best['gpu_weighted'] / lp_w:>12.4f}"
+              f"{ff['gpu_weighted'] / lp_w:>12.4f}")
+    print(f"{'engine / first-fit (GPU-weighted)':{w}}{best['gpu_weighted'] / ff['gpu_weighted']:>12.4f}")
+    print(f"{'free whole GPUs, 2nd-half avg':{w}}{best['free_avg']:>12.1f}{ff['free_avg']:>12.1f}")
+    for size in GROUP_SIZES[1:]:
+        print(f"{'  stranded for ' + str(size) + '-GPU groups, avg':{w}}{best['stranded_avg'][size]:>12.1f}"
+              f"{ff['stranded_avg'][size]:>12.1f}")
+    print(f"{'placement time per request, us':{w}}{best['place_us']:>12.1f}{ff['place_us']:>12.1f}")
+    print()
+    print("stranded for N: free whole GPUs that no free legal N-GPU set (one node, one NUMA node if N <= 4) covers.")
+    print("LP bound: same dual LP as the slice run; a group of N counts as N whole GPUs in every row, and an 8-GPU")
+    print("  group needs a node to itself; no policy, even offline, can exceed it (it may refuse small requests")
+    print("  to admit 8-GPU groups later: its gap to the engine mixes fragmentation with online admission).")
+    print("fluid: same arrivals and admit-if-it-fits rule with no placement at all (slices are fractions of a GPU,")
+    print("  groups need N free GPUs anywhere): the fragmentation-free reference, not a bound.")
+    if lp_w:
+        ratio = best["gpu_weighted"] / lp_w
+        print(f"target: engine/LP bound (GPU-weighted) {ratio:.4f} (>= 0.97: {'met' if ratio >= 0.97 else 'NOT met'})")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seed", type=int, default=20240601)
     ap.add_argument("--requests", type=int, default=10_000)
     ap.add_argument("--load", type=float, default=1.0, help="offered memory load / capacity")
     ap.add_argument("--sweep", default="0.9,1.1,1.25", help="other loads for the summary ('' = none)")
+    ap.add_argument("--groups", action="store_true", help="slices and 1/2/4/8-GPU groups on one fleet")
     args = ap.parse_args()
+    if args.groups:
+        return main_groups(args)
 
     states = build_fleet_states()
     gpu_count: dict[str, int] = {}

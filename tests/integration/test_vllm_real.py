@@ -75,15 +75,39 @@ def test_a_generated_vllm_repository_loads_and_generates(tmp_path, settings):
     device_mib = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).total // 2**20
     result = fit.fit(model_svc.library_shape(m), device_mib, context=m.max_context, concurrency=2)
     assert result.fits, result.reason
+    _serve_and_generate(tmp_path, model_svc.vllm_files("llm", m, result, concurrency=2), None)
+
+
+def test_a_tp2_repository_on_two_gpus_loads_and_generates(tmp_path, settings):
+    """A 2-GPU group's server: CUDA_VISIBLE_DEVICES lists two GPUs, model.json says tensor_parallel_size 2."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    if pynvml.nvmlDeviceGetCount() < 2:
+        pytest.skip("tensor parallelism needs two GPUs; this machine has fewer")
+    weights = Path(WEIGHTS).resolve()
+    settings.TESSERA_MODEL_STORE_ROOT = weights.parent
+    m = _library_model(weights)
+    handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(2)]
+    device_mib = min(pynvml.nvmlDeviceGetMemoryInfo(h).total for h in handles) // 2**20
+    result = fit.fit(model_svc.library_shape(m), device_mib, context=m.max_context, concurrency=2, tensor_parallel=2)
+    files = model_svc.vllm_files("llm", m, result, concurrency=2)
+    assert json.loads(files["llm/1/model.json"])["tensor_parallel_size"] == 2
+    uuids = [pynvml.nvmlDeviceGetUUID(h) for h in handles]
+    _serve_and_generate(tmp_path, files, ",".join(u.decode() if isinstance(u, bytes) else u for u in uuids))
+
+
+def _serve_and_generate(tmp_path: Path, files: dict[str, str], devices: str | None) -> None:
     repo = tmp_path / "repo"
-    for rel, text in model_svc.vllm_files("llm", m, result, concurrency=2).items():
+    for rel, text in files.items():
         (repo / rel).parent.mkdir(parents=True, exist_ok=True)
         (repo / rel).write_text(text)
+    env = None if devices is None else {**os.environ, "CUDA_VISIBLE_DEVICES": devices}
     port = free_port()
     log = (tmp_path / "tritonserver.log").open("wb")
     proc = subprocess.Popen([str(BINARY), f"--model-repository={repo}", "--model-control-mode=explicit",
                              "--load-model=llm", f"--http-port={port}", f"--grpc-port={free_port()}",
-                             f"--metrics-port={free_port()}"], stdout=log, stderr=subprocess.STDOUT)
+                             f"--metrics-port={free_port()}"], stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 540

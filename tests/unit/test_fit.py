@@ -136,3 +136,33 @@ def test_monotone_in_dtype(key, mib, ctx, conc, i, j):
     ka = f.fit(shape(key, kv_dtype=ORDER[max(lo, 1)]), mib, context=ctx, concurrency=conc)
     kb = f.fit(shape(key, kv_dtype=ORDER[max(hi, 1)]), mib, context=ctx, concurrency=conc)
     assert kb.needed_mib >= ka.needed_mib and kb.max_cached_tokens <= ka.max_cached_tokens
+
+
+H100_GPU = CATALOG["gpu_models"][[m["key"] for m in CATALOG["gpu_models"]].index("h100-sxm-80gb")]["memory_mib"]
+H200_GPU = CATALOG["gpu_models"][[m["key"] for m in CATALOG["gpu_models"]].index("h200-sxm-141gb")]["memory_mib"]
+
+
+def test_tensor_parallel_splits_weights_and_cache_and_pays_overhead_per_gpu():
+    m = shape("llama-3.1-70b-instruct-fp8")
+    one = f.fit(m, H100_GPU, context=8192, concurrency=16)
+    two = f.fit(m, H100_GPU, context=8192, concurrency=16, tensor_parallel=2)
+    assert two.tensor_parallel == 2 and two.weights_mib == pytest.approx(one.weights_mib / 2, abs=1)
+    assert two.kv_per_token_bytes == one.kv_per_token_bytes // 2  # 8 KV heads: 4 per rank
+    assert two.overhead_mib == one.overhead_mib  # each rank has its own process and CUDA context
+    assert two.needed_mib == pytest.approx(one.weights_mib / 2 + one.overhead_mib + one.kv_mib / 2, abs=2)
+    assert "per GPU (tensor parallel over 2 GPUs)" in two.reason
+    # more ranks than KV heads: the heads are replicated, so the per-GPU cache stops shrinking at 1 head
+    sixteen = f.kv_bytes_per_token_per_gpu(m, 16)
+    assert sixteen == f.kv_bytes_per_token_per_gpu(m, 8) == one.kv_per_token_bytes // 8
+
+
+def test_a_70b_fp8_model_at_8k_x_16_needs_two_h100s_or_one_h200():
+    """The issue's comparison: ~66 GiB of FP8 weights and 40 GiB of BF16 cache (131,072 tokens x 320 KiB)."""
+    m = shape("llama-3.1-70b-instruct-fp8")
+    assert f.fit(m, H200_GPU, context=8192, concurrency=16).fits
+    h100 = f.fit(m, H100_GPU, context=8192, concurrency=16)
+    assert not h100.fits and h100.max_cached_tokens > 0  # the weights fit; the cache does not
+    two = f.fit(m, H100_GPU, context=8192, concurrency=16, tensor_parallel=2)
+    assert two.fits and two.headroom_mib > 10_000
+    with pytest.raises(ValueError):
+        f.fit(m, H100_GPU, tensor_parallel=0)

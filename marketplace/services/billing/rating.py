@@ -149,6 +149,12 @@ class Rated:
 Pieces = tuple[int, datetime, datetime]
 
 
+
+def unit_hours(tier) -> str:
+    """What an allocation-hour of the tier is called on invoices: a group-hour for a multi-GPU tier (its price is
+    the whole group's), else a slice-hour."""
+    return "group-hours" if tier.gpu_count > 1 else "slice-hours"
+
 def piece_case(pieces: Pieces) -> Case:
     """SQL: the piece of an hourly row (see token_groups)."""
     step, lo, hi = pieces
@@ -330,7 +336,8 @@ def rate_month(inp: MonthInputs, start: datetime, end: datetime, now: datetime
         for span_plan, lo, hi in spans:
             key = (L.SLICE_HOURS, a.tier_id, span_plan.pk)
             d = drafts.get(key) or drafts.setdefault(key, Draft(
-                L.SLICE_HOURS, tier, span_plan, f"{tier.name}: slice-hours at {span_plan.price_per_slice_hour}/h "
+                L.SLICE_HOURS, tier, span_plan,
+                f"{tier.name}: {unit_hours(tier)} at {span_plan.price_per_slice_hour}/h "
                 f"({span_plan.get_kind_display().lower()})", "hour"))
             d.add(Decimal((hi - lo).total_seconds()) / 3600, lo, hi)
     late_reserved: dict[tuple[date, int], Decimal] = defaultdict(Decimal)
