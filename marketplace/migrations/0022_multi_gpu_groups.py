@@ -7,7 +7,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
 
     dependencies = [
-        ('marketplace', '0020_alarm_state'),
+        ('marketplace', '0021_document_parties'),
     ]
 
     operations = [
