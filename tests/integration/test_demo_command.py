@@ -80,3 +80,57 @@ def test_sigterm_stops_the_demo_with_its_workers_and_gateway(tmp_path):
             proc.kill()
         for c in _children(proc.pid):
             os.kill(c, signal.SIGKILL)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc and ps --ppid")
+def test_in_the_background_on_other_ports_its_pages_name_its_gateway_and_exit_after_stops_it(tmp_path):
+    """As a script starts it: in the background, where the shell has SIGINT ignored, on ports of its own. Its pages
+    name the gateway it started (not the default port), and --exit-after stops it with its workers and gateway."""
+    import requests
+
+    web, gw = free_port(), free_port()
+    proc = subprocess.Popen([sys.executable, "manage.py", "demo", "--addr", f"127.0.0.1:{web}", "--gateway-addr",
+                             f"127.0.0.1:{gw}", "--exit-after", "150"], cwd=ROOT, env=_env(tmp_path / "var"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        lines: list[str] = []
+        for line in proc.stdout:  # until the web app is up (the logins are printed before it starts)
+            lines.append(line)
+            if "embedded worker:" in line:
+                break
+        _, password = _logins("".join(lines))
+        s = requests.Session()
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                page = s.get(f"http://127.0.0.1:{web}/login/", timeout=5)
+                break
+            except requests.ConnectionError:
+                assert time.monotonic() < deadline, "the demo's web app did not answer"
+                time.sleep(0.5)
+        token = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', page.text).group(1)
+        s.post(f"http://127.0.0.1:{web}/login/", data={"username": "owner@acme.example", "password": password,
+                                                       "csrfmiddlewaretoken": token}, timeout=10)
+        deadline = time.monotonic() + 120  # the demo deploys a model on each slice once the worker made them active
+        link = None
+        while link is None and time.monotonic() < deadline:
+            models = s.get(f"http://127.0.0.1:{web}/portal/models/", timeout=10)
+            assert models.status_code == 200 and "/login/" not in models.url
+            link = re.search(r'href="(/portal/models/\d+/)"', models.text)
+            time.sleep(1)
+        assert link, "no model deployed in the demo"
+        page = s.get(f"http://127.0.0.1:{web}{link.group(1)}", timeout=10).text
+        assert f"http://127.0.0.1:{gw}/v1" in page and "127.0.0.1:8001" not in page
+        children = _children(proc.pid)
+        rest, _ = proc.communicate(timeout=240)  # --exit-after stops it, though SIGINT is ignored
+        assert "demo stopped" in rest
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and any(_alive(c) for c in children):
+            time.sleep(0.2)
+        assert not [c for c in children if _alive(c)], "the demo's workers or gateway outlived it"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for c in _children(proc.pid):
+            os.kill(c, signal.SIGKILL)

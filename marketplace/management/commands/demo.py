@@ -36,6 +36,7 @@ class Command(BaseCommand):
         # processes read it from their environment).
         self.gateway_url = gateway_url(opts["gateway_addr"])
         os.environ["TESSERA_GATEWAY_URL"] = self.gateway_url
+        settings.TESSERA_GATEWAY_URL = self.gateway_url  # the web app runs in this process: its pages and "Try it"
         call_command("migrate", interactive=False, verbosity=0)
         self.stdout.write("database migrated")
         result = self._seed_logins()
@@ -61,9 +62,9 @@ class Command(BaseCommand):
         # embedded worker and the gateway are stopped with it (not left running).
         signal.signal(signal.SIGTERM, _interrupt)
         if opts["exit_after"]:
-            def stop():
+            def stop():  # SIGTERM, not SIGINT: a shell starts background jobs with SIGINT ignored
                 time.sleep(opts["exit_after"])
-                os.kill(os.getpid(), signal.SIGINT)
+                os.kill(os.getpid(), signal.SIGTERM)
             threading.Thread(target=stop, daemon=True).start()
         try:
             call_command("runserver", opts["addr"], use_reloader=False)
