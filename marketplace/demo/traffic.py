@@ -98,28 +98,43 @@ def _post(url: str, body: dict, token: str) -> dict:
         return json.loads(resp.read())
 
 
-BATCH = 60  # requests per seeded usage event
+BATCH = 60  # requests per seeded usage event (an hour's)
+COARSE_HOURS = 6  # the seeded history before the last days: one step of events per 6 hours
 
 
-def backfill(days: int = 3) -> int:
+def backfill(days: int = 3, *, since: datetime | None = None) -> int:
     """Seed: the past days' history, for the demo charts: what the gateway metered (hourly batches) and what the
-    slices' Triton servers served (the same requests), so metered and served agree as they would have."""
+    slices' Triton servers served (the same requests), so metered and served agree as they would have. With
+    ``since`` (the demo: the first of the previous month), the history reaches back to it, the part before the
+    last ``days`` days in coarser steps (COARSE_HOURS; each event carries that many hours' batches), so a past
+    month is there to invoice, finalize and credit without seeding twelve times the events."""
     total = 0
     now = timezone.now().replace(minute=0, second=0, microsecond=0)
-    since = now - timedelta(hours=days * 24)
+    hourly_from = now - timedelta(hours=days * 24)
+    start = min(since, hourly_from) if since is not None else hourly_from
     # the seeded history is the deployments' own: they "existed" over it (ingest refuses earlier events)
-    ModelDeployment.objects.filter(state__in=TRAFFIC_STATES, created_at__gt=since).update(created_at=since)
+    ModelDeployment.objects.filter(state__in=TRAFFIC_STATES, created_at__gt=start).update(created_at=start)
     for dep in _deployments().filter(state__in=TRAFFIC_STATES):
-        for h in range(days * 24, 0, -1):
-            hour = now - timedelta(hours=h)
+        hour = start
+        while hour < now:
+            left = int((hourly_from - hour).total_seconds() // 3600)  # hours before the hourly part
+            step = 1 if left <= 0 else min(COARSE_HOURS, left)
             rng = random.Random(f"backfill-{dep.pk}-{hour:%Y%m%d%H}")
-            n = requests_in(dep, hour, 3600, rng) // BATCH  # one event per BATCH requests (the gateway's hour)
+            batch = BATCH * step  # requests per event: one event per BATCH requests an hour
+            n = requests_in(dep, hour, 3600 * step, rng) // batch
             events = [{"event_id": f"bf-{dep.pk}-{hour:%Y%m%d%H}-{i}", "deployment": dep.pk,
-                       "ts": (hour + timedelta(seconds=3600 * i / max(n, 1))).isoformat(),
-                       "input_tokens": BATCH * rng.randint(*INPUT_WORDS),
-                       "output_tokens": BATCH * rng.randint(*OUTPUT_TOKENS), "requests": BATCH} for i in range(n)]
+                       "ts": (hour + timedelta(seconds=3600 * step * i / max(n, 1))).isoformat(),
+                       "input_tokens": batch * rng.randint(*INPUT_WORDS),
+                       "output_tokens": batch * rng.randint(*OUTPUT_TOKENS), "requests": batch} for i in range(n)]
             if events:
                 total += ingest_batch(SYSTEM, dep.tenant, events).new
-                TritonServedHourly.objects.update_or_create(tenant=dep.tenant, deployment=dep, hour=hour,
-                                                            defaults={"requests": BATCH * n})
+                served: dict[int, int] = {}  # what Triton counted, per hour: the hour each event falls in
+                for i in range(n):
+                    h = step * i // n
+                    served[h] = served.get(h, 0) + batch
+                for h, requests in served.items():
+                    TritonServedHourly.objects.update_or_create(
+                        tenant=dep.tenant, deployment=dep, hour=hour + timedelta(hours=h),
+                        defaults={"requests": requests})
+            hour += timedelta(hours=step)
     return total

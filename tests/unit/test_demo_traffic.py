@@ -98,3 +98,40 @@ def test_demo_traffic_makes_utilization_and_power_visible(demo_fleet, monkeypatc
     assert busiest.activity > 0.3 and busiest.power_w > 250  # a whole GPU at tens of percent
     # the energy counters (mJ) only grow
     assert all(b >= a for a, b in zip(before, _energy_mj(), strict=True))
+
+
+def test_the_demo_history_reaches_a_past_month_that_is_finalized_and_credited(demo_fleet):
+    """The demo seeds history back to the first of the previous month (coarse steps before the last days), so its
+    operator has a month to finalize and credit: metered and served agree per hour, and the month's invoices rate
+    slice-hours and tokens, finalize and take a full credit."""
+    from decimal import Decimal
+
+    from django.db.models import Sum
+
+    from marketplace.models import Invoice
+    from marketplace.services import billing
+    from telemetry.models import TritonServedHourly, UsageHourly
+
+    now = timezone.now()
+    first = now.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+    since = (first - timedelta(days=1)).replace(day=1)
+    held = Allocation.objects.filter(state=Allocation.State.ACTIVE)
+    held.update(activated_at=since, created_at=since)  # as the demo command does before it backfills
+    assert traffic.backfill(days=1, since=since) > 0
+
+    metered = dict(UsageHourly.objects.order_by().values("hour").annotate(n=Sum("requests")).values_list("hour", "n"))
+    served = dict(TritonServedHourly.objects.order_by().values("hour").annotate(n=Sum("requests")).values_list("hour", "n"))
+    assert metered == served  # what the gateway metered is what Triton counted, hour by hour
+    assert min(metered) == since and max(metered) >= now.replace(minute=0, second=0, microsecond=0) - timedelta(hours=2)
+    assert any(h.day == 15 and h.month == since.month for h in metered)  # the middle of the past month is there
+
+    billing.ensure_invoices(now, since=since)
+    assert billing.finalize_due(now)  # the month-end run finalizes the past month
+    past = Invoice.objects.filter(period_start=since.date())
+    assert past.count() == 4 and all(i.status == Invoice.Status.FINALIZED for i in past)
+    inv = past.get(tenant__slug="acme-ai")
+    kinds = set(inv.lines.values_list("unit", flat=True))
+    assert inv.total > Decimal(100) and len(kinds) >= 2, kinds  # slice-hours and tokens
+    operator = Principal(is_operator=True)
+    billing.issue_credit_note(operator, inv, reason="demo: service credit")
+    assert billing.left_to_credit(inv) == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -9,10 +10,12 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.core.management import call_command
 from django.core.management.base import BaseCommand
+from django.utils import timezone
 
 from marketplace.demo.seed import seed_fleet
 from marketplace.demo.tenants import seed_demo
@@ -37,19 +40,23 @@ class Command(BaseCommand):
         self.gateway_url = gateway_url(opts["gateway_addr"])
         os.environ["TESSERA_GATEWAY_URL"] = self.gateway_url
         settings.TESSERA_GATEWAY_URL = self.gateway_url  # the web app runs in this process: its pages and "Try it"
-        call_command("migrate", interactive=False, verbosity=0)
-        self.stdout.write("database migrated")
-        result = self._seed_logins()
-        counts = seed_fleet()
+        steps = _Steps(self.stdout.write)
+        with steps("database migrated"):
+            call_command("migrate", interactive=False, verbosity=0)
+        with steps("tenants, logins and keys seeded"):
+            result = self._seed_logins()
+        with steps("simulated fleet seeded"):
+            counts = seed_fleet()
         self.stdout.write(f"simulated fleet: {counts['nodes']} nodes, {counts['allocations']} allocations ordered")
+        if not opts["no_run"] and not collected_is_current():
+            # hashed names, gzip + brotli copies (plotly.js: 4.8 MB -> 1.1 MB), once
+            self.stdout.write("collecting and compressing static files (once)...")
+            with steps("static files collected and compressed"):
+                call_command("collectstatic", interactive=False, verbosity=0)
+        steps.report()
         self._print_logins(result, opts["addr"])
         if opts["no_run"]:
             return
-        if not collected_is_current():  # hashed names, gzip + brotli copies (plotly.js: 4.8 MB -> 1.1 MB), once
-            started = time.monotonic()
-            self.stdout.write("collecting and compressing static files (once)...")
-            call_command("collectstatic", interactive=False, verbosity=0)
-            self.stdout.write(f"static files ready ({time.monotonic() - started:.0f} s)")
         os.environ["TESSERA_DEMO_TRAFFIC"] = "1"
         # The simulated slices answer Triton's HTTP protocol, so the gateway reaches them as it reaches real ones.
         os.environ["TESSERA_SIM_TRITON_HTTP"] = "1"
@@ -101,7 +108,7 @@ class Command(BaseCommand):
         from django.db import close_old_connections
 
         from marketplace.demo import traffic as demo_traffic
-        from marketplace.models import Allocation, ModelDeployment
+        from marketplace.models import Allocation, ModelDeployment, Order
         from marketplace.services import billing, deployments
         from tenants.models import Tenant
 
@@ -116,10 +123,16 @@ class Command(BaseCommand):
             deployments.deploy(demo_traffic.SYSTEM, a, "tiny-gen", template="tiny-gen")
             new += 1
         if new:
-            n = demo_traffic.backfill(days=3)
+            # A past month to invoice: the demo's slices were "ordered" before it began and its models served
+            # all along, so the monthly rating run finalizes that month (an operator can then credit it).
+            since = _previous_month_start(timezone.now())
+            held = Allocation.objects.filter(state=Allocation.State.ACTIVE, activated_at__gt=since)
+            Order.objects.filter(allocations__in=held, created_at__gt=since).update(created_at=since)
+            held.update(activated_at=since, created_at=since)
+            n = demo_traffic.backfill(days=3, since=since)
             for t in Tenant.objects.all():
                 billing.current_invoice(t)
-            self.stdout.write(f"demo: {new} models deployed, {n} usage events of the last 3 days reported")
+            self.stdout.write(f"demo: {new} models deployed, {n} usage events since {since:%Y-%m-%d} reported")
         loading = ModelDeployment.objects.exclude(state=ModelDeployment.State.READY)
         while time.monotonic() < deadline and loading.exists():
             time.sleep(1)
@@ -169,6 +182,29 @@ class Command(BaseCommand):
         if not result.keys:
             w("  API keys: create them in the portal (API keys) or the API.")
         w("")
+
+
+class _Steps:
+    """The demo's setup steps, each timed as it ends; `report()` names the slowest (what a cold start waits on)."""
+
+    def __init__(self, write) -> None:
+        self.write, self.took = write, []
+
+    @contextlib.contextmanager
+    def __call__(self, what: str):
+        started = time.monotonic()
+        yield
+        self.took.append((time.monotonic() - started, what))
+        self.write(f"{what} ({self.took[-1][0]:.1f} s)")
+
+    def report(self) -> None:
+        seconds, what = max(self.took)
+        self.write(f"set up in {sum(t for t, _ in self.took):.1f} s; slowest step: {what} ({seconds:.1f} s)")
+
+
+def _previous_month_start(now: datetime) -> datetime:
+    first = now.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+    return (first - timedelta(days=1)).replace(day=1)
 
 
 def gateway_url(gateway_addr: str) -> str:
