@@ -119,8 +119,10 @@ def test_the_demo_history_reaches_a_past_month_that_is_finalized_and_credited(de
     held.update(activated_at=since, created_at=since)  # as the demo command does before it backfills
     assert traffic.backfill(days=1, since=since) > 0
 
-    metered = dict(UsageHourly.objects.order_by().values("hour").annotate(n=Sum("requests")).values_list("hour", "n"))
-    served = dict(TritonServedHourly.objects.order_by().values("hour").annotate(n=Sum("requests")).values_list("hour", "n"))
+    def per_hour(model):
+        return dict(model.objects.order_by().values("hour").annotate(n=Sum("requests")).values_list("hour", "n"))
+
+    metered, served = per_hour(UsageHourly), per_hour(TritonServedHourly)
     assert metered == served  # what the gateway metered is what Triton counted, hour by hour
     assert min(metered) == since and max(metered) >= now.replace(minute=0, second=0, microsecond=0) - timedelta(hours=2)
     assert any(h.day == 15 and h.month == since.month for h in metered)  # the middle of the past month is there
