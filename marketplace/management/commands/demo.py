@@ -188,7 +188,8 @@ class _Steps:
     """The demo's setup steps, each timed as it ends; `report()` names the slowest (what a cold start waits on)."""
 
     def __init__(self, write) -> None:
-        self.write, self.took = write, []
+        self.write = write
+        self.took: list[tuple[float, str]] = []
 
     @contextlib.contextmanager
     def __call__(self, what: str):
