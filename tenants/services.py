@@ -482,3 +482,26 @@ def revoke_api_key(principal: Principal, key: ApiKey) -> ApiKey:
     audit.record(principal, "api_key.revoke", f"key:{key.prefix}", key.tenant_id, name=key.name)
     log.info("api key revoked", extra={"prefix": key.prefix})
     return key
+
+
+def create_operator(email: str, password: str, *, full_name: str = "") -> User:
+    """An MSP operator from the command line (`manage.py create_operator`): the first one of an installation, or
+    another without the admin. Staff holding tenants.operate, not a superuser (the console and the API need nothing
+    more). The password must pass the installation's validators; an existing user is refused (nothing changes)."""
+    from django.contrib.auth.models import Permission
+
+    email = User.objects.normalize_email(email.strip()).lower()
+    if not re.fullmatch(r"[^@\s]+@[^@\s]+\.[^@\s]+", email):
+        raise ServiceError("is not an e-mail address", field="email")
+    try:
+        validate_password(password, User(email=email, full_name=full_name))
+    except ValidationError as exc:
+        raise ServiceError(" ".join(exc.messages), field="password") from None
+    with transaction.atomic():
+        if User.objects.filter(email__iexact=email).exists():
+            raise Conflict(f"a user {email} exists already", field="email")
+        user = User.objects.create_user(email=email, password=password, full_name=full_name, is_staff=True)
+        user.user_permissions.add(Permission.objects.get(content_type__app_label="tenants", codename="operate"))
+        audit.record("system:create_operator", "operator.create", f"user:{email}")
+    log.info("operator created", extra={"email": email})
+    return user

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db.models import Count, Prefetch, Q, QuerySet
+from django.utils import timezone
 
 from marketplace import placement as engine
 from marketplace import placement_groups as group_engine
@@ -98,10 +100,18 @@ def gpu_states_of(gpus: QuerySet[Gpu]) -> list[engine.GpuState]:
     return [state for _model, _mig, state in _gpu_state_rows(gpus)]
 
 
+def working_nodes_q(prefix: str = "", now: datetime | None = None) -> Q:
+    """The one rule for a node that can take work: ready, and its own worker heard from within
+    TESSERA_NODE_HEARTBEAT_STALE_S (a node an operator registered is not working until its worker has sent a
+    heartbeat; one whose worker went quiet is not either). ``prefix``: the path to the node ("node__")."""
+    cutoff = (now or timezone.now()) - timedelta(seconds=settings.TESSERA_NODE_HEARTBEAT_STALE_S)
+    return Q(**{f"{prefix}state": Node.State.READY, f"{prefix}last_heartbeat__gte": cutoff})
+
+
 def ready_gpus() -> QuerySet[Gpu]:
-    """GPUs that may take new work: healthy, on a ready node (the placement service narrows it to a model and
-    a MIG mode)."""
-    return Gpu.objects.filter(state=Gpu.State.OK, node__state=Node.State.READY)
+    """GPUs that may take new work: healthy, on a working node (:func:`working_nodes_q`; the placement service
+    narrows it to a model and a MIG mode)."""
+    return Gpu.objects.filter(working_nodes_q("node__"), state=Gpu.State.OK)
 
 
 #: The catalog shows free places up to this many ("10+" beyond): an exact count would tell a

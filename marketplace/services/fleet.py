@@ -87,11 +87,11 @@ def register_node(hostname: str, platform: ServerPlatform, gpus: list[Discovered
     if len(gpus) != platform.gpu_count:
         raise ServiceError(f"{platform.key} has {platform.gpu_count} GPUs; the node reports {len(gpus)}",
                            field="gpus")
+    defaults = {"platform": platform, "queue": Node.queue_for(hostname)}
+    if principal is None:  # the node's own worker: a heartbeat. An operator's registration is not one: the node
+        defaults["last_heartbeat"] = timezone.now()  # takes no work until its worker is heard (working_nodes_q)
     with transaction.atomic():
-        node, _ = Node.objects.update_or_create(
-            hostname=hostname,
-            defaults={"platform": platform, "queue": Node.queue_for(hostname), "last_heartbeat": timezone.now()},
-        )
+        node, _ = Node.objects.update_or_create(hostname=hostname, defaults=defaults)
         for g in gpus:
             Gpu.objects.update_or_create(
                 node=node, index=g.index,

@@ -19,7 +19,7 @@ from django.contrib import messages
 from django.contrib.auth.views import redirect_to_login
 from django.core.exceptions import PermissionDenied
 from django.core.paginator import Paginator
-from django.db.models import Avg, Count, Max, Prefetch, Q, QuerySet, Sum
+from django.db.models import Avg, BooleanField, Count, ExpressionWrapper, Max, Prefetch, Q, QuerySet, Sum
 from django.http import HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
 from django.urls import reverse
@@ -49,6 +49,7 @@ from marketplace.models import (
 )
 from marketplace.models.orders import LIVE_STATES, live_slices
 from marketplace.selectors import billing as billing_sel
+from marketplace.selectors import catalog as catalog_sel
 from marketplace.selectors import orders as orders_sel
 from marketplace.selectors.exports import invoice_csv
 from marketplace.services import billing, fleet, offers, orders
@@ -231,7 +232,8 @@ def nodes(request):
                  .prefetch_related(Prefetch("instances", queryset=GpuInstance.objects.select_related(
                      "tenant", "placement__profile").order_by("start")))),
         Prefetch("triton_servers", to_attr="live_servers", queryset=TritonServer.objects.exclude(
-            state=TritonServer.State.STOPPED).defer("log_tail").order_by("http_port", "pk")))
+            state=TritonServer.State.STOPPED).defer("log_tail").order_by("http_port", "pk"))
+    ).annotate(working=ExpressionWrapper(catalog_sel.working_nodes_q(), output_field=BooleanField()))
     f = _filter(request, NodeFilter, qs)
     t = table(request, f.qs, [Column("hostname", "Node"), Column("platform__name", "Platform"),
                             Column("state", "State"), Column("last_heartbeat", "Last heartbeat")],

@@ -8,8 +8,11 @@ in tests/unit/test_placement.py (``oracle_fits``, ``oracle_tenancy_ok``), not th
 from __future__ import annotations
 
 import random
+from datetime import timedelta
 
 import pytest
+from django.conf import settings
+from django.utils import timezone
 
 from marketplace.hardware.geometry import geometry
 from marketplace.models import Gpu, GpuInstance, GpuModel, GpuSlot, MigPlacement, Node, ServerPlatform, Tier
@@ -44,8 +47,11 @@ def _build_fleet(rng: random.Random, tenants) -> None:
                   for p in MigPlacement.objects.select_related("profile")}
     for n in range(rng.randint(1, 3)):
         platform = rng.choice(platforms)
+        # its worker heard from just now, long ago (stale), or never (registered by an operator, worker not started)
+        heard = rng.choice([timezone.now()] * 4 + [timezone.now() - timedelta(hours=2), None])
         node = Node.objects.create(hostname=f"rand-{n}", platform=platform, queue=f"node.rand-{n}",
-                                   state=rng.choice([Node.State.READY] * 3 + [Node.State.DRAINING]))
+                                   state=rng.choice([Node.State.READY] * 3 + [Node.State.DRAINING]),
+                                   last_heartbeat=heard)
         model = platform.gpu_model
         for index in range(rng.randint(1, 4)):
             mig = rng.random() < 0.8
@@ -85,6 +91,9 @@ def _oracle(tier: Tier, tenant_id: int) -> list[tuple[int, int]]:
     for gpu in (Gpu.objects.filter(gpu_model=tier.gpu_model, mig_mode=pid is not None)
                 .select_related("node", "gpu_model").prefetch_related("instances__placement__profile")):
         if gpu.state != Gpu.State.OK or gpu.node.state != Node.State.READY:
+            continue
+        heard = gpu.node.last_heartbeat  # a node takes work only while its worker is heard from
+        if heard is None or (timezone.now() - heard).total_seconds() > settings.TESSERA_NODE_HEARTBEAT_STALE_S:
             continue
         insts = [Instance(i.placement.profile.profile_id if i.placement else None, i.start, i.tenant_id)
                  for i in gpu.instances.all()]

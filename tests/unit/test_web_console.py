@@ -461,6 +461,39 @@ def test_register_node_from_console(op_client, catalog, sim_dir):
         "node:node-y", "node:node-z"]
 
 
+def test_a_node_registered_from_the_console_takes_no_work_until_its_worker_is_heard(op_client, catalog, sim_dir,
+                                                                                      settings):
+    """Registering is not a heartbeat: the node shows "Awaiting its worker", its GPUs are no free capacity and
+    placement refuses them; its worker's heartbeat makes it work; a quiet worker stops it again."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from marketplace.models import GpuModel, MigProfile, Node, ServerPlatform
+    from marketplace.selectors.catalog import ready_gpus
+    from marketplace.services.fleet import NoCapacityError, place_instance
+
+    platform = ServerPlatform.objects.get(key="hgx-h100-8")
+    op_client.post(reverse("console:node_create"), {"hostname": "node-z", "platform": platform.pk, "gpus": ""})
+    node = Node.objects.get(hostname="node-z")
+    assert node.state == Node.State.READY and node.last_heartbeat is None
+    page = op_client.get(reverse("console:nodes")).content.decode()
+    assert "Awaiting its worker" in page
+    assert not ready_gpus().exists()
+    h100, tenant = GpuModel.objects.get(key="h100-sxm-80gb"), TenantFactory()
+    slice_1g = MigProfile.objects.get(gpu_model=h100, name="1g.10gb")
+    with pytest.raises(NoCapacityError):
+        place_instance(tenant, h100, slice_1g)
+    Node.objects.filter(pk=node.pk).update(last_heartbeat=timezone.now())  # what its worker's reconcile writes
+    assert ready_gpus().count() == 8
+    assert "Awaiting its worker" not in op_client.get(reverse("console:nodes")).content.decode()
+    assert place_instance(tenant, h100, slice_1g).gpu.node_id == node.pk
+    quiet = timezone.now() - timedelta(seconds=settings.TESSERA_NODE_HEARTBEAT_STALE_S + 1)
+    Node.objects.filter(pk=node.pk).update(last_heartbeat=quiet)
+    assert not ready_gpus().exists()
+    assert "No heartbeat" in op_client.get(reverse("console:nodes")).content.decode()
+
+
 @pytest.mark.parametrize(("post", "field", "words"), [
     ({"hostname": "node-z"}, "hostname", "is registered"),
     ({"hostname": "bad host!"}, "hostname", "letters, digits"),
