@@ -4,16 +4,17 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from rest_framework import serializers, viewsets
+from rest_framework import mixins, serializers, viewsets
 
 from marketplace.filters import GpuFilter, InstanceFilter, MigProfileFilter, NodeFilter
 from marketplace.models import Gpu, GpuInstance, GpuModel, MigProfile, Node, ServerPlatform
 from marketplace.selectors import catalog as selectors
+from marketplace.services import fleet
 from tenants.models import Tenant
 from tenants.permissions import SharedRead
 
 from .disclosure import OperatorOnlyFieldsMixin
-from .viewsets import ScopedReadOnlyViewSet
+from .viewsets import ScopedReadOnlyViewSet, ScopedViewSetMixin
 
 
 class GpuModelSerializer(serializers.ModelSerializer):
@@ -83,7 +84,9 @@ class NodeSerializer(serializers.ModelSerializer):
 
     class Meta:
         model = Node
-        fields = ["id", "hostname", "platform", "queue", "state", "last_heartbeat", "gpu_count", "used_slots"]
+        fields = ["id", "hostname", "platform", "queue", "state", "last_heartbeat", "gpu_count", "used_slots",
+                  "serving_address", "serving_port_min", "serving_port_max"]
+        read_only_fields = ["id", "hostname", "queue", "last_heartbeat"]
 
 
 class SlotInstanceSerializer(OperatorOnlyFieldsMixin, serializers.ModelSerializer):
@@ -121,8 +124,9 @@ class GpuSerializer(serializers.ModelSerializer):
         return slots
 
 
-class NodeViewSet(ScopedReadOnlyViewSet):
-    """GPU nodes (operators)."""
+class NodeViewSet(ScopedViewSetMixin, mixins.ListModelMixin, mixins.RetrieveModelMixin, mixins.UpdateModelMixin,
+                  viewsets.GenericViewSet):
+    """GPU nodes (operators): PATCH changes a node's state (draining, maintenance) and its serving port pool."""
 
     queryset_model = Node
     selector = selectors.nodes
@@ -131,7 +135,11 @@ class NodeViewSet(ScopedReadOnlyViewSet):
     search_fields = ["hostname"]
     ordering_fields = ["hostname", "state", "last_heartbeat"]
     ordering = ["hostname"]
-    capabilities = {"list": "operate", "retrieve": "operate"}
+    http_method_names = ["get", "patch", "head", "options"]
+    capabilities = {"list": "operate", "retrieve": "operate", "partial_update": "operate"}
+
+    def perform_update(self, serializer):
+        serializer.instance = fleet.update_node(self.principal, serializer.instance, **serializer.validated_data)
 
 
 class GpuViewSet(ScopedReadOnlyViewSet):

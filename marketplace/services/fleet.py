@@ -16,6 +16,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from django.core.exceptions import ValidationError
+from django.core.validators import validate_ipv46_address
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
@@ -23,7 +25,7 @@ from marketplace import placement as engine
 from marketplace.models import Gpu, GpuInstance, GpuModel, GpuSlot, MigPlacement, MigProfile, Node, ServerPlatform
 from marketplace.selectors.catalog import gpu_states_of, ready_gpus
 from tenants import audit
-from tenants.errors import Conflict, ServiceError
+from tenants.errors import Conflict, Forbidden, ServiceError
 from tenants.models import Tenant
 
 log = logging.getLogger("tessera.fleet")
@@ -205,3 +207,50 @@ def dedicate_gpu(gpu: Gpu, tenant: Tenant | None) -> Gpu:
     gpu.dedicated_sticky = tenant is not None
     gpu.save(update_fields=["dedicated_tenant", "dedicated_sticky"])
     return gpu
+
+
+#: What an operator may change on a node (console's node page, PATCH /api/v1/fleet/nodes/{id}/).
+NODE_EDITABLE = ("state", "serving_address", "serving_port_min", "serving_port_max")
+
+
+def update_node(principal, node: Node, **fields) -> Node:
+    """An operator changes a node: its state (draining or maintenance: no new work; its slices stay), or its
+    serving address and port pool, which must hold the ports of the servers running there now. Audited with what
+    changed; nothing is stored when a value is refused."""
+    from marketplace.models import TritonServer
+
+    if not principal.can("operate"):
+        raise Forbidden("only operators change nodes")
+    unknown = sorted(set(fields) - set(NODE_EDITABLE))
+    if unknown:
+        raise ServiceError(f"{', '.join(unknown)} cannot be changed", field=unknown[0])
+    with transaction.atomic():
+        node = Node.objects.select_for_update().get(pk=node.pk)
+        before = {f: getattr(node, f) for f in fields}
+        for f, v in fields.items():
+            setattr(node, f, v)
+        if node.state not in Node.State.values:
+            raise ServiceError(f"is not one of {', '.join(Node.State.values)}", field="state")
+        try:
+            validate_ipv46_address(str(node.serving_address))
+        except ValidationError:
+            raise ServiceError("is not an IPv4 or IPv6 address", field="serving_address") from None
+        lo, hi = node.serving_port_min, node.serving_port_max
+        if not 1024 <= lo <= 65535:
+            raise ServiceError("must be a port from 1024 to 65535", field="serving_port_min")
+        if not 1024 <= hi <= 65535:
+            raise ServiceError("must be a port from 1024 to 65535", field="serving_port_max")
+        if hi < lo + 2:
+            raise ServiceError("the pool needs at least 3 ports (a server's HTTP, gRPC and metrics ports)",
+                               field="serving_port_max")
+        used = [p for row in TritonServer.objects.filter(node=node).exclude(state=TritonServer.State.STOPPED)
+                .values_list("http_port", "grpc_port", "metrics_port") for p in row if p is not None]
+        outside = sorted(p for p in used if not lo <= p <= hi)
+        if outside:
+            raise ServiceError(f"servers running on this node use ports {', '.join(map(str, outside[:5]))} outside "
+                               f"{lo}-{hi}; release them first or keep them in the pool", field="serving_port_min")
+        node.save(update_fields=list(fields))
+        changes = {f: str(getattr(node, f)) for f in fields if before[f] != getattr(node, f)}
+        if changes:
+            audit.record(principal, "node.update", f"node:{node.hostname}", **changes)
+    return node

@@ -842,6 +842,38 @@ def node_create(request):
                    intro="A GPU server joins the fleet with the GPUs NVML reports on it.")
 
 
+class NodeEditForm(forms.Form):
+    state = forms.ChoiceField(choices=Node.State.choices, help_text="draining or maintenance: no new work is "
+                              "placed there; what runs there stays")
+    serving_address = forms.GenericIPAddressField(help_text="the node-private address its Triton servers bind")
+    serving_port_min = forms.IntegerField(min_value=1024, max_value=65535, label="First serving port")
+    serving_port_max = forms.IntegerField(min_value=1024, max_value=65535, label="Last serving port",
+                                          help_text="each Triton server takes three ports of the pool")
+
+
+@operator_required
+def node_edit(request, pk: int):
+    """An operator changes a node's state and serving port pool (fleet.update_node; the API's PATCH does the same)."""
+    node = get_object_or_404(Node, pk=pk)
+    title, intro = f"Node {node.hostname}", f"{node.platform.name}, queue {node.queue}."
+    if request.method == "GET":
+        form = NodeEditForm(initial={f: getattr(node, f) for f in fleet.NODE_EDITABLE})
+        return _create_page(request, form, title=title, intro=intro, button="Save node")
+    if request.method != "POST":
+        return HttpResponse(status=405)
+    form = NodeEditForm(request.POST)
+    if form.is_valid():
+        try:
+            node = fleet.update_node(request.principal, node, **form.cleaned_data)
+        except ServiceError as exc:
+            form.add_error(exc.field if exc.field in form.fields else None, exc.text_for(operator=True))
+        else:
+            messages.success(request, f"Node {node.hostname} saved: {node.get_state_display()}, ports "
+                                      f"{node.serving_port_min}-{node.serving_port_max}.")
+            return redirect("console:nodes")
+    return _create_page(request, form, title=title, intro=intro, button="Save node", status=400)
+
+
 # --- audit log ----------------------------------------------------------------------------------
 
 AUDIT_COLUMNS = [Column("at", "When"), Column("actor", "Who"), Column("tenant__slug", "Tenant"),

@@ -9,6 +9,7 @@ urlpatterns = [
     path("alerts/", console.overview_alerts, name="overview_alerts"),
     path("nodes/", console.nodes, name="nodes"),
     path("nodes/new/", console.node_create, name="node_create"),
+    path("nodes/<int:pk>/edit/", console.node_edit, name="node_edit"),
     path("allocations/", console.allocations, name="allocations"),
     path("allocations/drift/", console.drift, name="allocation_drift"),
     path("allocations/metering/", console.metering, name="allocation_metering"),

@@ -172,6 +172,7 @@ CLASSIFICATION: dict[str, str] = {
     "console:tier_detail": OPERATOR, "console:invoices": OPERATOR, "console:deployments": OPERATOR,
     "console:charts": OPERATOR, "console:planner": OPERATOR, "console:overview_alerts": OPERATOR,
     "console:tenant_create": OPERATOR, "console:tier_create": OPERATOR, "console:node_create": OPERATOR,
+    "console:node_edit": OPERATOR,
     "console:audit": OPERATOR, "api:planner": OPERATOR,
     "api:planner-inputs": OPERATOR,
 }
