@@ -139,3 +139,17 @@ def plotly_unit_price_format(currency: str | None = None) -> str:
 
 
 COUNT_FORMAT = ",d"  # d3-format for counts
+
+
+def plain(value: object) -> str:
+    """A value as people read it (the audit log's details are JSON): none as "—", yes/no, lists joined with
+    commas ("none" when empty), mappings as "key: value", text and numbers as they are."""
+    if value is None or value == "":
+        return "—"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, list | tuple):
+        return ", ".join(plain(v) for v in value) if value else "none"
+    if isinstance(value, dict):
+        return "; ".join(f"{k}: {plain(v)}" for k, v in value.items()) if value else "none"
+    return str(value)

@@ -51,3 +51,8 @@ def gpu_label(value, index=None):
     if isinstance(value, Gpu):
         return value.label
     return Gpu.label_for(value, index) if index is not None else value
+
+
+@register.filter
+def plain(value):
+    return formatting.plain(value)

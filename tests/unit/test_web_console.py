@@ -659,3 +659,20 @@ def test_the_shared_filtersets_filter_the_api_the_same_way(op_client, world, h10
     DriftEvent.objects.create(node=h100_node, kind="error", detail="done", resolved=True)
     rows = op_client.get("/api/v1/fleet/drift/", {"resolved": "false"}).json()["results"]
     assert [r["detail"] for r in rows] == ["open"]
+
+
+def test_audit_details_read_as_people_read_them(op_client, world):
+    """The details are JSON: shown without Python's spelling (None, True, ['a', 'b'], {'k': 1})."""
+    from tenants.models import AuditEvent
+
+    AuditEvent.objects.all().delete()
+    AuditEvent.objects.create(actor="user:op@msp.example", action="api_key.create", target="key:x", detail={
+        "scopes": ["read", "inference"], "owner_email": None, "forced": False, "failed": [], "limits": {"rpm": 60}})
+    page = op_client.get(reverse("console:audit")).content.decode()
+    row = page[page.index("key:x"):]
+    row = row[:row.index("</tr>")]
+    for raw in ("None", "False", "[", "{", "'"):
+        assert raw not in row, (raw, row)
+    for shown in ("read, inference", "owner_email</span> —", "forced</span> no", "failed</span> none",
+                  "limits</span> rpm: 60"):
+        assert shown in row, (shown, row)
