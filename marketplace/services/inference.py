@@ -22,9 +22,10 @@ from tenants.scoping import Principal
 MAX_PROMPT_CHARS = 8000
 
 
-def examples(dep: ModelDeployment) -> dict[str, str]:
-    """Copy-paste calls for a model, with the key as a placeholder."""
-    url, name = settings.TESSERA_GATEWAY_URL, dep.name
+def examples(dep: ModelDeployment, model: str | None = None) -> dict[str, str]:
+    """Copy-paste calls for a model, with the key as a placeholder. ``model``: the name to call when it is not the
+    deployment's own (a LoRA adapter served with it is called by the adapter's name)."""
+    url, name = settings.TESSERA_GATEWAY_URL, model or dep.name
     return {
         "curl": (f"curl {url}/v1/chat/completions \\\n  -H \"Authorization: Bearer $TESSERA_API_KEY\" \\\n"
                  f"  -H \"Content-Type: application/json\" \\\n"

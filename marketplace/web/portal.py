@@ -272,7 +272,7 @@ def deployment_list(request):
 def _deployment_list(request, form=None, status=200):
     p, t = request.principal, request.tenant
     qs = order_sel.deployments(p).filter(tenant=t).exclude(state=ModelDeployment.State.REMOVED)
-    qs = qs.select_related("allocation__tier")
+    qs = qs.select_related("allocation__tier")  # the selector prefetches the adapters
     tbl = table(request, qs, DEPLOYMENT_COLUMNS, default_sort="-created_at")
     from marketplace.selectors.model_traffic import traffic_by_deployment
 
@@ -332,8 +332,11 @@ def deployment_detail(request, pk, tried=None, try_form=None, status=200):
     latency = deployment_latency(dep, since)
     from marketplace.selectors.model_traffic import deployment_windows
 
+    adapters = [{"adapter": a, "examples": inference.examples(dep, a.name)} for a in dep.adapters.select_related(
+        "base").order_by("name")]
     return render(request, "portal/deployment.html", ctx(
         request, dep=dep, moving=moving, gateway_url=settings.TESSERA_GATEWAY_URL, examples=inference.examples(dep),
+        adapters=adapters,
         served=served, latency=latency, traffic=deployment_windows(dep, timezone.now()),
         tried=tried, try_form=try_form or TryForm(initial={"max_tokens": 32})),
         status=status)

@@ -552,3 +552,24 @@ def test_usage_by_hour_for_a_day_partial_days_marked_and_per_model_and_slice(own
     if first.hour:  # the week's first day is covered from that hour on
         assert rows[-1]["day"] < first and rows[-1]["partial"] == f"from {first:%H:%M}"
     assert [x["input_tokens"] for x in r.context["per_model"]] == [7505, 3000]  # code, then chat
+
+
+def test_a_deployed_lora_adapter_is_named_with_how_to_call_it(owner_client, world, tiers):
+    """Adapters served with a model are listed on the models page and on the model's page, each with the exact model
+    name to call and copy-paste examples (with copy buttons) that use it."""
+    from marketplace.models import LibraryModel, LoraAdapter
+
+    dep = make_dep(make_alloc(world["a"], tiers["1g"]), name="llama-base")
+    base = LibraryModel.objects.first()
+    for name in ("sql-assistant", "support-bot"):
+        dep.adapters.add(LoraAdapter.objects.create(tenant=world["a"], name=name, base=base, source="upload", rank=8,
+                                                    size_bytes=1, file_count=2, path=f"alpha/{name}",
+                                                    state="ready"))
+    listing = owner_client.get(reverse("portal:deployments")).content.decode()
+    assert "LoRA: <code>sql-assistant</code>, <code>support-bot</code>" in listing
+    page = owner_client.get(reverse("portal:deployment", args=[dep.pk])).content.decode()
+    assert 'id="adapters"' in page and '<code class="adapter-name">sql-assistant</code>' in page
+    assert '&quot;model&quot;: &quot;sql-assistant&quot;' in page  # its curl example calls it by its name
+    assert 'model=&quot;support-bot&quot;' in page  # and its openai one
+    assert page.count('data-copy="#example-') >= 7  # the model's three examples and two for each adapter
+    assert "tessera/copy.js" in page
