@@ -1,6 +1,7 @@
 /* Tessera page behaviour without inline handlers (the Content-Security-Policy forbids them).
    <form data-confirm="Question?">  asks before submitting.
-   <select data-autosubmit>         submits its form on change. */
+   <select data-autosubmit>         submits its form on change.
+   <button data-menu-toggle>        opens and closes the top navigation on a phone. */
 (function () {
   "use strict";
   document.addEventListener("submit", function (event) {
@@ -10,6 +11,45 @@
         event.preventDefault();
         event.stopImmediatePropagation();
       }
+    }
+  }, true);
+  // <button data-menu-toggle aria-controls="topnav">: on a phone the top navigation is collapsed behind it.
+  document.documentElement.classList.add("js");
+  document.addEventListener("click", function (event) {
+    var button = event.target && event.target.closest ? event.target.closest("[data-menu-toggle]") : null;
+    if (!button) { return; }
+    var bar = button.closest(".topbar");
+    var open = !bar.classList.contains("open");
+    bar.classList.toggle("open", open);
+    button.setAttribute("aria-expanded", open ? "true" : "false");
+  });
+  // A table wider than its container scrolls sideways inside it: say so above it (once), keep its first column in
+  // view (CSS: .table-wrap.scrolls), and drop the hint's arrow once the last column has been reached.
+  function markScrolling() {
+    var wraps = document.querySelectorAll(".table-wrap");
+    for (var i = 0; i < wraps.length; i++) {
+      var wrap = wraps[i];
+      var scrolls = wrap.scrollWidth > wrap.clientWidth + 1;
+      wrap.classList.toggle("scrolls", scrolls);
+      var hint = wrap.previousElementSibling;
+      var has = hint && hint.classList.contains("scroll-hint");
+      if (scrolls && !has) {
+        hint = document.createElement("p");
+        hint.className = "scroll-hint muted";
+        hint.textContent = "More columns: scroll the table sideways →";
+        wrap.parentNode.insertBefore(hint, wrap);
+      } else if (!scrolls && has) {
+        hint.remove();
+      }
+    }
+  }
+  document.addEventListener("DOMContentLoaded", markScrolling);
+  window.addEventListener("resize", markScrolling);
+  document.addEventListener("htmx:afterSettle", markScrolling);
+  document.addEventListener("scroll", function (event) {
+    var wrap = event.target;
+    if (wrap && wrap.classList && wrap.classList.contains("table-wrap")) {
+      wrap.classList.toggle("at-end", wrap.scrollLeft + wrap.clientWidth >= wrap.scrollWidth - 1);
     }
   }, true);
   document.addEventListener("change", function (event) {
