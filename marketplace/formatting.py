@@ -153,3 +153,11 @@ def plain(value: object) -> str:
     if isinstance(value, dict):
         return "; ".join(f"{k}: {plain(v)}" for k, v in value.items()) if value else "none"
     return str(value)
+
+
+def significant(value: Decimal, digits: int = 4) -> Decimal:
+    """``value`` rounded half up to ``digits`` significant digits (0.000034567 -> 0.00003457): unit prices too
+    small for fixed decimal places keep their precision."""
+    if not value:
+        return Decimal(0)
+    return value.quantize(Decimal(1).scaleb(value.adjusted() - digits + 1), rounding=ROUND_HALF_UP)

@@ -582,8 +582,10 @@ TESSERA_INVITATION_PAGE_RATE = env_int("TESSERA_INVITATION_PAGE_RATE", 30)
 # prices of 2025-26, an upper bound for an owner's cost; set your own).
 TESSERA_PLANNER_GPU_HOUR_COST = env_mapping("TESSERA_PLANNER_GPU_HOUR_COST", _decimal)
 
-# Energy price per kWh (the plans' currency): power cost per 1K tokens, the planner's power cost.
+# Energy price per kWh, in TESSERA_ENERGY_CURRENCY: power cost per 1M tokens, the planner's power cost.
 TESSERA_ENERGY_PRICE_PER_KWH = env_decimal("TESSERA_ENERGY_PRICE_PER_KWH", "0.12")
+TESSERA_ENERGY_CURRENCY = env_choice("TESSERA_ENERGY_CURRENCY", "usd",
+                                     ("usd", "eur", "gbp", "chf", "jpy", "cad", "aud")).upper()
 # Modelled throughput of a whole GPU per TB/s of memory bandwidth (tokens/s); a slice gets its compute share.
 TESSERA_TOKENS_PER_S_PER_TBPS = env_float("TESSERA_TOKENS_PER_S_PER_TBPS", 3000.0)
 

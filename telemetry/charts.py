@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from decimal import ROUND_HALF_UP, Decimal
 
+from django.conf import settings
 from django.db.models import Count, F, Max, Q, QuerySet, Sum
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
@@ -376,22 +377,23 @@ def _money_axes(fig: dict, currency: str, x_title: str) -> None:
 
 
 def power_cost(per: Period, principal: Principal):
-    """Energy cost per 1K tokens by tier: apportioned kWh (compute share) x price per kWh."""
+    """Energy cost per 1M tokens by tier: apportioned kWh (compute share) x price per kWh, in the energy price's
+    currency (TESSERA_ENERGY_CURRENCY), to 4 significant digits (from the unrounded cost, not from per 1K)."""
     report = energy.apportion_range(per.start, per.end, coarsest=per.resolution)
     rows = energy.power_cost_per_tier(per.start, per.end, report)
     keys = sorted(rows)
-    per_1m = [None if rows[k]["cost_per_1k_tokens"] is None else float(rows[k]["cost_per_1k_tokens"] * 1000)
-              for k in keys]
+    cur, price = settings.TESSERA_ENERGY_CURRENCY, energy.price_per_kwh()
     fig = figures.figure(
-        [{"type": "bar", "x": keys, "y": per_1m, "text": [f"{rows[k]['kwh']:,.3f} kWh" for k in keys],
-          "customdata": [_f(rows[k]["cost_per_1k_tokens"]) for k in keys],
-          "hovertemplate": "%{x}<br>%{y:,.4f} per 1M tokens<br>%{customdata:,.6f} per 1K<br>%{text}<extra></extra>"}],
-        {**LAYOUT, "title": figures.title(f"Power cost per 1M tokens by tier (energy at {energy.price_per_kwh()} "
-                                          "per kWh)")})
-    _money_axes(fig, "per 1M tokens (plans' currency)", "tier")
+        [{"type": "bar", "x": keys, "y": [_f(rows[k]["cost_per_1m_tokens"]) for k in keys],
+          "text": [f"{rows[k]['kwh']:,.3f} kWh" for k in keys], "textposition": "none",
+          "hovertemplate": f"%{{x}}<br>%{{y:,.4~r}} {cur} per 1M tokens<br>%{{text}}<extra></extra>"}],
+        {**LAYOUT, "title": figures.title(f"Power cost per 1M tokens by tier (energy at {price} {cur} per kWh)")})
+    figures.update_axes(fig["layout"], "y", {"title": figures.title(f"{cur} per 1M tokens"),
+                                             "exponentformat": "none", "tickformat": ",.3~r", "rangemode": "tozero"})
+    figures.update_axes(fig["layout"], "x", {"title": figures.title("tier")})
     if not keys:
         figures.empty(fig)
-    return fig, {"tiers": rows, "price_per_kwh": energy.price_per_kwh(), "total_kwh": report.total_kwh,
+    return fig, {"tiers": rows, "price_per_kwh": price, "currency": cur, "total_kwh": report.total_kwh,
                  "unallocated_kwh": report.unallocated_kwh,
                  "gpu_kwh": {str(k): v for k, v in report.gpu_kwh.items()}}
 

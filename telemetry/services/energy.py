@@ -27,7 +27,9 @@ from django.db.models import Count, F, Max, Min, Q, QuerySet, Sum
 from django.db.models.functions import TruncDay
 from django.utils import timezone
 
+from marketplace.formatting import significant
 from marketplace.models import Allocation, Gpu, GpuModel, Tier
+from marketplace.services.billing.units import MILLION
 from telemetry.models import EnergyDaily, EnergyHourly, GpuSample, MigSample, Resolution, UsageHourly
 from telemetry.rollups import DAY, HOUR, ceil_day, ceil_hour, covered_run, floor_day, floor_hour
 
@@ -411,5 +413,7 @@ def power_cost_per_tier(start: datetime, end: datetime, report: EnergyReport | N
         out[tier.key] = {
             "tier": tier.key, "gpu_model": tier.gpu_model.key, "kwh": kwh, "cost": _q(cost), "tokens": t,
             "cost_per_1k_tokens": _q(cost * 1000 / t, "0.00000001") if t else None,
+            # from the unrounded cost, to the digits people read (the chart's bars: 4 significant digits)
+            "cost_per_1m_tokens": significant(cost * MILLION / t, 4) if t else None,
         }
     return out

@@ -325,6 +325,22 @@ def test_power_cost_chart_numbers(shop, op_p):
     t = data["tiers"]["h100-3g"]
     assert t["kwh"] == pytest.approx(6 / 7) and t["tokens"] == 6000
     assert Decimal(t["cost_per_1k_tokens"]) == pytest.approx(Decimal(6 / 7) * Decimal("0.12") / 6, abs=Decimal("1e-7"))
+    # per 1M tokens from the unrounded cost, to 4 significant digits (not per 1K's 8 places times 1000)
+    assert Decimal(t["cost_per_1m_tokens"]) == Decimal("17.14") and data["currency"] == "USD"
+    fig = charts.figure_json("power-cost", op_p, {"start": start.isoformat(),
+                                                   "end": (start + timedelta(hours=1)).isoformat()})
+    assert fig["data"]["tiers"]["h100-3g"]["cost_per_1m_tokens"] == "17.14"
+
+
+def test_power_cost_per_1m_keeps_its_precision_where_per_1k_rounds_away():
+    """A tiny power cost (0.0000123 per 1M tokens) was 1e-8 per 1K at best: bars off by up to 35 %. Significant
+    digits keep it."""
+    from marketplace.formatting import significant
+
+    assert significant(Decimal("0.00001234567")) == Decimal("0.00001235")
+    assert significant(Decimal("17.142857")) == Decimal("17.14")
+    assert significant(Decimal("123456.7")) == Decimal("1.235E+5")
+    assert significant(Decimal(0)) == 0
 
 
 def test_h100_vs_h200_side_by_side(shop, op_p, catalog):
@@ -497,17 +513,16 @@ def _old_fleet_figure(name: str, data: dict):
                                     ygap=2),
                          layout={**charts.LAYOUT, "title": "MIG slot map (who holds which memory slices)"})
     assert name == "power-cost"
-    rows = data["tiers"]
+    rows, cur = data["tiers"], data["currency"]
     keys = sorted(rows)
-    per_1k = [None if rows[k]["cost_per_1k_tokens"] is None else float(rows[k]["cost_per_1k_tokens"]) for k in keys]
-    fig = go.Figure(go.Bar(x=keys, y=[None if v is None else float(Decimal(rows[k]["cost_per_1k_tokens"]) * 1000)
-                                      for k, v in zip(keys, per_1k, strict=True)],
-                           text=[f"{rows[k]['kwh']:,.3f} kWh" for k in keys], customdata=per_1k,
-                           hovertemplate="%{x}<br>%{y:,.4f} per 1M tokens<br>%{customdata:,.6f} per 1K<br>"
-                                         "%{text}<extra></extra>"),
+    fig = go.Figure(go.Bar(x=keys, y=[None if rows[k]["cost_per_1m_tokens"] is None
+                                      else float(rows[k]["cost_per_1m_tokens"]) for k in keys],
+                           text=[f"{rows[k]['kwh']:,.3f} kWh" for k in keys], textposition="none",
+                           hovertemplate=f"%{{x}}<br>%{{y:,.4~r}} {cur} per 1M tokens<br>%{{text}}<extra></extra>"),
                     layout={**charts.LAYOUT, "title": f"Power cost per 1M tokens by tier (energy at "
-                                                      f"{data['price_per_kwh']} per kWh)"})
-    _go_money_axes(fig, "per 1M tokens (plans' currency)", "tier")
+                                                      f"{data['price_per_kwh']} {cur} per kWh)"})
+    fig.update_yaxes(title_text=f"{cur} per 1M tokens", exponentformat="none", tickformat=",.3~r", rangemode="tozero")
+    fig.update_xaxes(title_text="tier")
     return fig if keys else _go_empty(fig)
 
 
