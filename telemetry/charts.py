@@ -90,6 +90,9 @@ MAX_POINTS = 360
 HEATMAP_COLUMNS = 120
 HEATMAP_ROWS = 128
 TOP_TENANTS = 12
+#: a series' colour, its tokens bar and its spend line alike (plotly's default colorway)
+SERIES_COLOURS = ("#636efa", "#EF553B", "#00cc96", "#ab63fa", "#FFA15A", "#19d3f3", "#FF6692", "#B6E880",
+                  "#FF97FF", "#FECB52")
 NICE_STEPS = (60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200, 86400, 172800, 604800)
 #: keyed by the stored resolution value (a Resolution is that str; a Period carries the plain str)
 NATIVE_STEP: dict[str, int] = {Resolution.RAW: 60, Resolution.FIVE_MIN: 300, Resolution.HOUR: 3600}
@@ -197,14 +200,20 @@ def fleet_utilization(per: Period, principal: Principal):
         m["avg"].append(round(r["avg"], 4))
     ts = sorted(fleet)
     numbers = {"ts": [t.isoformat() for t in ts], "fleet": [round(fleet[t][0] / fleet[t][1], 4) for t in ts],
-               "by_model": dict(by_model), "step_s": step}
+               "by_model": dict(by_model), "step_s": step, "range": _range(per)}
     traces = [{"type": "scatter", "x": numbers["ts"], "y": numbers["fleet"], "name": "fleet", "mode": "lines"}]
     traces += [{"type": "scatter", "x": v["ts"], "y": v["avg"], "name": model, "mode": "lines", "line": {"dash": "dot"}}
                for model, v in sorted(by_model.items())]
     fig = figures.figure(traces, {**LAYOUT, "title": figures.title("Fleet utilization"),
                                   "yaxis": {"range": [0, 100], "title": figures.title("GPU activity (%)")},
-                                  "xaxis": {"title": figures.title(f"time (UTC), {_step_words(step)} averages")}})
+                                  "xaxis": {"title": figures.title(f"time (UTC), {_step_words(step)} averages"),
+                                            "type": "date", "range": _range(per)}})
     return (fig if ts else figures.empty(fig)), numbers
+
+
+def _range(per: Period) -> list[str]:
+    """A time axis covers the range asked for, not the data's extent (one sample would give a 2 ms axis)."""
+    return [per.start.isoformat(), per.end.isoformat()]
 
 
 def _step_words(step: int) -> str:
@@ -239,10 +248,11 @@ def gpu_heatmap(per: Period, principal: Principal):
           "colorscale": figures.colorscale("Viridis"), "colorbar": {"title": figures.title("activity (%)")},
           "hoverongaps": False}],
         {**LAYOUT, "title": figures.title("GPU activity heatmap" + (" (per node)" if per_node else "")),
-         "xaxis": {"title": figures.title(f"time (UTC), {_step_words(step)} averages")},
+         "xaxis": {"title": figures.title(f"time (UTC), {_step_words(step)} averages"), "type": "date",
+                   "range": _range(per)},
          "yaxis": {"title": figures.title("node" if per_node else "GPU")},
          "height": max(360, min(1400, 60 + 14 * len(labels)))})
-    numbers = {"gpus": labels, "per_node": per_node, "step_s": step, "ts": iso, "z": z}
+    numbers = {"gpus": labels, "per_node": per_node, "step_s": step, "ts": iso, "z": z, "range": _range(per)}
     return (fig if ts else figures.empty(fig)), numbers
 
 
@@ -354,14 +364,13 @@ def cost_per_tier(per: Period, principal: Principal):
     numbers = {tiers[k].key: {**v, "gpu_model": tiers[k].gpu_model_id} for k, v in spend.items()}
     keys = sorted(numbers)
     grid = figures.subplots(1, 2, horizontal_spacing=0.15,
-                            subplot_titles=("per inference", "per 1M tokens (per 1K on hover)"))
+                            subplot_titles=("per inference", "per 1M tokens"))
     traces = [
         grid.trace({"type": "bar", "x": keys, "y": [_f(numbers[k]["cost_per_inference"]) for k in keys],
                     "name": "per inference"}, 1, 1),
         grid.trace({"type": "bar", "x": keys, "y": [_f(numbers[k]["cost_per_1m_tokens"]) for k in keys],
-                    "name": "per 1M tokens", "customdata": [_f(numbers[k]["cost_per_1k_tokens"]) for k in keys],
-                    "hovertemplate": f"%{{x}}<br>%{{y:,.4f}} {per.currency} per 1M tokens<br>"
-                                     f"%{{customdata:,.6f}} {per.currency} per 1K<extra></extra>"}, 1, 2)]
+                    "name": "per 1M tokens",
+                    "hovertemplate": f"%{{x}}<br>%{{y:,.4~r}} {per.currency} per 1M tokens<extra></extra>"}, 1, 2)]
     fig = figures.figure(traces, {**grid.layout, **LAYOUT, "showlegend": False,
                                   "title": figures.title(f"What a customer pays, by tier ({per.currency})")})
     _money_axes(fig, per.currency, "tier")
@@ -391,7 +400,7 @@ def power_cost(per: Period, principal: Principal):
     figures.update_axes(fig["layout"], "y", {"title": figures.title(f"{cur} per 1M tokens"),
                                              "exponentformat": "none", "tickformat": ",.3~r", "rangemode": "tozero"})
     figures.update_axes(fig["layout"], "x", {"title": figures.title("tier")})
-    if not keys:
+    if not any(rows[k]["cost_per_1m_tokens"] is not None for k in keys):  # no tier served a token in the range
         figures.empty(fig)
     return fig, {"tiers": rows, "price_per_kwh": price, "currency": cur, "total_kwh": report.total_kwh,
                  "unallocated_kwh": report.unallocated_kwh,
@@ -471,11 +480,15 @@ def tenant_usage(per: Period, principal: Principal, params: dict | None = None):
             tok[tid][b] += n
     if wanted:
         slug = {tid: s for tid, s in slug.items() if currency.get(tid, own_currency[tid]) == wanted}
-    currencies = sorted({currency.get(tid) or "" for tid in slug} - {""})
+    cur_of = {tid: currency.get(tid) or own_currency[tid] for tid in slug}
+    currencies = (sorted({cur_of[tid] for tid in slug if spend[tid] or tok[tid]})
+                  or [wanted or min(cur_of.values(), default=per.currency)])  # nothing spent: one empty panel
     numbers = {}
-    unit = currencies[0] if len(currencies) == 1 else "each tenant's billing currency"
-    grid = figures.subplots(2, 1, shared_xaxes=True, vertical_spacing=0.12,
-                            subplot_titles=("tokens", f"spend ({unit})"))
+    # one spend panel per currency (amounts in different currencies never share an axis), under the tokens
+    grid = figures.subplots(1 + len(currencies), 1, shared_xaxes=True,
+                            vertical_spacing=0.08 if currencies[1:] else 0.12,
+                            subplot_titles=("tokens", *(f"spend ({c})" for c in currencies)))
+    row_of = {c: 2 + i for i, c in enumerate(currencies)}
     iso_of: dict[datetime, str] = {}  # (the same few bucket starts for every tenant)
     cent, no_cents = Decimal("0.01"), Decimal("0.00")
     spent: dict[int, Decimal] = {}
@@ -488,38 +501,51 @@ def tenant_usage(per: Period, principal: Principal, params: dict | None = None):
                               "spend": [money[t].quantize(cent, rounding=ROUND_HALF_UP) if t in money else no_cents
                                         for t in times],
                               "total": _money(spent[tid], "0.01"),
-                              "currency": currency.get(tid) or own_currency[tid]}
-    # the chart draws the tenants that spent most and sums the rest as one series (the numbers keep them all)
+                              "currency": cur_of[tid]}
+    # the chart draws the tenants that spent most and sums the rest as one series per currency (the numbers keep
+    # them all)
     ranked = sorted((t for t in slug if tok[t] or spend[t]),
                     key=lambda t: (-spent[t], -sum(tok[t].values()), slug[t]))
     shown, rest = ranked[:TOP_TENANTS], ranked[TOP_TENANTS:]
-    series = [(slug[t], tok[t], spend[t]) for t in sorted(shown, key=lambda t: slug[t])]
-    if rest:
+    series = [(slug[t], cur_of[t], tok[t], spend[t]) for t in sorted(shown, key=lambda t: slug[t])]
+    for cur in currencies:
+        others = [t for t in rest if cur_of[t] == cur]
+        if not others:
+            continue
         other_tok: defaultdict[datetime, int] = defaultdict(int)
         other_spend: defaultdict[datetime, Decimal] = defaultdict(Decimal)
-        for t in rest:
+        for t in others:
             for b, n in tok[t].items():
                 other_tok[b] += n
             for b, part in spend[t].items():
                 other_spend[b] += part
-        series.append((f"{len(rest)} other tenants", other_tok, other_spend))
-    traces = []  # each series' tokens bar (top), then its spend line (bottom)
-    for name, tokens, money in series:
+        name = f"{len(others)} other tenants" + (f" ({cur})" if currencies[1:] else "")
+        series.append((name, cur, other_tok, other_spend))
+    traces = []  # each series' tokens bar (top), then its spend line in its currency's panel, in the bar's colour
+    for i, (name, cur, tokens, money) in enumerate(series):
         times = sorted(set(tokens) | set(money))
         iso = [iso_of.get(t) or iso_of.setdefault(t, t.isoformat()) for t in times]
+        colour = SERIES_COLOURS[i % len(SERIES_COLOURS)]
         traces += [grid.trace({"type": "bar", "x": iso, "y": [tokens.get(t, 0) for t in times], "name": name,
-                               "legendgroup": name}, 1, 1),
+                               "legendgroup": name, "marker": {"color": colour},
+                               "hovertemplate": f"{name}<br>%{{x}}<br>%{{y:,d}} tokens<extra></extra>"}, 1, 1),
                    grid.trace({"type": "scatter", "x": iso, "name": name, "legendgroup": name, "showlegend": False,
                                "y": [float(_money(money.get(t, Decimal(0)), "0.01")) for t in times],
-                               "mode": "lines+markers"}, 2, 1)]
+                               "mode": "lines+markers", "line": {"color": colour}, "marker": {"color": colour},
+                               "hovertemplate": f"{name}<br>%{{x}}<br>%{{y:,.2f}} {cur}<extra></extra>"},
+                              row_of[cur], 1)]
     grid.layout.update(LAYOUT, title=figures.title("Usage and spend per tenant"), barmode="stack")
     grid.update(1, 1, y={"title": figures.title("tokens"), "tickformat": ",d"})
-    grid.update(2, 1, x={"title": figures.title(f"time (UTC), per {bucket}")},
-                y={"title": figures.title(f"spend ({unit})"), "tickformat": ",.2f", "exponentformat": "none"})
+    for cur, row in row_of.items():
+        grid.update(row, 1, y={"title": figures.title(cur), "tickformat": ",.2f", "exponentformat": "none",
+                               "rangemode": "tozero"})
+    grid.update(1 + len(currencies), 1, x={"title": figures.title(f"time (UTC), per {bucket}")})
+    figures.update_axes(grid.layout, "x", {"range": _range(per)})
     fig = figures.figure(traces, grid.layout)
     if not series:
         figures.empty(fig)
-    return fig, {"bucket": bucket, "currency": currencies[0] if len(currencies) == 1 else None, "tenants": numbers}
+    return fig, {"bucket": bucket, "currency": currencies[0] if len(currencies) == 1 else None,
+                 "currencies": currencies, "range": _range(per), "tenants": numbers}
 
 
 # --- capacity planner ------------------------------------------------------------------------------
@@ -583,8 +609,8 @@ CHARTS: dict[str, Chart] = {c.name: c for c in (
     Chart("fleet-utilization", "Fleet utilization over time", fleet_utilization),
     Chart("gpu-heatmap", "Per-GPU activity heatmap", gpu_heatmap),
     Chart("mig-slots", "MIG slot map", mig_slot_map, plain=True),
-    Chart("cost-per-tier", "Cost per inference and per 1K tokens by tier", cost_per_tier),
-    Chart("power-cost", "Power cost per 1K tokens by tier", power_cost),
+    Chart("cost-per-tier", "Cost per inference and per 1M tokens by tier", cost_per_tier),
+    Chart("power-cost", "Power cost per 1M tokens by tier", power_cost),
     Chart("h100-vs-h200", "H100 vs H200", h100_vs_h200),
     Chart("tenant-usage", "Usage and spend per tenant", tenant_usage, operators_only=False, takes_params=True),
 )}

@@ -46,11 +46,12 @@ def chart_page(request, name: str):
     try:
         body = charts.figure_json(name, principal, _params(request))
     except charts.ChartNotFound as exc:
-        return HttpResponse(str(exc), status=404, content_type="text/plain")
+        return _chart_error(request, name, 404, "Chart not found", str(exc))
     except Forbidden as exc:
-        return HttpResponse(str(exc), status=403, content_type="text/plain")
+        return _chart_error(request, name, 403, "You cannot open this chart", str(exc))
     except ServiceError as exc:
-        return HttpResponse(str(exc), status=400, content_type="text/plain")
+        reason = f"{exc.field}: {exc.message}" if exc.field else exc.message
+        return _chart_error(request, name, 400, "The chart cannot be drawn for that", reason)
     visible = [c for c in charts.CHARTS.values() if not c.operators_only or principal.is_operator]
     params = _params(request)
     custom = bool(params.get("start"))
@@ -63,6 +64,16 @@ def chart_page(request, name: str):
         "currency": params.get("currency") or "", "currencies": CURRENCIES,
         "money": name in MONEY_CHARTS,
     })
+
+
+def _chart_error(request, name: str, status: int, title: str, text: str):
+    """A refused chart inside the app's page (its navigation, the reason, a way back), with the right status."""
+    known = name in charts.CHARTS
+    home = reverse("chart-page", args=[name]) if known and status == 400 else (
+        "/console/" if getattr(request.user, "is_operator", False) else "/portal/")
+    return render(request, "error.html", {"status": status, "title": title, "text": text, "home": home,
+                                          "home_label": "Back to this chart's last 24 hours" if home.startswith(
+                                              "/charts/") else "Back to the start page"}, status=status)
 
 
 #: the time-range picker (hours), the auto-refresh choices (seconds), as in Grafana

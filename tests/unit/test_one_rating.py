@@ -78,8 +78,14 @@ def test_a_eur_tenant_is_charted_in_eur_at_eur_prices(reserved_tenant):
     row = numbers["tenants"]["euro"]
     assert row["currency"] == "EUR" and numbers["currency"] == "EUR"
     assert row["total"] == D("18.00")  # 10 h x 1.80 EUR
-    fig, _ = charts.tenant_usage(per, OPERATOR, {"bucket": "day"})
-    assert "each tenant's billing currency" in fig["layout"]["annotations"][1]["text"]
+    fig, both = charts.tenant_usage(per, OPERATOR, {"bucket": "day"})
+    # amounts in different currencies never share an axis: one spend panel each, the lines in their own
+    assert both["currencies"] == ["EUR", "USD"] and both["currency"] is None
+    assert [a["text"] for a in fig["layout"]["annotations"]] == ["tokens", "spend (EUR)", "spend (USD)"]
+    lines = {t["name"]: t["yaxis"] for t in fig["data"] if t["type"] == "scatter"}
+    assert lines["euro"] == "y2" and lines[next(n for n in lines if n != "euro")] == "y3"
+    bars = {t["name"]: t["marker"]["color"] for t in fig["data"] if t["type"] == "bar"}
+    assert all(t["line"]["color"] == bars[t["name"]] for t in fig["data"] if t["type"] == "scatter")
     usd = charts.tier_spend(per)
     eur_per = charts.period({"start": T0.isoformat(), "end": NOV1.isoformat(), "currency": "EUR"})
     assert charts.tier_spend(eur_per)[tier.pk]["slice_amount"] == D("18.00")

@@ -481,7 +481,8 @@ def _old_fleet_figure(name: str, data: dict):
     if name == "fleet-utilization":
         fig = go.Figure(layout={**charts.LAYOUT, "title": "Fleet utilization",
                                 "yaxis": {"range": [0, 100], "title": "GPU activity (%)"},
-                                "xaxis": {"title": f"time (UTC), {words} averages"}})
+                                "xaxis": {"title": f"time (UTC), {words} averages", "type": "date",
+                                          "range": data["range"]}})
         fig.add_trace(go.Scatter(x=[datetime.fromisoformat(t) for t in data["ts"]], y=data["fleet"], name="fleet",
                                  mode="lines"))
         for model, v in sorted(data["by_model"].items()):
@@ -493,7 +494,8 @@ def _old_fleet_figure(name: str, data: dict):
                                    zmin=0, zmax=100, colorscale="Viridis", colorbar={"title": "activity (%)"},
                                    hoverongaps=False),
                         layout={**charts.LAYOUT, "title": "GPU activity heatmap" + (" (per node)" if per_node else ""),
-                                "xaxis": {"title": f"time (UTC), {words} averages"},
+                                "xaxis": {"title": f"time (UTC), {words} averages", "type": "date",
+                                          "range": data["range"]},
                                 "yaxis": {"title": "node" if per_node else "GPU"},
                                 "height": max(360, min(1400, 60 + 14 * len(data["gpus"])))})
         return fig if data["ts"] else _go_empty(fig)
@@ -540,12 +542,10 @@ def _old_money_figure(name: str, data: dict, currency: str = "USD"):
     if name == "cost-per-tier":
         rows, keys = data["tiers"], sorted(data["tiers"])
         fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.15,
-                            subplot_titles=("per inference", "per 1M tokens (per 1K on hover)"))
+                            subplot_titles=("per inference", "per 1M tokens"))
         fig.add_trace(go.Bar(x=keys, y=[f(rows[k]["cost_per_inference"]) for k in keys], name="per inference"), 1, 1)
         fig.add_trace(go.Bar(x=keys, y=[f(rows[k]["cost_per_1m_tokens"]) for k in keys], name="per 1M tokens",
-                             customdata=[f(rows[k]["cost_per_1k_tokens"]) for k in keys],
-                             hovertemplate=f"%{{x}}<br>%{{y:,.4f}} {currency} per 1M tokens<br>"
-                                           f"%{{customdata:,.6f}} {currency} per 1K<extra></extra>"), 1, 2)
+                             hovertemplate=f"%{{x}}<br>%{{y:,.4~r}} {currency} per 1M tokens<extra></extra>"), 1, 2)
         fig.update_layout(**charts.LAYOUT, title=f"What a customer pays, by tier ({currency})", showlegend=False)
         _go_money_axes(fig, currency, "tier")
         return fig if keys else _go_empty(fig)
@@ -563,34 +563,46 @@ def _old_money_figure(name: str, data: dict, currency: str = "USD"):
         fig.update_yaxes(title_text="%", range=[0, 100], row=1, col=3)
         return fig
     assert name == "tenant-usage"
-    tenants, bucket = data["tenants"], data["bucket"]
-    unit = data["currency"] or "each tenant's billing currency"
-    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.12,
-                        subplot_titles=("tokens", f"spend ({unit})"))
+    tenants, bucket, currencies = data["tenants"], data["bucket"], data["currencies"]
+    fig = make_subplots(rows=1 + len(currencies), cols=1, shared_xaxes=True,
+                        vertical_spacing=0.08 if len(currencies) > 1 else 0.12,
+                        subplot_titles=("tokens", *(f"spend ({c})" for c in currencies)))
     series = {slug: ({t: n for t, n in zip(row["ts"], row["tokens"], strict=True)},
                      {t: Decimal(x) for t, x in zip(row["ts"], row["spend"], strict=True)})
               for slug, row in tenants.items() if any(row["tokens"]) or any(Decimal(x) for x in row["spend"])}
     ranked = sorted(series, key=lambda s: (-Decimal(tenants[s]["total"]), -sum(series[s][0].values()), s))
     shown, rest = sorted(ranked[:charts.TOP_TENANTS]), ranked[charts.TOP_TENANTS:]
-    drawn = [(s, *series[s]) for s in shown]
-    if rest:
+    drawn = [(s, tenants[s]["currency"], *series[s]) for s in shown]
+    for cur in currencies:
+        others = [s for s in rest if tenants[s]["currency"] == cur]
+        if not others:
+            continue
         other_tok, other_spend = {}, {}
-        for s in rest:
+        for s in others:
             for t, n in series[s][0].items():
                 other_tok[t] = other_tok.get(t, 0) + n
             for t, x in series[s][1].items():
                 other_spend[t] = other_spend.get(t, Decimal(0)) + x
-        drawn.append((f"{len(rest)} other tenants", other_tok, other_spend))
-    for label, tok, money in drawn:
+        label = f"{len(others)} other tenants" + (f" ({cur})" if len(currencies) > 1 else "")
+        drawn.append((label, cur, other_tok, other_spend))
+    for i, (label, cur, tok, money) in enumerate(drawn):
         ts = sorted(set(tok) | set(money))
         x = [datetime.fromisoformat(t) for t in ts]
-        fig.add_trace(go.Bar(x=x, y=[tok.get(t, 0) for t in ts], name=label, legendgroup=label), 1, 1)
+        colour = charts.SERIES_COLOURS[i % len(charts.SERIES_COLOURS)]
+        fig.add_trace(go.Bar(x=x, y=[tok.get(t, 0) for t in ts], name=label, legendgroup=label, marker_color=colour,
+                             hovertemplate=f"{label}<br>%{{x}}<br>%{{y:,d}} tokens<extra></extra>"), 1, 1)
         fig.add_trace(go.Scatter(x=x, y=[float(money.get(t, Decimal(0))) for t in ts], name=label,
-                                 legendgroup=label, showlegend=False, mode="lines+markers"), 2, 1)
+                                 legendgroup=label, showlegend=False, mode="lines+markers", line_color=colour,
+                                 marker_color=colour,
+                                 hovertemplate=f"{label}<br>%{{x}}<br>%{{y:,.2f}} {cur}<extra></extra>"),
+                      2 + currencies.index(cur), 1)
     fig.update_layout(**charts.LAYOUT, title="Usage and spend per tenant", barmode="stack")
     fig.update_yaxes(title_text="tokens", tickformat=",d", row=1, col=1)
-    fig.update_yaxes(title_text=f"spend ({unit})", tickformat=",.2f", exponentformat="none", row=2, col=1)
-    fig.update_xaxes(title_text=f"time (UTC), per {bucket}", row=2, col=1)
+    for i, cur in enumerate(currencies):
+        fig.update_yaxes(title_text=cur, tickformat=",.2f", exponentformat="none", rangemode="tozero", row=2 + i,
+                         col=1)
+    fig.update_xaxes(title_text=f"time (UTC), per {bucket}", row=1 + len(currencies), col=1)
+    fig.update_xaxes(range=data["range"])
     return fig if drawn else _go_empty(fig)
 
 
@@ -705,6 +717,24 @@ def test_chart_page_uses_local_plotly_and_static_file_is_served(shop, operator, 
     client.force_login(shop["alpha"]["owner"])
     assert client.get("/charts/mig-slots/").status_code == 403
     assert client.get("/charts/tenant-usage/").status_code == 200
+
+
+def test_a_refused_chart_says_why_inside_the_app(shop, operator, client):
+    """A bad range, a fleet chart for a tenant, an unknown tenant or chart: the app's page (its navigation), the
+    reason and a way back, with the right status; never bare text."""
+    client.force_login(operator)
+    for url, status, words in [("/charts/fleet-utilization/?start=yesterday", 400, "start"),
+                               ("/charts/tenant-usage/?tenant=nobody", 404, "No such tenant"),
+                               ("/charts/nope/", 404, "")]:
+        r = client.get(url)
+        html = r.content.decode()
+        assert r.status_code == status and r["Content-Type"].startswith("text/html"), url
+        assert 'class="topbar"' in html and 'id="error-home"' in html and words in html, url
+    back = client.get("/charts/fleet-utilization/?start=yesterday").content.decode()
+    assert 'href="/charts/fleet-utilization/"' in back  # back to the chart, its default range
+    client.force_login(shop["alpha"]["owner"])
+    r = client.get("/charts/mig-slots/")
+    assert r.status_code == 403 and 'class="topbar"' in r.content.decode() and "operators" in r.content.decode()
 
 
 # --- Prometheus ------------------------------------------------------------------------------------
