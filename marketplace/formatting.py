@@ -161,3 +161,9 @@ def significant(value: Decimal, digits: int = 4) -> Decimal:
     if not value:
         return Decimal(0)
     return value.quantize(Decimal(1).scaleb(value.adjusted() - digits + 1), rounding=ROUND_HALF_UP)
+
+
+def unit_price_4(value: object, currency: str | None = None) -> str:
+    """A unit price to 4 significant digits (per 1M tokens: ``1.687 USD``; ``0.00003457 USD``)."""
+    d = _decimal(value)
+    return "—" if d is None else unit_price(significant(d, 4), currency)

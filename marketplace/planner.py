@@ -80,10 +80,11 @@ class Layout:
 
 
 @cache
-def mig_layouts(gpu_model: str) -> tuple[Layout, ...]:
-    """Every maximal multiset of MIG profiles (``+me`` left out) that can be placed on one GPU."""
+def mig_layouts(gpu_model: str, allowed: frozenset[str] | None = None) -> tuple[Layout, ...]:
+    """Every maximal multiset of MIG profiles (``+me`` left out; only ``allowed`` profiles when given: the ones
+    tiers sell) that can be placed on one GPU."""
     geo: GpuGeometry = all_geometries()[gpu_model]
-    profiles = [p for p in geo.profiles if not p.media_extensions]
+    profiles = [p for p in geo.profiles if not p.media_extensions and (allowed is None or p.name in allowed)]
     options = [(p.name, p.memory_slices, start) for p in profiles for start in p.starts]
     limit = {p.name: p.max_count for p in profiles}
     found: set[tuple[tuple[str, int], ...]] = set()
@@ -116,8 +117,9 @@ def mig_layouts(gpu_model: str) -> tuple[Layout, ...]:
     return tuple(sorted(out, key=lambda lay: [(order[p], -n) for p, n in lay.counts]))
 
 
-def layouts(gpu_model: str, *, mig: bool = True, whole: bool = True) -> list[Layout]:
-    out = list(mig_layouts(gpu_model)) if mig else []
+def layouts(gpu_model: str, *, mig: bool = True, whole: bool = True,
+            allowed: frozenset[str] | None = None) -> list[Layout]:
+    out = list(mig_layouts(gpu_model, allowed)) if mig else []
     if whole:
         out.append(Layout(gpu_model, ((WHOLE, 1),)))
     return out
@@ -228,6 +230,12 @@ class PlanResult:
         return self.cost_per_hour / (self.tokens_per_s * 3600 / 1000)
 
     @property
+    def cost_per_1m_tokens(self) -> float | None:
+        """What the charts show: per 1M tokens."""
+        per_1k = self.cost_per_1k_tokens
+        return None if per_1k is None else per_1k * 1000
+
+    @property
     def total_gpus(self) -> int:
         return sum(self.gpus.values())
 
@@ -242,6 +250,7 @@ class PlanResult:
             "cost_per_hour": _r(self.cost_per_hour), "cost_per_month": _r(self.cost_per_month, 2),
             "power_kw": _r(self.power_kw, 3), "tokens_per_s": _r(self.tokens_per_s, 3),
             "cost_per_1k_tokens": None if self.cost_per_1k_tokens is None else _r(self.cost_per_1k_tokens, 8),
+            "cost_per_1m_tokens": None if self.cost_per_1m_tokens is None else _r(self.cost_per_1m_tokens, 6),
             "solve_seconds": _r(self.solve_seconds, 4), "mip_gap": self.mip_gap,
         }
 
@@ -295,8 +304,13 @@ def _infeasible_reason(inp: PlanInput, shapes: list[Shape], models: set[str]) ->
         if not any(_eligible(w, s, models) for s in shapes):
             fits = [s for s in shapes if s.gpu_model in models and (not w.gpu_models or s.gpu_model in w.gpu_models)]
             largest = max((s.memory_gib for s in fits), default=0)
-            return (f"{w.name} needs {w.min_memory_gib:g} GiB per replica; the largest slice available here has "
-                    f"{largest:.1f} GiB" if fits else f"{w.name}: no GPU model it may run on is in this fleet")
+            if fits:
+                return (f"{w.name} needs {w.min_memory_gib:g} GiB per replica; the largest slice available here "
+                        f"has {largest:.1f} GiB")
+            if not any(s.gpu_model in models for s in inp.shapes):
+                return (f"{w.name}: nothing is on sale on the GPU models allowed (the planner lays out only the "
+                        "slices and whole GPUs that tiers sell, with an on-demand price in force)")
+            return f"{w.name}: no GPU model it may run on is in this fleet"
     return None
 
 
@@ -327,7 +341,11 @@ def solve(inp: PlanInput) -> PlanResult:
     fleet = _fleet_models(inp)
     models = {g.gpu_model for g in fleet}
     cost_of = {g.gpu_model: g for g in fleet}
-    lays = [lay for g in fleet for lay in layouts(g.gpu_model, mig=inp.mig, whole=inp.whole)]
+    # only layouts made of the shapes given (the ones tiers sell): no GPU is split into slices nobody can buy
+    given = {(s.gpu_model, s.profile) for s in inp.shapes}
+    lays = [lay for g in fleet for lay in layouts(
+        g.gpu_model, mig=inp.mig, whole=inp.whole and (g.gpu_model, WHOLE) in given,
+        allowed=frozenset(p for m, p in given if m == g.gpu_model and p is not WHOLE))]
     lays = _prune(lays, {(s.gpu_model, s.profile): s for s in inp.shapes})
     offered = {(lay.gpu_model, p) for lay in lays for p, _n in lay.counts}
     shapes = [s for s in inp.shapes if (s.gpu_model, s.profile) in offered]

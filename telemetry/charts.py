@@ -552,7 +552,7 @@ def tenant_usage(per: Period, principal: Principal, params: dict | None = None):
 
 def capacity_plan(report) -> dict:
     """The planner's answer (marketplace.selectors.capacity_planning.PlanReport) as plotly's JSON figure: cost per
-    1K tokens of each scenario, split into GPU-hours and power, with the GPUs each needs; and the
+    1M tokens of each scenario, split into GPU-hours and power, with the GPUs each needs; and the
     optimum's GPUs by layout. (The numbers are the report's own: selectors.capacity_planning.report_dict.)"""
     import plotly.graph_objects as go  # the planner's small figure only: the charts write their JSON themselves
     from plotly.subplots import make_subplots
@@ -562,18 +562,18 @@ def capacity_plan(report) -> dict:
     best = report.best.result
     rows = [(f"{u.gpu_model.split('-')[0].upper()}: {u.layout}", u) for u in best.layouts]
     fig = make_subplots(rows=2, cols=1, row_heights=[0.55, 0.45], vertical_spacing=0.2,
-                        subplot_titles=(f"cost per 1K tokens ({cur}) by fleet", "optimal fleet: GPUs by MIG layout"))
+                        subplot_titles=(f"cost per 1M tokens ({cur}) by fleet", "optimal fleet: GPUs by MIG layout"))
     labels = [s.label for s in feasible]
 
-    def per_1k(s, part):
+    def per_1m(s, part):
         r = s.result
-        return part / (r.tokens_per_s * 3.6) if r.tokens_per_s else None
+        return part / (r.tokens_per_s * 3600) * 1_000_000 if r.tokens_per_s else None
 
     gpus_text = [", ".join(f"{n}× {k.split('-')[0].upper()}" for k, n in sorted(s.result.gpus.items()))
                  for s in feasible]
-    fig.add_trace(go.Bar(x=labels, y=[per_1k(s, s.result.gpu_cost_per_hour) for s in feasible], name="GPU-hours",
+    fig.add_trace(go.Bar(x=labels, y=[per_1m(s, s.result.gpu_cost_per_hour) for s in feasible], name="GPU-hours",
                          marker_color="#1f77b4", hovertext=gpus_text), 1, 1)
-    fig.add_trace(go.Bar(x=labels, y=[per_1k(s, s.result.power_cost_per_hour) for s in feasible], name="power",
+    fig.add_trace(go.Bar(x=labels, y=[per_1m(s, s.result.power_cost_per_hour) for s in feasible], name="power",
                          marker_color="#ff7f0e", text=gpus_text, textposition="outside", cliponaxis=False), 1, 1)
     colors = {m: c for m, c in zip(sorted({u.gpu_model for _l, u in rows}), ("#2ca02c", "#9467bd", "#8c564b"),
                                    strict=False)}
@@ -584,9 +584,9 @@ def capacity_plan(report) -> dict:
                              textposition="auto"), 2, 1)
     longest = max((len(label) for label, _u in rows), default=10)
     fig.update_layout(**{**LAYOUT, "margin": {**MARGIN, "l": min(420, 40 + 6 * longest)}},
-                      barmode="stack", title="Capacity plan: lowest cost per 1K tokens",
+                      barmode="stack", title="Capacity plan: lowest cost per 1M tokens",
                       legend={"orientation": "h", "y": -0.12})
-    fig.update_yaxes(tickformat=".6f", exponentformat="none", row=1, col=1)
+    fig.update_yaxes(title_text=cur, tickformat=",.3~r", exponentformat="none", row=1, col=1)
     fig.update_yaxes(autorange="reversed", row=2, col=1)
     fig.update_xaxes(title_text="GPUs", dtick=1 if sum(u.gpus for _l, u in rows) <= 10 else None, row=2, col=1)
     return json.loads(fig.to_json())

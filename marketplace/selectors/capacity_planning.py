@@ -29,6 +29,7 @@ tokens/s, with its declared model memory, so "plan for today's demand" is one cl
 from __future__ import annotations
 
 import math
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -267,6 +268,11 @@ class ScenarioReport:
         return self.revenue_per_hour / (r.tokens_per_s * 3.6)
 
     @property
+    def price_per_1m_tokens(self) -> float | None:
+        per_1k = self.price_per_1k_tokens
+        return None if per_1k is None else per_1k * 1000
+
+    @property
     def margin_per_hour(self) -> float | None:
         if self.revenue_per_hour is None or not self.result.feasible:
             return None
@@ -283,6 +289,9 @@ class PlanReport:
     input_share: float
     scenarios: list[ScenarioReport]
     fleet: dict[str, int]
+    solved_at: datetime | None = None
+    solve_seconds: float | None = None  # the solver's time for this answer; None: it came from the cache
+    cached: bool = False
 
     @property
     def best(self) -> ScenarioReport:
@@ -329,12 +338,39 @@ def build_plan(req: PlanRequest) -> PlanReport:
                                  power[k].idle_w, power[k].max_w, power[k].source) for k, m in models.items())
     workloads = tuple(planner.Workload(w.name, w.tokens_per_s * req.growth, w.min_memory_gib, w.gpu_models)
                       for w in req.workloads)
-    inp = planner.PlanInput(workloads=workloads, shapes=tuple(f.shape() for f in figures), gpus=gpus,
-                            price_per_kwh=kwh, target_utilization=req.target_utilization,
+    # the shapes a tier sells (on demand, with a price in force): the planner lays out nothing else
+    inp = planner.PlanInput(workloads=workloads, shapes=tuple(f.shape() for f in figures if f.plan is not None),
+                            gpus=gpus, price_per_kwh=kwh, target_utilization=req.target_utilization,
                             gpu_models=tuple(req.gpu_models) if req.gpu_models else None)
     share = token_mix(since, until, sums)
-    scenarios = [_priced(s, by_key, share) for s in planner.scenarios(inp)]
-    return PlanReport(req, since, until, figures, power, share, scenarios, fleet_gpus())
+    solved, solved_at, took = solved_scenarios(inp)
+    scenarios = [_priced(s, by_key, share) for s in solved]
+    return PlanReport(req, since, until, figures, power, share, scenarios, fleet_gpus(), solved_at=solved_at,
+                      solve_seconds=took, cached=took is None)
+
+
+#: how long a solved plan is kept for the same inputs (the page measures over whole hours: they change hourly)
+PLAN_CACHE_SECONDS = 3600
+
+
+def solved_scenarios(inp: planner.PlanInput) -> tuple[list[planner.Scenario], datetime, float | None]:
+    """The planner's scenarios for these exact inputs (workloads, shapes with their measured figures, costs): solved
+    once and kept in the cache for PLAN_CACHE_SECONDS, so a page view with unchanged inputs does not run the
+    solver again. Returns (scenarios, when solved, seconds it took now; None: from the cache)."""
+    import hashlib
+
+    from django.core.cache import cache
+
+    key = "planner:" + hashlib.sha256(repr(inp).encode()).hexdigest()
+    hit = cache.get(key)
+    if hit is not None:
+        scenarios, at = hit
+        return scenarios, at, None
+    t0 = time.perf_counter()
+    scenarios = planner.scenarios(inp)
+    took, at = time.perf_counter() - t0, timezone.now()
+    cache.set(key, (scenarios, at), PLAN_CACHE_SECONDS)
+    return scenarios, at, took
 
 
 def _priced(s: planner.Scenario, shapes: dict[str, ShapeFigures], input_share: float) -> ScenarioReport:
@@ -391,9 +427,12 @@ def report_dict(report: PlanReport) -> dict:
         "shapes": [shape_dict(f) for f in report.shapes],
         "power": {k: power_dict(p) for k, p in report.power.items()},
         "fleet_gpus": report.fleet,
+        "solved_at": report.solved_at.isoformat() if report.solved_at else None,
+        "solve_seconds": _round(report.solve_seconds, 3), "from_cache": report.cached,
         "scenarios": [{"key": s.key, "label": s.label, **s.result.as_dict(),
                        "revenue_per_hour": _round(s.revenue_per_hour, 6),
                        "margin_per_hour": _round(s.margin_per_hour, 6),
                        "price_per_1k_tokens": _round(s.price_per_1k_tokens, 8),
+                       "price_per_1m_tokens": _round(s.price_per_1m_tokens, 6),
                        "unpriced_shapes": sorted(set(s.unpriced))} for s in report.scenarios],
     }

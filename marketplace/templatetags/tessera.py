@@ -56,3 +56,8 @@ def gpu_label(value, index=None):
 @register.filter
 def plain(value):
     return formatting.plain(value)
+
+
+@register.filter
+def unit_price_4(value, currency=None):
+    return formatting.unit_price_4(value, currency)

@@ -8,6 +8,7 @@ from typing import Any
 from django import forms
 from django.http import HttpRequest, HttpResponse, QueryDict
 from django.shortcuts import render
+from django.utils import timezone
 from django.views.decorators.http import require_GET
 
 from marketplace import planner
@@ -152,7 +153,7 @@ def plan_query(get: QueryDict, settings_form: SettingsForm) -> tuple[QueryDict, 
     return data, notes
 
 
-def _request(workloads, settings_form, models, shapes) -> capacity_planning.PlanRequest:
+def _request(workloads, settings_form, models, shapes, until=None) -> capacity_planning.PlanRequest:
     d = settings_form.cleaned_data
     by_model = {m.key for m in models}
     return capacity_planning.PlanRequest(
@@ -165,6 +166,7 @@ def _request(workloads, settings_form, models, shapes) -> capacity_planning.Plan
         gpu_models=tuple(k for k in d["gpu_models"] if k in by_model) or None,
         gpu_hour_cost={m.key: float(d[f"cost_{m.key}"]) for m in models},
         throughput={f.key: d[_shape_field(f.key)] for f in shapes if d.get(_shape_field(f.key))},
+        until=until,
     )
 
 
@@ -183,7 +185,9 @@ def _workloads(formset) -> list[planner.Workload]:
 @operator_required
 def planner_page(request: HttpRequest) -> HttpResponse:
     models = _models()
-    since, until = capacity_planning.window()
+    # measured over whole hours: the inputs (and so the solved plan, kept in the cache) change once an hour
+    hour = timezone.now().replace(minute=0, second=0, microsecond=0)
+    since, until = capacity_planning.window(until=hour)
     shapes = capacity_planning.shape_figures(since, until, measure=False)  # the form's fields; the plan measures
     bound = "plan" in request.GET
     report = error = None
@@ -194,7 +198,8 @@ def planner_page(request: HttpRequest) -> HttpResponse:
         settings_form = SettingsForm(data, models=models, shapes=shapes)
         if formset.is_valid() and settings_form.is_valid():
             try:
-                report = capacity_planning.build_plan(_request(_workloads(formset), settings_form, models, shapes))
+                report = capacity_planning.build_plan(_request(_workloads(formset), settings_form, models, shapes,
+                                                                       until=hour))
             except planner.PlanError as exc:
                 error = exc.message
     else:
@@ -206,7 +211,7 @@ def planner_page(request: HttpRequest) -> HttpResponse:
         if demand:
             try:
                 report = capacity_planning.build_plan(capacity_planning.PlanRequest(workloads=[
-                    planner.Workload(d["name"], d["tokens_per_s"], d["min_memory_gib"]) for d in demand]))
+                    planner.Workload(d["name"], d["tokens_per_s"], d["min_memory_gib"]) for d in demand], until=hour))
             except planner.PlanError as exc:
                 error = exc.message
     ctx: dict[str, Any] = {

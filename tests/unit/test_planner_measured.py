@@ -219,10 +219,19 @@ def test_console_planner_page(client, operator, catalog, tiers):
     assert best.feasible
     assert sum(a.slices * shape(a.shape, report.shapes).tokens_per_s * 0.7 for a in best.assignments) >= 20_000
     assert b'id="plan-chart"' in r.content and b"Optimal layouts" in r.content
-    assert formatting.unit_price(best.cost_per_1k_tokens, "USD").encode() in r.content
+    assert formatting.unit_price_4(best.cost_per_1m_tokens, "USD").encode() in r.content  # per 1M, as the charts
+    assert b"per 1K" not in r.content
+    # only layouts of what tiers sell (tiers: H100 1g, 3g, 7g): no slice nobody can buy
+    sold = {"1g.10gb", "3g.40gb", "7g.80gb"}
+    assert best.layouts and all(set(u.counts) <= sold for u in best.layouts), best.layouts
+    for s in r.context["report"].scenarios:
+        assert all(set(u.counts) <= sold for u in s.result.layouts if u.gpu_model == H100), (s.key, s.result.layouts)
+    assert b"solved now" in r.content
+    again = client.get("/console/planner/", _page_params())  # the same inputs: not solved again
+    assert again.context["report"].cached and b"solved" in again.content and b"ago for the same inputs" in again.content
 
 
-def test_console_planner_form_errors(client, operator, catalog):
+def test_console_planner_form_errors(client, operator, catalog, tiers):
     client.force_login(operator)
     r = client.get("/console/planner/", _page_params(**{"w-0-tokens_per_s": "", "target_utilization": "150"}))
     assert r.status_code == 200 and r.context["report"] is None
@@ -231,6 +240,12 @@ def test_console_planner_form_errors(client, operator, catalog):
     r = client.get("/console/planner/", _page_params(**{"w-0-min_memory_gib": "500"}))
     assert r.status_code == 200
     assert b"chat needs 500 GiB per replica" in r.content  # infeasible: said, not a 500
+
+
+def test_console_planner_with_nothing_on_sale_says_so(client, operator, catalog):
+    client.force_login(operator)
+    r = client.get("/console/planner/", _page_params())
+    assert b"nothing is on sale on the GPU models allowed" in r.content
 
 
 def test_console_planner_is_for_operators(client, world, members_a):
