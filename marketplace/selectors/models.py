@@ -38,6 +38,7 @@ class TierOption:
     tokens_per_s: float
     tokens_per_s_source: str  # measured (the planner's figure for this shape) | modelled (how: see README)
     cost_per_1m_tokens: Decimal | None  # slice-hours at full load + the plan's token prices
+    shape_measured_tokens_per_s: float | None = None  # the shape's measured figure, over whatever models it served
 
     def as_dict(self) -> dict:
         t, p = self.tier, self.plan
@@ -53,6 +54,8 @@ class TierOption:
             "price_per_1m_input_tokens": str(p.price_per_1m_input_tokens) if p else None,
             "price_per_1m_output_tokens": str(p.price_per_1m_output_tokens) if p else None,
             "tokens_per_s": round(self.tokens_per_s, 1), "tokens_per_s_source": self.tokens_per_s_source,
+            "shape_measured_tokens_per_s": (None if self.shape_measured_tokens_per_s is None
+                                            else round(self.shape_measured_tokens_per_s, 1)),
             "cost_per_1m_tokens": str(self.cost_per_1m_tokens) if self.cost_per_1m_tokens is not None else None,
         }
 
@@ -85,14 +88,15 @@ def find_tiers(shape: fit.ModelShape, *, context: int = 0, concurrency: int = 1,
         if fitting_only and not result.fits:
             continue
         f = figures.get((tier.gpu_model_id, tier.profile_id)) if tier.gpu_count == 1 else None  # one GPU's figures
-        if f is not None and f.measured_tps is not None:
-            tps, source = f.measured_tps, "measured (this shape's slices, planner)"
+        # Like with like: every tier is ranked on this model's own modelled figure. What the shape measured comes
+        # from whatever models its slices served (the demo's toy model is far faster than an 8B one), so it is
+        # shown beside the figure, never ranked against another tier's modelled one.
+        roof = roofline_tokens_per_s(shape, tier, result) if result.fits else None
+        if roof is not None:
+            tps, source = roof, "modelled (memory-bandwidth roofline for this model)"
         else:
-            roof = roofline_tokens_per_s(shape, tier, result) if result.fits else None
-            if roof is not None:
-                tps, source = roof, "modelled (memory-bandwidth roofline for this model)"
-            else:
-                tps, source = (f.modelled_tps if f else 0.0), "modelled (planner: tokens/s per TB/s)"
+            tps, source = (f.modelled_tps if f else 0.0), "modelled (planner: tokens/s per TB/s)"
+        measured = f.measured_tps if f is not None else None
         plan = _plan(tier, currency)
         cost = None
         if plan is not None and tps > 0:
@@ -100,6 +104,6 @@ def find_tiers(shape: fit.ModelShape, *, context: int = 0, concurrency: int = 1,
             share = Decimal(str(input_share))
             tokens = plan.price_per_1m_input_tokens * share + plan.price_per_1m_output_tokens * (1 - share)
             cost = (slice_part + tokens).quantize(Decimal("0.0001"), ROUND_HALF_UP)
-        out.append(TierOption(tier, result, plan, tps, source, cost))
+        out.append(TierOption(tier, result, plan, tps, source, cost, measured))
     out.sort(key=lambda o: (o.cost_per_1m_tokens is None, o.cost_per_1m_tokens or 0, o.tier.key))
     return out

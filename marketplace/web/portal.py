@@ -37,7 +37,7 @@ from marketplace.web.tables import Column, table
 from telemetry import charts
 from telemetry.selectors import deployment_latency, deployment_served, key_tokens, usage_summary
 from tenants import services as tenant_services
-from tenants.errors import Forbidden
+from tenants.errors import Forbidden, ServiceError
 from tenants.models import ApiKey, Invitation, Membership, Tenant
 from tenants.roles import Role
 from tenants.scoping import principal_for
@@ -269,6 +269,21 @@ def deployment_list(request):
     return _deployment_list(request)
 
 
+def _with_served_names(repositories) -> list:
+    """Each repository with ``served_as``: the name its model is served (and called) by, which a deployment of it
+    keeps (Triton serves a repository's model under its own name); empty when the repository holds several
+    models and one must be named."""
+    from marketplace.services import models as model_svc
+
+    out = list(repositories)
+    for r in out:
+        try:
+            r.served_as = model_svc.pick_model(r, None)[0]["name"]
+        except ServiceError:
+            r.served_as = ""
+    return out
+
+
 def _deployment_list(request, form=None, status=200):
     p, t = request.principal, request.tenant
     qs = order_sel.deployments(p).filter(tenant=t).exclude(state=ModelDeployment.State.REMOVED)
@@ -283,7 +298,8 @@ def _deployment_list(request, form=None, status=200):
     active = order_sel.allocations(p).filter(tenant=t, state=Allocation.State.ACTIVE).order_by("pk")
     return render(request, "portal/deployments.html", ctx(
         request, table=tbl, active_slices=list(active), templates=list(deployments.TEMPLATES),
-        repositories=list(model_sel.repositories(p).filter(tenant=t, state=UploadState.READY).order_by("name")),
+        repositories=_with_served_names(
+            model_sel.repositories(p).filter(tenant=t, state=UploadState.READY).order_by("name")),
         library=list(model_sel.library()),
         adapters=list(model_sel.adapters(p).filter(tenant=t, state=UploadState.READY).order_by("name")),
         form=form or DeploymentForm(principal=p, tenant=t, initial={
@@ -762,5 +778,6 @@ def find_tier(request):
             o["tier_id"] = tiers_by_key[o["tier"]].pk
     return render(request, "portal/find_tier.html", ctx(
         request, form=form, options=options, errors=errors, shown=shown, library=list(model_sel.library()),
-        repositories=list(model_sel.repositories(p).filter(tenant=t, state=UploadState.READY).order_by("name")),
+        repositories=_with_served_names(
+            model_sel.repositories(p).filter(tenant=t, state=UploadState.READY).order_by("name")),
         backends=list(model_svc.model_repo.KNOWN_BACKENDS)), status=400 if errors else 200)

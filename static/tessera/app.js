@@ -52,6 +52,29 @@
       wrap.classList.toggle("at-end", wrap.scrollLeft + wrap.clientWidth >= wrap.scrollWidth - 1);
     }
   }, true);
+  // <select data-names="#input"> whose options carry data-served-as: choosing one fills the name input with the
+  // name the model is served by (it cannot be another) and makes it read-only; choosing none frees it again.
+  function namesFor(select) {
+    var input = document.querySelector(select.getAttribute("data-names"));
+    if (!input) { return; }
+    var option = select.options[select.selectedIndex];
+    var served = option ? option.getAttribute("data-served-as") : "";
+    if (select.value && served) {
+      input.value = served;
+      input.readOnly = true;
+    } else if (input.readOnly) {
+      input.readOnly = false;
+      input.value = "";
+    }
+  }
+  document.addEventListener("DOMContentLoaded", function () {
+    document.querySelectorAll("select[data-names]").forEach(namesFor);
+  });
+  document.addEventListener("change", function (event) {
+    if (event.target && event.target.matches && event.target.matches("select[data-names]")) {
+      namesFor(event.target);
+    }
+  });
   document.addEventListener("change", function (event) {
     var el = event.target;
     if (el && el.hasAttribute && el.hasAttribute("data-autosubmit") && el.form) {

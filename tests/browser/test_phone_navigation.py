@@ -70,3 +70,28 @@ def test_the_menu_collapses_on_a_phone_and_not_on_a_desktop(page, login, live_se
     expect(page.locator("#example-curl-status")).to_have_text("Copied to the clipboard.")
     expect(copy).to_have_text("Copied")
     assert '"model": "tiny-gen"' in page.evaluate("navigator.clipboard.readText()")
+
+
+def test_choosing_a_repository_fills_the_name_it_is_served_by(page, login, live_server, owner, shot):
+    """The deploy form asked for a name and then refused any but the repository model's own: choosing a repository
+    now fills that name (read-only) and says why; choosing none frees the field again."""
+    from marketplace.models import ModelRepository, UploadState
+
+    user, dep = owner
+    ModelRepository.objects.create(tenant=dep.tenant, name="my-echo-repo", source="upload", size_bytes=1,
+                                   file_count=1, path="alpha/echo", state=UploadState.READY,
+                                   manifest=[{"name": "echo", "backend": "python", "inputs": [], "outputs": []}])
+    login(page, user.email)
+    for width in (1440, 390):
+        page.set_viewport_size({"width": width, "height": 900})
+        page.goto(f"{live_server.url}/portal/models/")
+        name = page.locator("#deploy-name")
+        expect(page.locator("select[name=repository] option", has_text="called “echo”")).to_have_count(1)
+        page.select_option("select[name=repository]", label="my-echo-repo (called “echo”)")
+        expect(name).to_have_value("echo")
+        assert name.evaluate("e => e.readOnly")
+        expect(page.locator("#deploy-name-help")).to_contain_text("keeps its own name")
+        shot(page, f"deploy-form-repository-{width}")
+        page.select_option("select[name=repository]", value="")
+        expect(name).to_have_value("")
+        assert not name.evaluate("e => e.readOnly")

@@ -87,6 +87,33 @@ def test_library_lists_seeded_models_with_figures(as_key, key_a, catalog):
     assert "huggingface.co/meta-llama" in rows["llama-3.1-8b-instruct"]["source_url"]
 
 
+def test_find_tier_never_ranks_another_models_measured_figure(as_key, key_a, tiers, monkeypatch):
+    """A shape's measured tokens/s comes from whatever its slices served (the demo's toy model: thousands of
+    tokens/s): every tier is ranked on this model's modelled figure, and the measured one is shown beside it."""
+    from marketplace.selectors import models as model_sel
+
+    c = as_key(key_a)
+    body = {"library_model": "llama-3.1-8b-instruct", "context": 8192, "concurrency": 4}
+    before = c.post("/api/v1/find-tier/", body, format="json").json()["tiers"]
+    real = model_sel.shape_figures
+
+    def toy_measured(since, until):
+        figures = real(since, until)
+        for f in figures:
+            if f.profile is not None and f.profile.name == "3g.40gb" and f.gpu_model.key == "h100-sxm-80gb":
+                f.measured_tps = 250_000.0
+        return figures
+
+    monkeypatch.setattr(model_sel, "shape_figures", toy_measured)
+    after = c.post("/api/v1/find-tier/", body, format="json").json()["tiers"]
+    assert [t["tier"] for t in after] == [t["tier"] for t in before]  # the same ranking
+    for a, b in zip(after, before, strict=True):
+        assert a["tokens_per_s"] == b["tokens_per_s"] and a["cost_per_1m_tokens"] == b["cost_per_1m_tokens"]
+        assert a["tokens_per_s_source"].startswith("modelled")
+    three = next(t for t in after if t["tier"] == "h100-3g")
+    assert three["shape_measured_tokens_per_s"] == 250_000.0
+
+
 def test_library_fit_and_find_tier(as_key, key_a, tiers):
     c = as_key(key_a)
     lib = {m["key"]: m["id"] for m in c.get("/api/v1/library/?page_size=50").json()["results"]}
