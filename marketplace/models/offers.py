@@ -55,8 +55,8 @@ class Tier(models.Model):
 
     @property
     def memory_gb(self) -> int:
-        """GPU memory of one allocation: the slice's, or every GPU of the group's (check_quota sums the same
-        in SQL: tier__gpu_model__memory_gb * tier__gpu_count for whole-GPU tiers)."""
+        """GPU memory of one allocation: the slice's, or every GPU of the group's. Its SQL twin is
+        :func:`memory_gb_sums` (check_quota's), held equal by tests/unit/test_group_orders.py's property test."""
         profile = self.profile  # None without a query when profile_id is None
         return profile.memory_gb if profile is not None else self.gpu_model.memory_gb * self.gpu_count
 
@@ -112,3 +112,14 @@ class PricePlan(models.Model):
 
     def __str__(self) -> str:
         return f"{self.tier.key} {self.kind} {self.currency} from {self.effective_from:%Y-%m-%d}"
+
+
+def memory_gb_sums(prefix: str = "tier__") -> dict:
+    """The SQL twin of :attr:`Tier.memory_gb`, summed over allocations (``prefix``: the path to the tier): the
+    slices' profile memory plus the whole-GPU tiers' GPU memory times their GPU count. Aggregate both and add them
+    (None: nothing of that kind). Held equal to the Python rule by a property test."""
+    from django.db.models import F, Q, Sum
+
+    return {"mem_profile": Sum(f"{prefix}profile__memory_gb", filter=Q(**{f"{prefix}profile__isnull": False})),
+            "mem_whole": Sum(F(f"{prefix}gpu_model__memory_gb") * F(f"{prefix}gpu_count"),
+                             filter=Q(**{f"{prefix}profile__isnull": True}))}

@@ -7,11 +7,12 @@ import logging
 from functools import partial
 
 from django.db import transaction
-from django.db.models import F, Q, Sum
+from django.db.models import Q, Sum
 from django.utils import timezone
 
 from marketplace import enqueue
 from marketplace.models import Allocation, Order, PricePlan, Tier
+from marketplace.models.offers import memory_gb_sums
 from marketplace.models.orders import LIVE_STATES, live_slices
 from marketplace.services import allocations, billing, fleet, groups
 from tenants import audit
@@ -43,11 +44,9 @@ def plan_in_force(tier: Tier, currency: str, kind: str, at=None) -> PricePlan | 
 def check_quota(tenant: Tenant, tier: Tier, quantity: int) -> None:
     """One query (the order runs it under the tenant's lock): slices in use, of this tier, and their memory.
     A multi-GPU allocation counts as its GPUs (``Tier.gpu_count``; 1 for a slice or a whole GPU) against
-    the slice quotas, and its memory is every GPU's (``Tier.memory_gb``, which the SQL sums mirror)."""
+    the slice quotas, and its memory is every GPU's (``Tier.memory_gb``; in SQL its twin ``memory_gb_sums``)."""
     live = Allocation.objects.filter(tenant=tenant, state__in=LIVE_STATES).aggregate(
-        total=live_slices(), same_tier=Sum("tier__gpu_count", filter=Q(tier=tier)),
-        mem_profile=Sum("tier__profile__memory_gb", filter=Q(tier__profile__isnull=False)),
-        mem_whole=Sum(F("tier__gpu_model__memory_gb") * F("tier__gpu_count"), filter=Q(tier__profile__isnull=True)))
+        total=live_slices(), same_tier=Sum("tier__gpu_count", filter=Q(tier=tier)), **memory_gb_sums())
     total = live["total"] or 0
     gpus = quantity * tier.gpu_count
     if total + gpus > tenant.max_slices:

@@ -312,3 +312,30 @@ def test_group_placement_reads_a_fixed_number_of_queries(catalog, sim_dir, djang
         whole_node(f"node-{i}x")
     with django_assert_num_queries(4):
         assert len(groups.node_states(model, None)) == 4
+
+
+def test_the_memory_rule_in_sql_is_the_tiers_own(catalog):
+    """check_quota sums a tenant's memory in SQL (models.offers.memory_gb_sums); Tier.memory_gb is the rule in
+    Python: for any mix of slices, whole GPUs and 2/4/8-GPU groups of both GPU models they agree."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from marketplace.models.offers import memory_gb_sums
+    from tests.factories import AllocationFactory, OrderFactory
+
+    tiers = [make_tier("p-h100-1g", "h100-sxm-80gb", "1g.10gb"), make_tier("p-h100-3g", "h100-sxm-80gb", "3g.40gb"),
+             make_tier("p-h200-2g", "h200-sxm-141gb", "2g.35gb"), make_tier("p-h100-w", "h100-sxm-80gb", None),
+             group_tier(2, "p-h100-x2"), group_tier(4, "p-h200-x4", "h200-sxm-141gb"), group_tier(8, "p-h100-x8")]
+    tenant = TenantFactory()
+
+    @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(st.lists(st.sampled_from(range(len(tiers))), max_size=12))
+    def agree(picks):
+        Allocation.objects.filter(tenant=tenant).delete()
+        for i in picks:
+            AllocationFactory(order=OrderFactory(tenant=tenant, tier=tiers[i]))
+        sums = Allocation.objects.filter(tenant=tenant).aggregate(**memory_gb_sums())
+        sql = (sums["mem_profile"] or 0) + (sums["mem_whole"] or 0)
+        assert sql == sum(tiers[i].memory_gb for i in picks)
+
+    agree()
