@@ -31,6 +31,15 @@ TENANTS = [
 ]
 
 
+#: what the demo tenants' invoices and credit notes print (made-up companies and tax ids)
+BILLING = {
+    "acme-ai": ("Acme AI, Inc.", "100 Market Street\nSan Francisco, CA 94105\nUnited States", "US-12-3456789"),
+    "borealis": ("Borealis Labs GmbH", "Torstraße 10\n10119 Berlin\nGermany", "DE123456789"),
+    "cobalt-health": ("Cobalt Health LLC", "1 Harbor Way\nBoston, MA 02110\nUnited States", "US-98-7654321"),
+    "dynamo-search": ("Dynamo Search Ltd", "20 Old Street\nLondon EC1V 9AB\nUnited Kingdom", "GB123456789"),
+}
+
+
 @dataclass
 class SeedResult:
     operator_email: str
@@ -58,9 +67,10 @@ def seed_demo(operator_password: str | None = None, user_password: str | None = 
     for slug, name, currency, limit, members in TENANTS:
         tenant = Tenant.objects.filter(slug=slug).first()
         if tenant is None:
+            legal, address, tax_id = BILLING[slug]
             tenant = services.create_tenant(
                 op, slug=slug, name=name, currency=currency, billing_email=f"billing@{slug}.example",
-                monthly_spend_limit=limit,
+                monthly_spend_limit=limit, billing_legal_name=legal, billing_address=address, billing_tax_id=tax_id,
             )
         for email, role in members:
             user, _ = User.objects.get_or_create(email=email, defaults={"full_name": email.split("@")[0].title()})
