@@ -183,7 +183,8 @@ def _serving_and_billing(out: Exposition, now, gl: dict[int, dict[str, str]]) ->
                "Triton's execution time per tenant and model (latency: its rate over the inferences' rate).",
                [(k, (r["ns"] or 0) / 1e9) for k, r in lab])
 
-    out.family("tessera_energy_price_per_kwh", "gauge", "TESSERA_ENERGY_PRICE_PER_KWH (power cost per 1K tokens).",
+    out.family("tessera_energy_price_per_kwh", "gauge",
+               "TESSERA_ENERGY_PRICE_PER_KWH, in TESSERA_ENERGY_CURRENCY (power cost per 1M tokens).",
                [({}, float(settings.TESSERA_ENERGY_PRICE_PER_KWH))])
     rows = spend_rule.figures(Tenant.objects.all(), month_of(now)).values(*SPEND_ROW)
     spend = [({"tenant": r["slug"], "currency": r["invoice_currency"] or r["currency"]}, r) for r in rows]
