@@ -80,7 +80,10 @@ def test_upload_find_a_tier_order_and_deploy(page, shot, login, live_server, wor
 
     page.goto(f"{base}/portal/models/")
     page.select_option("#deploy-form select[name=allocation]", slice_id)
-    page.select_option("#deploy-form select[name=repository]", label="echo-repo")
+    repo = page.locator("#deploy-form select[name=repository] option", has_text="echo-repo")
+    assert "(called “" in repo.inner_text()  # the name its model is served (and called) by
+    page.select_option("#deploy-form select[name=repository]", repo.get_attribute("value"))
+    assert page.input_value("#deploy-form input[name=name]") == repo.get_attribute("data-served-as")
     page.click("#deploy-form button[type=submit]")
     page.wait_for_url(re.compile(r"/portal/models/\d+/$"))
     dep_id = int(page.url.rstrip("/").split("/")[-1])
